@@ -1,0 +1,180 @@
+"""The ``codecomplete-daemon`` command.
+
+``codecomplete-daemon --repo PATH`` serves LSP on stdio (or ``--tcp HOST:PORT``).
+Subcommands: ``complete`` prints one completion for a file position.
+Logs go to stderr or ``--log-file``; stdout belongs to the LSP channel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import sys
+from pathlib import Path
+
+from codecomplete import __version__
+
+from .config import Config, engine_settings, load_config
+from .logs import setup_logging
+
+log = logging.getLogger("codecomplete")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repo", type=Path, default=None, help="repository root (default: the LSP client's root)")
+    p.add_argument("--model", help="'default', a Hugging Face checkpoint directory, a .gguf file "
+                                   "or a hub id already in the local cache")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--index-dir", help="where the repository index lives (default: user cache dir)")
+    p.add_argument("--config", type=Path, default=None, help="a config file instead of the user one")
+    p.add_argument("--log-file", help="write logs here instead of stderr")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="-v debug, -vv protocol too")
+
+
+def cli_settings(args: argparse.Namespace) -> dict:
+    """The flags that override configuration, as a config mapping."""
+    model = {k: v for k, v in (("name", args.model), ("device", args.device), ("dtype", args.dtype)) if v}
+    out: dict = {"model": model} if model else {}
+    if args.index_dir:
+        out["index_dir"] = args.index_dir
+    return out
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    cfg, warnings = load_config(args.repo, cli_settings(args), user_file=args.config)
+    for w in warnings:
+        log.warning("%s", w)
+    return cfg
+
+
+def parse_tcp(value: str) -> tuple[str, int]:
+    """``PORT`` or ``HOST:PORT``; a bare port binds loopback only."""
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        number = int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tcp wants HOST:PORT or PORT, got {value!r}") from None
+    if not 0 <= number < 65536:
+        raise argparse.ArgumentTypeError(f"port {number} out of range")
+    return host, number
+
+
+def serve(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="codecomplete-daemon", description=(
+        "Serve inline code completions over the Language Server Protocol. "
+        "Subcommands: complete (one completion from the terminal)."))
+    _common(p)
+    p.add_argument("--tcp", type=parse_tcp, metavar="HOST:PORT",
+                   help="listen on TCP instead of stdio (a bare PORT binds 127.0.0.1)")
+    p.add_argument("--version", action="version", version=f"codecomplete-daemon {__version__}")
+    args = p.parse_args(argv)
+    lsp_out = sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but LSP messages may reach the real stdout
+    setup_logging(args.verbose, args.log_file)
+    if args.repo is not None and not args.repo.is_dir():
+        log.warning("--repo %s is not a directory; serving without a repository", args.repo)
+        args.repo = None
+    cfg = build_config(args)
+    from codecomplete.lsp.server import create_server
+    from codecomplete.model.engine import Engine
+
+    engine = Engine(engine_settings(cfg)).start()  # the model loads while the client connects
+    server = create_server(engine, cfg, args.repo.resolve() if args.repo else None, cli_settings(args))
+    log.info("codecomplete-daemon %s, repo %s", __version__, args.repo)
+    try:
+        if args.tcp:
+            host, port = args.tcp
+            if not ipaddress.ip_address(host if host != "localhost" else "127.0.0.1").is_loopback:
+                log.warning("listening on %s: reachable from other machines", host)
+            server.start_tcp(host, port)
+        else:
+            server.start_io(sys.stdin.buffer, lsp_out)
+    finally:
+        engine.close(timeout=2)
+    return 0
+
+
+def parse_location(value: str) -> tuple[Path, int, int | None]:
+    """FILE:LINE[:COL], 1-based; no column means the end of the line."""
+    parts = value.rsplit(":", 2)
+    try:
+        if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+            return Path(parts[0]), int(parts[1]), int(parts[2])
+        head, _, line = value.rpartition(":")
+        return Path(head), int(line), None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FILE:LINE:COL, got {value!r}") from None
+
+
+def complete(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="codecomplete-daemon complete",
+                                description="Print one completion at FILE:LINE:COL (1-based).")
+    _common(p)
+    p.add_argument("location", type=parse_location, metavar="FILE:LINE:COL")
+    p.add_argument("--json", action="store_true", help="print JSON with timings")
+    p.add_argument("--mode", choices=["auto", "single", "multi"])
+    p.add_argument("--max-tokens", type=int)
+    args = p.parse_args(argv)
+    setup_logging(args.verbose, args.log_file, quiet=True)
+    from codecomplete.indexer.files import SourceError, read_source
+    from codecomplete.lsp.documents import PositionError, cursor_at
+
+    path, line, col = args.location
+    if args.repo is None:
+        args.repo = Path.cwd()
+    if not path.is_absolute() and not path.exists():
+        path = args.repo / path
+    cfg = build_config(args)
+    try:
+        text = read_source(path, cfg.completion.max_document_bytes)
+        line_text = (text.splitlines() or [""])[line - 1] if line >= 1 else None
+        if line_text is None:
+            raise PositionError(f"line {line} must be 1 or more")
+        column = len(line_text) if col is None else col - 1
+        cursor = cursor_at(text, line - 1, column, "utf-32")
+    except (SourceError, PositionError, IndexError) as exc:
+        print(f"codecomplete-daemon complete: {exc or 'line past the end of the file'}", file=sys.stderr)
+        return 2
+    from codecomplete.model.api import CompletionRequest
+    from codecomplete.model.engine import Engine
+
+    engine = Engine(engine_settings(cfg)).start()
+    c = cfg.completion
+    request = CompletionRequest(cursor.prefix, cursor.suffix, request_id="cli",
+                                mode=args.mode or c.mode, max_tokens=args.max_tokens or c.max_tokens,
+                                max_lines=c.max_lines, time_budget_ms=c.time_budget_ms)
+    result = engine.complete(request)
+    stats = engine.stats()
+    engine.close()
+    if result.error:
+        print(f"codecomplete-daemon complete: {result.stop_reason}: {result.error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({
+            "file": str(path), "line": line, "column": column + 1, "text": result.text,
+            "stop_reason": result.stop_reason, "multiline": result.multiline,
+            "prompt_tokens": result.prompt_tokens, "generated_tokens": result.generated_tokens,
+            "timings_ms": {k: round(v, 2) for k, v in result.timings.items()},
+            "model": stats["model"], "device": stats["device"], "dtype": stats["dtype"],
+            "template": stats["template"], "load_seconds": stats["load_seconds"]}, indent=2))
+    else:
+        print(result.text)
+    return 0
+
+
+SUBCOMMANDS = {"complete": complete}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
+    return serve(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

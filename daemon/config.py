@@ -1,0 +1,178 @@
+"""Typed configuration: defaults, config files, editor settings, command-line flags.
+
+One ``Config`` object is built in ``daemon/`` and handed out as a value.  Sources, from
+weakest to strongest: defaults, the user config file
+(``<user config dir>/codecomplete/config.toml``), the repository's
+``.codecomplete.toml``, the editor's ``initializationOptions`` /
+``workspace/didChangeConfiguration`` (key ``codecomplete`` or top level), and the
+command-line flags.  ``merge`` never raises: an invalid value keeps the previous value
+and adds a warning; an unknown key adds a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+log = logging.getLogger(__name__)
+
+REPO_CONFIG = ".codecomplete.toml"
+
+
+def _choice(*options: str) -> dict:
+    return {"choices": options}
+
+
+def _range(lo: float | None = None, hi: float | None = None) -> dict:
+    return {"min": lo, "max": hi}
+
+
+@dataclass
+class ModelConfig:
+    name: str = "default"  # "default", a checkpoint directory, a .gguf file, or a cached hub id
+    device: str = field(default="auto", metadata=_choice("auto", "cpu", "cuda"))
+    dtype: str = field(default="auto", metadata=_choice("auto", "float32", "bfloat16", "float16"))
+    template: str = field(default="auto", metadata=_choice(
+        "auto", "prefix-only", "starcoder", "qwen", "deepseek", "codellama", "codellama-plain"))
+    threads: int = field(default=0, metadata=_range(0, 256))  # 0: torch's default
+
+
+@dataclass
+class CompletionConfig:
+    enabled: bool = True
+    mode: str = field(default="auto", metadata=_choice("auto", "single", "multi"))
+    max_tokens: int = field(default=64, metadata=_range(1, 1024))
+    max_lines: int = field(default=12, metadata=_range(1, 200))
+    time_budget_ms: int = field(default=3000, metadata=_range(50, 60000))
+    debounce_ms: int = field(default=25, metadata=_range(0, 2000))
+    max_prefix_tokens: int = field(default=1024, metadata=_range(16, 32768))
+    max_suffix_tokens: int = field(default=256, metadata=_range(0, 32768))
+    token_healing: bool = True
+    max_document_bytes: int = field(default=2_000_000, metadata=_range(1024, None))
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    completion: CompletionConfig = field(default_factory=CompletionConfig)
+    index_dir: str = ""  # "" -> the user cache directory keyed by the repository path
+    log_level: str = field(default="info", metadata=_choice("debug", "info", "warning", "error"))
+
+
+def _coerce(value: Any, typ: type, meta: dict) -> Any:
+    """Return ``value`` as ``typ`` or raise ``ValueError`` with the reason."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError(f"expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError(f"expected an integer, got {value!r}")
+        try:
+            num = int(value) if not isinstance(value, float) or value.is_integer() else None
+        except ValueError:
+            num = None
+        if num is None:
+            raise ValueError(f"expected an integer, got {value!r}")
+        lo, hi = meta.get("min"), meta.get("max")
+        if (lo is not None and num < lo) or (hi is not None and num > hi):
+            raise ValueError(f"{num} is outside [{lo}, {hi if hi is not None else '∞'}]")
+        return num
+    if typ is str:
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {value!r}")
+        choices = meta.get("choices")
+        if choices and value not in choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
+        return value
+    raise ValueError(f"unsupported type {typ}")
+
+
+def merge(base: Any, data: dict, source: str, warnings: list[str], prefix: str = "") -> Any:
+    """A copy of dataclass ``base`` with ``data`` applied; problems go to ``warnings``."""
+    if not isinstance(data, dict):
+        warnings.append(f"{source}: {prefix or 'settings'} must be a table, got {type(data).__name__}")
+        return base
+    hints = get_type_hints(type(base))
+    fields = {f.name: f for f in dataclasses.fields(base)}
+    changes = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        # camelCase from editors: maxTokens -> max_tokens
+        name = "".join("_" + c.lower() if c.isupper() else c for c in name)
+        path = f"{prefix}{key}"
+        if name not in fields:
+            warnings.append(f"{source}: unknown setting {path!r} ignored")
+            continue
+        typ = hints[name]
+        current = getattr(base, name)
+        if dataclasses.is_dataclass(current):
+            changes[name] = merge(current, value, source, warnings, prefix=f"{path}.")
+            continue
+        try:
+            changes[name] = _coerce(value, typ, dict(fields[name].metadata))
+        except ValueError as exc:
+            warnings.append(f"{source}: invalid {path}: {exc}; keeping {current!r}")
+    return dataclasses.replace(base, **changes)
+
+
+def read_toml(path: Path, warnings: list[str]) -> dict:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        warnings.append(f"{path}: unreadable config file ignored ({exc})")
+        return {}
+
+
+def user_config_path() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_config_dir("codecomplete")) / "config.toml"
+
+
+def editor_settings(options: Any) -> dict:
+    """The part of initializationOptions/didChangeConfiguration that is ours."""
+    if not isinstance(options, dict):
+        return {}
+    inner = options.get("codecomplete")
+    return inner if isinstance(inner, dict) else options
+
+
+def load_config(repo: Path | None, cli: dict | None = None,
+                user_file: Path | None = None) -> tuple[Config, list[str]]:
+    """Defaults <- user file <- repo file <- command line."""
+    warnings: list[str] = []
+    cfg = Config()
+    files = [user_file or user_config_path()]
+    if repo is not None:
+        files.append(repo / REPO_CONFIG)
+    for path in files:
+        data = read_toml(path, warnings)
+        if data:
+            cfg = merge(cfg, data, str(path), warnings)
+    if cli:
+        cfg = merge(cfg, cli, "command line", warnings)
+    return cfg, warnings
+
+
+def as_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def engine_settings(cfg: Config):
+    """The engine's view of the configuration (a torch-free value)."""
+    from codecomplete.model.api import EngineSettings
+
+    m, c = cfg.model, cfg.completion
+    return EngineSettings(model=m.name, device=m.device, dtype=m.dtype, template=m.template,
+                          threads=m.threads, max_prefix_tokens=c.max_prefix_tokens,
+                          max_suffix_tokens=c.max_suffix_tokens, token_healing=c.token_healing)

@@ -1,0 +1,87 @@
+"""Positions and the text around the cursor.
+
+Positions are converted once, here, at the protocol edge: LSP positions count code
+units of the negotiated encoding (utf-16 by default, utf-8 or utf-32 when agreed);
+inside the daemon, offsets count code points.  Lines are split the LSP way (``\\n``,
+``\\r\\n``, ``\\r``).  A line past the end of the document is an error; a character past
+the end of its line is clamped to the line's end, as the LSP specification says.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_EOL = re.compile(r"\r\n|\r|\n")
+
+
+class PositionError(ValueError):
+    """A position that does not exist in the document."""
+
+
+def _units(ch: str, encoding: str) -> int:
+    cp = ord(ch)
+    if encoding == "utf-8":
+        return 1 if cp < 0x80 else 2 if cp < 0x800 else 3 if cp < 0x10000 else 4
+    if encoding == "utf-32":
+        return 1
+    return 2 if cp >= 0x10000 else 1  # utf-16
+
+
+def line_start_offset(text: str, line: int) -> int:
+    """Code-point offset where ``line`` starts; PositionError past the last line."""
+    if line < 0:
+        raise PositionError(f"line {line} is negative")
+    if line == 0:
+        return 0
+    count = 0
+    for m in _EOL.finditer(text):
+        count += 1
+        if count == line:
+            return m.end()
+    raise PositionError(f"line {line} is past the end of the document ({count + 1} lines)")
+
+
+def offset_at(text: str, line: int, character: int, encoding: str = "utf-16") -> int:
+    """Code-point offset of an LSP position."""
+    if character < 0:
+        raise PositionError(f"character {character} is negative")
+    start = line_start_offset(text, line)
+    m = _EOL.search(text, start)
+    end = m.start() if m else len(text)
+    if encoding == "utf-32":
+        return min(start + character, end)
+    units = 0
+    i = start
+    while i < end and units < character:
+        units += _units(text[i], encoding)
+        i += 1
+    return i
+
+
+def position_at(text: str, offset: int, encoding: str = "utf-16") -> tuple[int, int]:
+    """LSP (line, character) of a code-point offset."""
+    line = 0
+    start = 0
+    for m in _EOL.finditer(text, 0, offset):
+        if m.end() > offset:
+            break
+        line += 1
+        start = m.end()
+    return line, sum(_units(c, encoding) for c in text[start:offset])
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """The document split at the cursor."""
+
+    prefix: str
+    suffix: str
+    offset: int
+    line_end: int  # offset of the end of the cursor's line
+
+
+def cursor_at(text: str, line: int, character: int, encoding: str = "utf-16") -> Cursor:
+    offset = offset_at(text, line, character, encoding)
+    m = _EOL.search(text, offset)
+    return Cursor(text[:offset], text[offset:], offset, m.start() if m else len(text))

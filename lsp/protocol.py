@@ -1,0 +1,49 @@
+"""A pygls protocol that answers malformed messages instead of dropping them.
+
+pygls logs a message it cannot parse or structure and sends nothing, so a client
+waiting on that request id would wait forever.  Here a body that is not JSON gets a
+``ParseError`` response (id null, as JSON-RPC 2.0 says), and a request whose params do
+not fit its method gets ``InvalidParams`` for its id.  Either way the server goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pygls.exceptions import JsonRpcInvalidParams, JsonRpcParseError
+from pygls.protocol import LanguageServerProtocol
+
+log = logging.getLogger(__name__)
+
+
+class _Rejected:
+    """Stands in for a message that was answered with an error already."""
+
+    jsonrpc = None
+
+
+class RobustProtocol(LanguageServerProtocol):
+    def structure_message(self, data):
+        try:
+            return super().structure_message(data)
+        except Exception as exc:
+            msg_id = data.get("id") if isinstance(data, dict) else None
+            if msg_id is not None and "method" in data:
+                err = exc if isinstance(exc, JsonRpcInvalidParams) else JsonRpcInvalidParams()
+                log.warning("invalid params for %s (id %s): answered InvalidParams",
+                            data.get("method"), msg_id)
+                self._send_response(msg_id, None, err.to_response_error())
+                return _Rejected()
+            raise
+
+    def handle_message(self, message):
+        if isinstance(message, _Rejected):
+            return
+        return super().handle_message(message)
+
+    def send_parse_error(self, detail: str) -> None:
+        log.warning("unparsable message: %s", detail)
+        error = JsonRpcParseError(f"Parse error: {detail}").to_response_error()
+        # JSON-RPC: a parse error is answered with id null.
+        self._send_data({"jsonrpc": "2.0", "id": None,
+                         "error": self._converter.unstructure(error)})

@@ -1,0 +1,343 @@
+"""The language server: documents, inline completions, cancellation, telemetry.
+
+Handlers are thin: they find the document, convert the position at the edge, hand a
+``CompletionRequest`` to the engine (which runs on its own thread) and convert the
+``Completion`` back into ``InlineCompletionItem``s.  Scheduling rules:
+
+* the newest ``textDocument/inlineCompletion`` for a document supersedes older ones:
+  they stop at the engine's next decode step and answer an empty list;
+* an edit to a document makes its in-flight request stale in the same way;
+* ``$/cancelRequest`` stops the request the same way and answers RequestCancelled;
+* automatic triggers wait ``debounce_ms`` first, so a burst of keystrokes costs one
+  generation.
+No torch here: the engine is any object with ``submit``, ``configure`` and ``stats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lsprotocol import types
+from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams
+from pygls.lsp.server import LanguageServer
+from pygls.uris import to_fs_path
+
+from codecomplete import __version__
+from codecomplete.daemon.config import Config, editor_settings, engine_settings, merge
+from codecomplete.indexer.files import SourceError, language_of, read_source
+from codecomplete.model.api import Completion, CompletionRequest
+
+from .documents import PositionError, cursor_at, position_at
+from .protocol import RobustProtocol
+
+log = logging.getLogger(__name__)
+
+ACCEPT_COMMAND = "codecomplete.accept"
+STATS_REQUEST = "codecomplete/stats"
+SHOWN = "codecomplete/didShowCompletion"
+ACCEPTED = "codecomplete/didAcceptCompletion"
+REJECTED = "codecomplete/didRejectCompletion"
+COPILOT_SHOWN = "textDocument/didShowCompletion"
+COPILOT_PARTIAL = "textDocument/didPartiallyAcceptCompletion"
+
+
+@dataclass
+class Pending:
+    """A completion request in flight for one document."""
+
+    request: CompletionRequest
+    uri: str
+    version: int | None
+    superseded: bool = False
+    stale: bool = False
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    completions: int = 0  # answered with at least one item
+    empty: int = 0
+    cancelled: int = 0
+    superseded: int = 0
+    stale: int = 0
+    errors: int = 0
+    shown: int = 0
+    accepted: int = 0
+    partially_accepted: int = 0
+    rejected: int = 0
+    latencies_ms: deque = field(default_factory=lambda: deque(maxlen=2000))
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "latencies_ms"}
+        lat = sorted(self.latencies_ms)
+
+        def pct(p: float) -> float | None:
+            return round(lat[min(len(lat) - 1, int(p * len(lat)))], 2) if lat else None
+
+        d["latency_ms"] = {"n": len(lat), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99),
+                           "mean": round(sum(lat) / len(lat), 2) if lat else None}
+        return d
+
+
+class CodecompleteServer(LanguageServer):
+    def __init__(self, engine, config: Config, repo: Path | None = None,
+                 cli_settings: dict | None = None):
+        super().__init__("codecomplete-daemon", __version__, protocol_cls=RobustProtocol,
+                         text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
+        self.engine = engine
+        self.config = config
+        self.repo = repo
+        self.cli_settings = cli_settings or {}
+        self.counters = Counters()
+        self.pending: dict[str, Pending] = {}
+        self.issued: OrderedDict[str, dict] = OrderedDict()  # completion id -> info
+        self._ids = itertools.count(1)
+        self._told_unavailable = False
+
+    # -- configuration ---------------------------------------------------------------
+    def apply_settings(self, options: Any, source: str) -> list[str]:
+        warnings: list[str] = []
+        cfg = merge(self.config, editor_settings(options), source, warnings)
+        if self.cli_settings:  # command-line flags stay strongest
+            cfg = merge(cfg, self.cli_settings, "command line", [])
+        self.config = cfg
+        self.engine.configure(engine_settings(cfg))
+        for w in warnings:
+            log.warning("%s", w)
+            self.window_log_message(types.LogMessageParams(types.MessageType.Warning, w))
+        return warnings
+
+    # -- completions -----------------------------------------------------------------
+    def document_text(self, uri: str) -> tuple[str, int | None]:
+        """Text and version of an open document, else of the file on disk."""
+        doc = self.workspace.text_documents.get(uri)
+        if doc is not None:
+            return doc.source, doc.version
+        path = to_fs_path(uri) if uri.startswith("file:") else None
+        if path is None:
+            raise JsonRpcInvalidParams(f"unknown document {uri}: not open and not a file uri")
+        try:
+            return read_source(path, self.config.completion.max_document_bytes), None
+        except SourceError as exc:
+            raise JsonRpcInvalidParams(f"cannot complete in {uri}: {exc}") from exc
+
+    async def inline_completion(self, params: types.InlineCompletionParams) -> types.InlineCompletionList:
+        """Answer one request; a failure inside is an empty result and a log line."""
+        try:
+            return await self._inline_completion(params)
+        except (JsonRpcException, asyncio.CancelledError):
+            raise
+        except Exception:
+            self.counters.errors += 1
+            log.exception("inline completion failed for %s", params.text_document.uri)
+            return self._empty()
+
+    async def _inline_completion(self, params: types.InlineCompletionParams) -> types.InlineCompletionList:
+        started = time.perf_counter()
+        self.counters.requests += 1
+        uri = params.text_document.uri
+        cfg = self.config.completion
+        text, version = self.document_text(uri)
+        if not cfg.enabled:
+            return self._empty()
+        if len(text) > cfg.max_document_bytes:
+            log.info("%s: %d characters, over max_document_bytes; no completion", uri, len(text))
+            return self._empty()
+        encoding = self.workspace.position_encoding or "utf-16"
+        try:
+            cursor = cursor_at(text, params.position.line, params.position.character, encoding)
+        except PositionError as exc:
+            raise JsonRpcInvalidParams(f"position out of range in {uri}: {exc}") from exc
+
+        rid = f"c{next(self._ids)}"
+        request = CompletionRequest(prefix=cursor.prefix, suffix=cursor.suffix, request_id=rid,
+                                    mode=cfg.mode, max_tokens=cfg.max_tokens, max_lines=cfg.max_lines,
+                                    time_budget_ms=cfg.time_budget_ms)
+        pending = Pending(request, uri, version)
+        self._supersede(uri, superseded=True)
+        self.pending[uri] = pending
+        try:
+            if params.context.trigger_kind == types.InlineCompletionTriggerKind.Automatic and cfg.debounce_ms:
+                await asyncio.sleep(cfg.debounce_ms / 1000)
+            if request.cancel.is_set():
+                return self._dropped(pending)
+            completion: Completion = await asyncio.wrap_future(self.engine.submit(request))
+        except asyncio.CancelledError:
+            request.cancel.set()
+            self.counters.cancelled += 1
+            log.info("[%s] cancelled by the client", rid)
+            raise
+        finally:
+            if self.pending.get(uri) is pending:
+                del self.pending[uri]
+        if pending.superseded or pending.stale or completion.cancelled:
+            return self._dropped(pending)
+        if completion.error:
+            self._report_failure(rid, completion)
+            return self._empty()
+        latency = (time.perf_counter() - started) * 1000
+        self.counters.latencies_ms.append(latency)
+        items = self._items(rid, uri, text, cursor, completion, encoding)
+        self.counters.completions += bool(items)
+        self.counters.empty += not items
+        log.info("[%s] %s:%d:%d %.0f ms (%s) -> %r", rid, Path(to_fs_path(uri) or uri).name,
+                 params.position.line + 1, params.position.character + 1, latency,
+                 completion.stop_reason, completion.text[:60])
+        return types.InlineCompletionList(items=items)
+
+    def _items(self, rid, uri, text, cursor, completion: Completion, encoding) -> list:
+        insert = completion.text
+        if not insert.strip():
+            return []
+        start = position_at(text, cursor.offset, encoding)
+        end = start
+        rest_of_line = text[cursor.offset:cursor.line_end]
+        # The completion rewrote what follows the cursor on this line: replace it.
+        if rest_of_line.strip() and insert.rstrip().endswith(rest_of_line.strip()):
+            end = position_at(text, cursor.line_end, encoding)
+        self.issued[rid] = {"uri": uri, "chars": len(insert), "at": time.time()}
+        while len(self.issued) > 512:
+            self.issued.popitem(last=False)
+        rng = types.Range(types.Position(*start), types.Position(*end))
+        command = types.Command(title="Accept completion", command=ACCEPT_COMMAND,
+                                arguments=[{"completionId": rid, "uri": uri}])
+        return [types.InlineCompletionItem(insert_text=insert, range=rng, command=command)]
+
+    def _supersede(self, uri: str, superseded: bool) -> None:
+        old = self.pending.get(uri)
+        if old is not None:
+            if superseded:
+                old.superseded = True
+            else:
+                old.stale = True
+            old.request.cancel.set()
+
+    def _dropped(self, pending: Pending) -> types.InlineCompletionList:
+        if pending.stale:
+            self.counters.stale += 1
+        else:
+            self.counters.superseded += 1
+        log.info("[%s] dropped: %s", pending.request.request_id,
+                 "document changed" if pending.stale else "superseded")
+        return self._empty()
+
+    def _empty(self) -> types.InlineCompletionList:
+        self.counters.empty += 1
+        return types.InlineCompletionList(items=[])
+
+    def _report_failure(self, rid: str, completion: Completion) -> None:
+        self.counters.errors += 1
+        log.warning("[%s] no completion: %s (%s)", rid, completion.stop_reason, completion.error)
+        if completion.stop_reason == "model_unavailable" and not self._told_unavailable:
+            self._told_unavailable = True
+            self.window_show_message(types.ShowMessageParams(
+                types.MessageType.Error, f"codecomplete: model unavailable: {completion.error}"))
+
+    # -- telemetry ---------------------------------------------------------------------
+    def record_event(self, kind: str, params: Any) -> None:
+        cid = completion_id_of(params)
+        setattr(self.counters, kind, getattr(self.counters, kind) + 1)
+        info = self.issued.get(cid) if cid else None
+        log.info("completion %s %s%s", cid or "?", kind, "" if info else " (unknown id)")
+
+    def stats(self) -> dict:
+        return {"version": __version__, "counters": self.counters.as_dict(),
+                "engine": self.engine.stats(), "open_documents": len(self.workspace.text_documents),
+                "position_encoding": str(self.workspace.position_encoding or "utf-16")}
+
+    def report_server_error(self, error: Exception, source) -> None:
+        if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):
+            self.protocol.send_parse_error(str(error))
+            return
+        log.error("server error (%s): %s", getattr(source, "__name__", source), error)
+
+
+def completion_id_of(params: Any) -> str | None:
+    """Find our completion id in a notification's params, ours or Copilot-shaped."""
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        params = getattr(params, "__dict__", {}) or {}
+    if isinstance(params.get("completionId"), str):
+        return params["completionId"]
+    item = params.get("item") or {}
+    command = item.get("command") if isinstance(item, dict) else None
+    args = (command or {}).get("arguments") or []
+    if args and isinstance(args[0], dict) and isinstance(args[0].get("completionId"), str):
+        return args[0]["completionId"]
+    return None
+
+
+def create_server(engine, config: Config, repo: Path | None = None,
+                  cli_settings: dict | None = None) -> CodecompleteServer:
+    server = CodecompleteServer(engine, config, repo, cli_settings)
+
+    @server.feature(types.INITIALIZE)
+    def initialize(ls: CodecompleteServer, params: types.InitializeParams):
+        if params.initialization_options:
+            ls.apply_settings(params.initialization_options, "initializationOptions")
+        if ls.repo is None and params.root_uri:
+            ls.repo = Path(to_fs_path(params.root_uri) or ".")
+        log.info("client %s, position encoding %s", params.client_info.name if params.client_info else "?",
+                 ls.workspace.position_encoding)
+
+    @server.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)
+    def did_change_configuration(ls: CodecompleteServer, params: types.DidChangeConfigurationParams):
+        ls.apply_settings(params.settings, "workspace/didChangeConfiguration")
+
+    @server.feature(types.TEXT_DOCUMENT_DID_OPEN)
+    def did_open(ls: CodecompleteServer, params: types.DidOpenTextDocumentParams):
+        log.debug("open %s (%s)", params.text_document.uri,
+                  params.text_document.language_id or language_of(params.text_document.uri))
+
+    @server.feature(types.TEXT_DOCUMENT_DID_CHANGE)
+    def did_change(ls: CodecompleteServer, params: types.DidChangeTextDocumentParams):
+        ls._supersede(params.text_document.uri, superseded=False)
+
+    @server.feature(types.TEXT_DOCUMENT_DID_SAVE)
+    def did_save(ls: CodecompleteServer, params: types.DidSaveTextDocumentParams):
+        log.debug("saved %s", params.text_document.uri)
+
+    @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
+    def did_close(ls: CodecompleteServer, params: types.DidCloseTextDocumentParams):
+        ls._supersede(params.text_document.uri, superseded=False)
+        ls.pending.pop(params.text_document.uri, None)
+
+    @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
+    async def inline_completion(ls: CodecompleteServer, params: types.InlineCompletionParams):
+        return await ls.inline_completion(params)
+
+    @server.command(ACCEPT_COMMAND)
+    def accept(ls: CodecompleteServer, *args):
+        ls.record_event("accepted", args[0] if args else None)
+
+    @server.feature(SHOWN)
+    @server.feature(COPILOT_SHOWN)
+    def shown(ls: CodecompleteServer, params: Any):
+        ls.record_event("shown", params)
+
+    @server.feature(ACCEPTED)
+    def accepted(ls: CodecompleteServer, params: Any):
+        ls.record_event("accepted", params)
+
+    @server.feature(COPILOT_PARTIAL)
+    def partially_accepted(ls: CodecompleteServer, params: Any):
+        ls.record_event("partially_accepted", params)
+
+    @server.feature(REJECTED)
+    def rejected(ls: CodecompleteServer, params: Any):
+        ls.record_event("rejected", params)
+
+    @server.feature(STATS_REQUEST)
+    def stats(ls: CodecompleteServer, params: Any):
+        return ls.stats()
+
+    return server

@@ -1,0 +1,50 @@
+"""Values that cross the engine's boundary: requests in, completions out.
+
+Torch-free, so ``lsp/`` and ``daemon/`` can build requests without importing torch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionRequest:
+    prefix: str
+    suffix: str
+    request_id: str = "-"
+    mode: str = "auto"  # auto | single | multi
+    max_tokens: int = 64
+    max_lines: int = 12
+    time_budget_ms: int = 3000
+    cancel: threading.Event = field(default_factory=threading.Event)
+    submitted_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Completion:
+    text: str
+    stop_reason: str
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    multiline: bool = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self.stop_reason == "cancelled"
+
+
+@dataclass
+class EngineSettings:
+    model: str = "default"
+    device: str = "auto"
+    dtype: str = "auto"
+    template: str = "auto"
+    threads: int = 0
+    max_prefix_tokens: int = 1024
+    max_suffix_tokens: int = 256
+    token_healing: bool = True

@@ -1,0 +1,84 @@
+"""Start the real daemon as a subprocess and talk to it with pytest-lsp's client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from lsprotocol import types as T
+from pytest_lsp import LanguageClient, make_test_lsp_client
+
+
+async def start_daemon(repo: Path, model: Path, *, encodings: list[str] | None = None,
+                       init_options: dict | None = None, extra_args: tuple[str, ...] = ()) -> LanguageClient:
+    client = make_test_lsp_client()
+    env = dict(os.environ)
+    await client.start_io(sys.executable, "-m", "codecomplete.daemon", "--repo", str(repo),
+                          "--model", str(model), "--dtype", "float32", *extra_args, env=env)
+    general = T.GeneralClientCapabilities(position_encodings=encodings) if encodings else None
+    caps = T.ClientCapabilities(
+        general=general,
+        text_document=T.TextDocumentClientCapabilities(
+            synchronization=T.TextDocumentSyncClientCapabilities(did_save=True),
+            inline_completion=T.InlineCompletionClientCapabilities()),
+        window=T.WindowClientCapabilities(show_message=T.ShowMessageRequestClientCapabilities()))
+    await client.initialize_session(T.InitializeParams(
+        capabilities=caps, root_uri=repo.as_uri(), initialization_options=init_options,
+        client_info=T.ClientInfo(name="pytest-lsp")))
+    return client
+
+
+def open_doc(client: LanguageClient, uri: str, text: str, version: int = 1) -> None:
+    client.text_document_did_open(T.DidOpenTextDocumentParams(
+        T.TextDocumentItem(uri=uri, language_id="python", version=version, text=text)))
+
+
+def insert(client: LanguageClient, uri: str, version: int, line: int, char: int, text: str) -> None:
+    pos = T.Position(line, char)
+    client.text_document_did_change(T.DidChangeTextDocumentParams(
+        T.VersionedTextDocumentIdentifier(uri=uri, version=version),
+        [T.TextDocumentContentChangePartial(range=T.Range(pos, pos), text=text)]))
+
+
+def inline_params(uri: str, line: int, char: int, invoked: bool = True) -> T.InlineCompletionParams:
+    kind = T.InlineCompletionTriggerKind.Invoked if invoked else T.InlineCompletionTriggerKind.Automatic
+    return T.InlineCompletionParams(context=T.InlineCompletionContext(trigger_kind=kind),
+                                    text_document=T.TextDocumentIdentifier(uri=uri),
+                                    position=T.Position(line, char))
+
+
+async def complete(client: LanguageClient, uri: str, line: int, char: int, invoked: bool = True):
+    result = await client.text_document_inline_completion_async(inline_params(uri, line, char, invoked))
+    return list(result.items if isinstance(result, T.InlineCompletionList) else (result or []))
+
+
+def _plain(value):
+    """pygls hands custom results back as namedtuples: turn them into dicts."""
+    if hasattr(value, "_asdict"):
+        return {k: _plain(v) for k, v in value._asdict().items()}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+async def stats(client: LanguageClient) -> dict:
+    return _plain(await client.protocol.send_request_async("codecomplete/stats", {}))
+
+
+async def send_raw(client: LanguageClient, body: bytes, msg_id: str | None = None):
+    """Write one framed message as given (valid or not); if ``msg_id`` is set, wait
+    for the response to that id and return it (raising on an error response)."""
+    from concurrent.futures import Future
+
+    fut: Future | None = None
+    if msg_id is not None:
+        fut = Future()
+        client.protocol._request_futures[msg_id] = fut
+    client._server.stdin.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    await client._server.stdin.drain()
+    if fut is not None:
+        return await asyncio.wrap_future(fut)

@@ -1,0 +1,221 @@
+"""End to end: the real daemon over stdio, a real LSP client (pytest-lsp), the tiny
+real model.  Each test names the behaviour it guards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import pytest_asyncio
+from lsprotocol import types as T
+from pygls.exceptions import JsonRpcException
+
+from codecomplete.model.api import CompletionRequest
+from codecomplete.model.engine import Engine, EngineSettings
+
+from .lsp_client import complete, inline_params, insert, open_doc, send_raw, start_daemon, stats
+
+pytestmark = pytest.mark.asyncio(loop_scope="function")
+
+POINT = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self."
+
+
+@pytest.fixture(scope="module")
+def reference_engine(tiny_model):
+    """The same model in-process: what the daemon must answer for a given cursor."""
+    engine = Engine(EngineSettings(model=str(tiny_model), dtype="float32")).start()
+    yield engine
+    engine.close()
+
+
+def expected(engine: Engine, prefix: str, suffix: str) -> str:
+    return engine.complete(CompletionRequest(prefix, suffix)).text
+
+
+@pytest_asyncio.fixture
+async def client(repo, tiny_model, model_cache):
+    c = await start_daemon(repo, tiny_model)
+    yield c
+    await c.shutdown_session()
+    await c.stop()
+
+
+async def test_open_edit_request_gets_the_engines_completion(client, repo, reference_engine):
+    """Guards the whole path: didOpen + incremental didChange + inlineCompletion."""
+    uri = (repo / "point.py").as_uri()
+    open_doc(client, uri, "class Point:\n")
+    insert(client, uri, 2, 1, 0, POINT.split("\n", 1)[1])
+    lines = POINT.split("\n")
+    items = await complete(client, uri, len(lines) - 1, len(lines[-1]))
+    want = expected(reference_engine, POINT, "")
+    assert want.strip(), "the tiny model should complete this prompt"
+    assert [i.insert_text for i in items] == [want]
+    item = items[0]
+    assert item.range.start == T.Position(len(lines) - 1, len(lines[-1]))
+    assert item.command.command == "codecomplete.accept"
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-8"])
+async def test_emoji_before_cursor_is_converted_in_the_negotiated_encoding(
+        encoding, repo, tiny_model, model_cache, reference_engine):
+    """Guards position conversion: a character outside the BMP before the cursor."""
+    c = await start_daemon(repo, tiny_model, encodings=[encoding])
+    try:
+        assert c.capabilities is not None
+        line = 'label = "😀 ok"  # 😀\n' + POINT
+        uri = (repo / "emoji.py").as_uri()
+        open_doc(c, uri, line)
+        last = line.split("\n")[-1]
+        row = line.count("\n")
+        items = await complete(c, uri, row, len(last))  # last line is ASCII: same in all units
+        want = expected(reference_engine, line, "")
+        assert [i.insert_text for i in items] == [want]
+        # A cursor right after the emoji on line 0: its column differs per encoding.
+        col = {"utf-16": len('label = "') + 2, "utf-8": len('label = "') + 4}[encoding]
+        items = await complete(c, uri, 0, col)
+        want = expected(reference_engine, 'label = "😀', ' ok"  # 😀\n' + POINT)
+        assert [i.insert_text for i in items] == ([want] if want.strip() else [])
+        for i in items:
+            assert i.range.start == T.Position(0, col)
+        s = await stats(c)
+        assert s["position_encoding"] == encoding
+    finally:
+        await c.shutdown_session()
+        await c.stop()
+
+
+async def test_newer_request_supersedes_older(repo, tiny_model, model_cache, reference_engine):
+    """Guards superseding: the older request answers empty, the newer one answers."""
+    c = await start_daemon(repo, tiny_model, init_options={"completion": {"debounceMs": 400}})
+    try:
+        uri = (repo / "p.py").as_uri()
+        open_doc(c, uri, POINT)
+        lines = POINT.split("\n")
+        older = c.text_document_inline_completion_async(inline_params(uri, 3, len(lines[3]), invoked=False))
+        older_task = asyncio.ensure_future(older)
+        await asyncio.sleep(0.05)
+        newer = await complete(c, uri, 3, len(lines[3]))
+        assert list((await older_task).items) == []
+        assert [i.insert_text for i in newer] == [expected(reference_engine, POINT, "")]
+        s = await stats(c)
+        assert s["counters"]["superseded"] == 1
+    finally:
+        await c.shutdown_session()
+        await c.stop()
+
+
+async def test_cancel_request_answers_cancelled_and_next_is_served(repo, tiny_model, model_cache,
+                                                                  reference_engine):
+    """Guards $/cancelRequest: RequestCancelled for that id, and the server goes on."""
+    c = await start_daemon(repo, tiny_model, init_options={"completion": {"debounceMs": 1000}})
+    try:
+        uri = (repo / "p.py").as_uri()
+        open_doc(c, uri, POINT)
+        fut = c.protocol.send_request("textDocument/inlineCompletion",
+                                      inline_params(uri, 3, 13, invoked=False), msg_id="cancel-me")
+        await asyncio.sleep(0.1)
+        c.protocol.notify("$/cancelRequest", T.CancelParams(id="cancel-me"))
+        with pytest.raises(JsonRpcException) as err:
+            await asyncio.wrap_future(fut)
+        assert err.value.code == -32800  # RequestCancelled
+        items = await complete(c, uri, 3, 13)
+        assert [i.insert_text for i in items] == [expected(reference_engine, POINT, "")]
+        s = await stats(c)
+        assert s["counters"]["cancelled"] == 1
+    finally:
+        await c.shutdown_session()
+        await c.stop()
+
+
+async def test_bad_input_gets_errors_and_the_daemon_keeps_serving(client, repo, reference_engine):
+    """Guards robustness: each bad request gets an error or an empty result."""
+    uri = (repo / "ok.py").as_uri()
+    open_doc(client, uri, POINT)
+    want = [expected(reference_engine, POINT, "")]
+
+    async def still_serving():
+        items = await complete(client, uri, 3, 13)
+        assert [i.insert_text for i in items] == want
+
+    # A position past the end of the document.
+    with pytest.raises(JsonRpcException) as err:
+        await complete(client, uri, 99, 0)
+    assert "past the end" in str(err.value)
+    await still_serving()
+    # A document that is neither open nor on disk.
+    with pytest.raises(JsonRpcException):
+        await complete(client, (repo / "missing.py").as_uri(), 0, 0)
+    await still_serving()
+    # A file on disk that is not UTF-8.
+    with pytest.raises(JsonRpcException) as err:
+        await complete(client, (repo / "latin1.py").as_uri(), 1, 0)
+    assert "UTF-8" in str(err.value)
+    await still_serving()
+    # A 10 MB document: served with an empty result, not a 10 MB prompt.
+    big = (repo / "big.py").as_uri()
+    open_doc(client, big, "x = 1\n" * (10_000_000 // 6) + "y = ")
+    assert await complete(client, big, 10_000_000 // 6, 4) == []
+    await still_serving()
+    # A body that is not JSON, then params that do not fit the method.
+    await send_raw(client, b"{this is not json")
+    await still_serving()
+    bad = {"jsonrpc": "2.0", "id": "bad-params", "method": "textDocument/inlineCompletion",
+           "params": {"textDocument": {"uri": uri}, "position": "nowhere"}}
+    with pytest.raises(JsonRpcException) as err:
+        await send_raw(client, json.dumps(bad).encode(), msg_id="bad-params")
+    assert err.value.code == -32602  # InvalidParams
+    await still_serving()
+    s = await stats(client)
+    assert s["counters"]["completions"] >= 6
+
+
+async def test_close_frees_the_document(client, repo):
+    """Guards didClose: the document is gone from the server afterwards."""
+    uri = (repo / "scratch.py").as_uri()  # not on disk: only the open buffer knows it
+    open_doc(client, uri, POINT)
+    assert await complete(client, uri, 3, 13)
+    client.text_document_did_close(T.DidCloseTextDocumentParams(T.TextDocumentIdentifier(uri)))
+    with pytest.raises(JsonRpcException):
+        await complete(client, uri, 3, 13)
+    s = await stats(client)
+    assert s["open_documents"] == 0
+
+
+async def test_telemetry_counts_shown_accepted_rejected(client, repo):
+    """Guards the acceptance counters, ours and Copilot-shaped."""
+    uri = (repo / "t.py").as_uri()
+    open_doc(client, uri, POINT)
+    items = await complete(client, uri, 3, 13)
+    assert items
+    cid = items[0].command.arguments[0]["completionId"]
+    item = json.loads(json.dumps(client.protocol._converter.unstructure(items[0])))
+    client.protocol.notify("textDocument/didShowCompletion", {"item": item})
+    client.protocol.notify("codecomplete/didRejectCompletion", {"completionId": cid})
+    client.protocol.notify("textDocument/didPartiallyAcceptCompletion", {"item": item, "acceptedLength": 3})
+    await client.workspace_execute_command_async(T.ExecuteCommandParams(
+        command=items[0].command.command, arguments=items[0].command.arguments))
+    s = await stats(client)
+    counters = s["counters"]
+    assert (counters["shown"], counters["accepted"], counters["rejected"],
+            counters["partially_accepted"]) == (1, 1, 1, 1)
+    assert counters["latency_ms"]["n"] >= 1
+
+
+async def test_invalid_setting_falls_back_with_a_warning(repo, tiny_model, model_cache):
+    """Guards typed config: a bad value is reported and replaced by its default."""
+    c = await start_daemon(repo, tiny_model, init_options={
+        "codecomplete": {"completion": {"mode": "sideways", "maxTokens": 8}}})
+    try:
+        uri = (repo / "w.py").as_uri()
+        open_doc(c, uri, POINT)
+        items = await complete(c, uri, 3, 13)
+        assert items and len(items[0].insert_text) > 0
+        warnings = [m.message for m in c.log_messages if m.type == T.MessageType.Warning]
+        assert any("mode" in w and "sideways" in w for w in warnings), warnings
+        c.workspace_did_change_configuration(T.DidChangeConfigurationParams(
+            settings={"codecomplete": {"completion": {"enabled": False}}}))
+        assert await complete(c, uri, 3, 13) == []
+    finally:
+        await c.shutdown_session()
+        await c.stop()
