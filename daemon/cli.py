@@ -131,13 +131,13 @@ def complete(argv: list[str]) -> int:
     cfg = build_config(args)
     try:
         text = read_source(path, cfg.completion.max_document_bytes)
-        line_text = (text.splitlines() or [""])[line - 1] if line >= 1 else None
-        if line_text is None:
-            raise PositionError(f"line {line} must be 1 or more")
-        column = len(line_text) if col is None else col - 1
+        lines = text.splitlines() or [""]
+        if not 1 <= line <= len(lines):
+            raise PositionError(f"line {line} is outside {path} (1-{len(lines)})")
+        column = len(lines[line - 1]) if col is None else col - 1
         cursor = cursor_at(text, line - 1, column, "utf-32")
-    except (SourceError, PositionError, IndexError) as exc:
-        print(f"codecomplete-daemon complete: {exc or 'line past the end of the file'}", file=sys.stderr)
+    except (SourceError, PositionError) as exc:
+        print(f"codecomplete-daemon complete: {exc}", file=sys.stderr)
         return 2
     from codecomplete.model.api import CompletionRequest
     from codecomplete.model.engine import Engine

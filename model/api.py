@@ -32,6 +32,7 @@ class Completion:
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     multiline: bool = False
+    token_ids: list[int] = field(default_factory=list)  # generated ids, healing included
 
     @property
     def cancelled(self) -> bool:

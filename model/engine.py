@@ -263,8 +263,10 @@ def generate(lm: LoadedModel, request: CompletionRequest, settings: EngineSettin
     def done(text: str, reason: str, n: int) -> Completion:
         timings["decode_ms"] = (time.perf_counter() - t_decode) * 1000 if n else 0.0
         timings["total_ms"] = (time.perf_counter() - t0) * 1000
-        return Completion(text, reason, len(ids), n, timings, multiline=shape.multiline)
+        return Completion(text, reason, len(ids), n, timings, multiline=shape.multiline,
+                          token_ids=list(generated))
 
+    generated: list[int] = []
     if request.cancel.is_set():
         t_decode = t0
         return done("", "cancelled", 0)
@@ -273,7 +275,6 @@ def generate(lm: LoadedModel, request: CompletionRequest, settings: EngineSettin
     logits = prefill(lm.model, torch.tensor([ids], device=lm.device), cache)
     t_decode = time.perf_counter()
     timings["prefill_ms"] = (t_decode - t_prefill) * 1000
-    generated: list[int] = []
     pending = healed
     text = ""
     while True:

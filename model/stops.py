@@ -45,10 +45,14 @@ class CompletionShape:
         elif mode == "multi":
             multi = True
         else:
-            # Mid-line (real code after the cursor): finish this line only.  At the end
-            # of a line that opens a block, or on a blank line: offer a block.
-            mid_line = not _CLOSERS_ONLY.match(line_suffix)
-            multi = not mid_line and (opens or not line_prefix.strip())
+            # Mid-line (real code after the cursor), or inside brackets the editor
+            # closed (``foo(|)``): finish this line.  On a blank line, at the end of a
+            # line that opens a block, or between braces (``{|}``): offer a block.
+            rest = line_suffix.strip()
+            if not rest:
+                multi = opens or not line_prefix.strip()
+            else:
+                multi = bool(_CLOSERS_ONLY.match(rest)) and line_prefix.rstrip().endswith("{")
         return cls(multi, line_prefix, line_suffix,
                    indent_width(leading_ws(line_prefix)), opens, head)
 
@@ -70,8 +74,16 @@ class StopRules:
     def check(self, text: str) -> StopDecision:
         shape = self.shape
         if not shape.multiline:
-            if "\n" in text:
-                return StopDecision(True, text.split("\n", 1)[0], "line_end")
+            # At the end of a line the single line offered may be the next one
+            # (newline, indentation, code); mid-line it is the rest of this one.
+            start = 0
+            if not shape.line_suffix.strip():
+                start = len(text) - len(text.lstrip())
+                if start == len(text):
+                    return StopDecision(False, text)
+            cut = text.find("\n", start)
+            if cut >= 0:
+                return StopDecision(True, text[:cut], "line_end")
             return self._suffix_on_line(text)
         lines = text.split("\n")
         complete = lines[:-1]  # the last line may still be growing

@@ -1,0 +1,49 @@
+"""Helpers shared by the benchmarks: machine description and results files."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    amx = "AMX" if "amx_bf16" in flags else "no AMX"
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}, {os.cpu_count()} cores ({amx}), {gpu}; Python {platform.python_version()}, "
+            f"torch {torch.__version__}, {platform.system()} {platform.release()}")
+
+
+def command_line() -> str:
+    return "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=RESULTS.parent).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def header(title: str) -> str:
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"# {title}\n\n- command: `{command_line()}`\n- machine: {machine()}\n"
+            f"- commit: {git_commit()}, run {now}\n")

@@ -1,0 +1,60 @@
+"""The command line: --version, `complete` with JSON, clear errors with exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from codecomplete import __version__
+from codecomplete.daemon.cli import parse_location, parse_tcp
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "codecomplete.daemon", *args],
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_version():
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"codecomplete-daemon {__version__}"
+
+
+def test_complete_prints_json_with_timings(repo, tiny_model, model_cache):
+    out = run("complete", "--repo", str(repo), "util.py:6:18", "--json",
+              "--model", str(tiny_model), "--dtype", "float32")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["file"].endswith("util.py") and (data["line"], data["column"]) == (6, 18)
+    assert data["template"] == "starcoder" and data["dtype"] == "float32"
+    assert data["prompt_tokens"] > 0 and data["stop_reason"]
+    assert {"prefill_ms", "total_ms", "queue_ms"} <= set(data["timings_ms"])
+
+
+def test_complete_text_output_matches_json(repo, tiny_model, model_cache):
+    args = ("complete", "--repo", str(repo), "util.py:5:5", "--model", str(tiny_model), "--dtype", "float32")
+    text = run(*args)
+    data = json.loads(run(*args, "--json").stdout)
+    assert text.returncode == 0 and text.stdout == data["text"] + "\n"
+
+
+@pytest.mark.parametrize("location,message", [
+    ("util.py:99:1", "line"), ("latin1.py:1:1", "UTF-8"), ("nope.py:1:1", "does not exist")])
+def test_complete_bad_input_exits_2_with_a_reason(repo, tiny_model, location, message):
+    out = run("complete", "--repo", str(repo), location, "--model", str(tiny_model))
+    assert out.returncode == 2 and message in out.stderr and out.stdout == ""
+
+
+def test_complete_missing_model_exits_1(repo, tmp_path):
+    out = run("complete", "--repo", str(repo), "util.py:1:1", "--model", str(tmp_path / "gone"))
+    assert out.returncode == 1 and "model not found" in out.stderr
+
+
+def test_parsers():
+    assert parse_tcp("9000") == ("127.0.0.1", 9000)
+    assert parse_tcp("0.0.0.0:9000") == ("0.0.0.0", 9000)
+    assert parse_tcp("[::1]:9000") == ("::1", 9000)
+    assert parse_location("a/b.py:3:4")[1:] == (3, 4)
+    assert parse_location("a/b.py:3")[1:] == (3, None)

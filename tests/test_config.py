@@ -1,0 +1,44 @@
+"""Typed configuration: layering, validation, fallbacks."""
+
+from codecomplete.daemon.config import Config, editor_settings, engine_settings, load_config, merge
+
+
+def test_invalid_values_keep_the_default_and_warn():
+    warnings: list[str] = []
+    cfg = merge(Config(), {"completion": {"mode": "sideways", "max_tokens": "many", "debounce_ms": -5},
+                           "model": {"dtype": 3}}, "test", warnings)
+    assert cfg == Config()
+    assert len(warnings) == 4 and all(w.startswith("test: invalid") for w in warnings)
+
+
+def test_camel_case_editor_keys_and_unknown_keys():
+    warnings: list[str] = []
+    cfg = merge(Config(), editor_settings({"codecomplete": {"completion": {"maxTokens": 9}, "colour": "red"}}),
+                "editor", warnings)
+    assert cfg.completion.max_tokens == 9
+    assert warnings == ["editor: unknown setting 'colour' ignored"]
+
+
+def test_a_section_that_is_not_a_table_is_reported():
+    warnings: list[str] = []
+    assert merge(Config(), {"completion": 5}, "x", warnings) == Config()
+    assert "must be a table" in warnings[0]
+
+
+def test_layers_user_then_repo_then_command_line(tmp_path):
+    user = tmp_path / "user.toml"
+    user.write_text('[completion]\nmax_tokens = 10\nmode = "multi"\n[model]\ndtype = "float32"\n')
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / ".codecomplete.toml").write_text('[completion]\nmax_tokens = 20\n')
+    cfg, warnings = load_config(repo, {"model": {"dtype": "bfloat16"}}, user_file=user)
+    assert warnings == []
+    assert (cfg.completion.max_tokens, cfg.completion.mode, cfg.model.dtype) == (20, "multi", "bfloat16")
+    assert engine_settings(cfg).dtype == "bfloat16"
+
+
+def test_broken_config_file_is_reported_not_fatal(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[completion\nmax_tokens = ")
+    cfg, warnings = load_config(None, None, user_file=bad)
+    assert cfg == Config() and "unreadable config file" in warnings[0]

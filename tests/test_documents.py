@@ -1,0 +1,41 @@
+"""Position conversion at the protocol edge."""
+
+import pytest
+
+from codecomplete.lsp.documents import PositionError, cursor_at, offset_at, position_at
+
+TEXT = 'a😀b\nxyz\r\nq\rend'
+
+
+@pytest.mark.parametrize("encoding,char,offset", [
+    ("utf-16", 3, 2), ("utf-8", 5, 2), ("utf-32", 2, 2),  # just after the emoji
+    ("utf-16", 4, 3), ("utf-8", 6, 3), ("utf-32", 3, 3),  # end of line 0
+])
+def test_offsets_count_code_units_of_the_encoding(encoding, char, offset):
+    """Guards the emoji case: 2 utf-16 units, 4 utf-8 units, 1 code point."""
+    assert offset_at(TEXT, 0, char, encoding) == offset
+    assert position_at(TEXT, offset, encoding) == (0, char)
+
+
+def test_all_three_line_endings_split_lines():
+    assert offset_at(TEXT, 1, 0) == 4
+    assert offset_at(TEXT, 2, 0) == 9
+    assert offset_at(TEXT, 3, 2) == 13
+    assert position_at(TEXT, 13) == (3, 2)
+
+
+def test_character_past_the_line_end_clamps_to_it():
+    """LSP: a character beyond the line length defaults back to the line length."""
+    assert offset_at(TEXT, 1, 99) == 7
+
+
+@pytest.mark.parametrize("line,char", [(4, 0), (-1, 0), (0, -1)])
+def test_positions_outside_the_document_are_errors(line, char):
+    with pytest.raises(PositionError):
+        offset_at(TEXT, line, char)
+
+
+def test_cursor_splits_prefix_suffix_and_finds_line_end():
+    c = cursor_at(TEXT, 1, 1)
+    assert (c.prefix, c.suffix) == ("a😀b\nx", "yz\r\nq\rend")
+    assert TEXT[c.offset:c.line_end] == "yz"
