@@ -78,10 +78,12 @@ class Cursor:
     prefix: str
     suffix: str
     offset: int
+    line_start: int  # offset of the start of the cursor's line
     line_end: int  # offset of the end of the cursor's line
 
 
 def cursor_at(text: str, line: int, character: int, encoding: str = "utf-16") -> Cursor:
+    start = line_start_offset(text, line)
     offset = offset_at(text, line, character, encoding)
     m = _EOL.search(text, offset)
-    return Cursor(text[:offset], text[offset:], offset, m.start() if m else len(text))
+    return Cursor(text[:offset], text[offset:], offset, start, m.start() if m else len(text))

@@ -194,19 +194,24 @@ class CodecompleteServer(LanguageServer):
         return types.InlineCompletionList(items=items)
 
     def _items(self, rid, uri, text, cursor, completion: Completion, encoding) -> list:
-        insert = completion.text
-        if not insert.strip():
+        """One item whose range starts at the beginning of the cursor's line and whose
+        text repeats what is typed there (Copilot's convention): clients filter it as
+        the user keeps typing, and Neovim and VS Code both draw it from there."""
+        if not completion.text.strip():
             return []
-        start = position_at(text, cursor.offset, encoding)
-        end = start
+        typed = text[cursor.line_start:cursor.offset]
+        insert = typed + completion.text
+        end = cursor.offset
         rest_of_line = text[cursor.offset:cursor.line_end]
         # The completion rewrote what follows the cursor on this line: replace it.
-        if rest_of_line.strip() and insert.rstrip().endswith(rest_of_line.strip()):
-            end = position_at(text, cursor.line_end, encoding)
-        self.issued[rid] = {"uri": uri, "chars": len(insert), "at": time.time()}
+        if rest_of_line.strip() and completion.text.rstrip().endswith(rest_of_line.strip()):
+            end = cursor.line_end
+        start = position_at(text, cursor.line_start, encoding)
+        end_pos = position_at(text, end, encoding)
+        self.issued[rid] = {"uri": uri, "chars": len(completion.text), "at": time.time()}
         while len(self.issued) > 512:
             self.issued.popitem(last=False)
-        rng = types.Range(types.Position(*start), types.Position(*end))
+        rng = types.Range(types.Position(*start), types.Position(*end_pos))
         command = types.Command(title="Accept completion", command=ACCEPT_COMMAND,
                                 arguments=[{"completionId": rid, "uri": uri}])
         return [types.InlineCompletionItem(insert_text=insert, range=rng, command=command)]

@@ -33,6 +33,14 @@ def expected(engine: Engine, prefix: str, suffix: str) -> str:
     return engine.complete(CompletionRequest(prefix, suffix)).text
 
 
+def proposed(items, typed: str) -> list[str]:
+    """What each item adds at the cursor: items repeat the text typed on the line."""
+    assert all(i.insert_text.startswith(typed) for i in items), [i.insert_text for i in items]
+    return [i.insert_text[len(typed):] for i in items]
+
+LAST = POINT.split("\n")[-1]  # "        self."
+
+
 @pytest_asyncio.fixture
 async def client(repo, tiny_model, model_cache):
     c = await start_daemon(repo, tiny_model)
@@ -50,9 +58,10 @@ async def test_open_edit_request_gets_the_engines_completion(client, repo, refer
     items = await complete(client, uri, len(lines) - 1, len(lines[-1]))
     want = expected(reference_engine, POINT, "")
     assert want.strip(), "the tiny model should complete this prompt"
-    assert [i.insert_text for i in items] == [want]
+    assert proposed(items, LAST) == [want]
     item = items[0]
-    assert item.range.start == T.Position(len(lines) - 1, len(lines[-1]))
+    assert item.range.start == T.Position(len(lines) - 1, 0)
+    assert item.range.end == T.Position(len(lines) - 1, len(lines[-1]))
     assert item.command.command == "codecomplete.accept"
 
 
@@ -70,14 +79,17 @@ async def test_emoji_before_cursor_is_converted_in_the_negotiated_encoding(
         row = line.count("\n")
         items = await complete(c, uri, row, len(last))  # last line is ASCII: same in all units
         want = expected(reference_engine, line, "")
-        assert [i.insert_text for i in items] == [want]
+        assert proposed(items, LAST) == [want]
         # A cursor right after the emoji on line 0: its column differs per encoding.
         col = {"utf-16": len('label = "') + 2, "utf-8": len('label = "') + 4}[encoding]
         items = await complete(c, uri, 0, col)
         want = expected(reference_engine, 'label = "😀', ' ok"  # 😀\n' + POINT)
-        assert [i.insert_text for i in items] == ([want] if want.strip() else [])
+        assert proposed(items, 'label = "😀') == ([want] if want.strip() else [])
         for i in items:
-            assert i.range.start == T.Position(0, col)
+            assert i.range.start == T.Position(0, 0)
+            first = line.split("\n")[0]
+            width = len(first.encode("utf-16-le")) // 2 if encoding == "utf-16" else len(first.encode())
+            assert i.range.end.character in (col, width)  # the cursor, or the line's end
         s = await stats(c)
         assert s["position_encoding"] == encoding
     finally:
@@ -97,7 +109,7 @@ async def test_newer_request_supersedes_older(repo, tiny_model, model_cache, ref
         await asyncio.sleep(0.05)
         newer = await complete(c, uri, 3, len(lines[3]))
         assert list((await older_task).items) == []
-        assert [i.insert_text for i in newer] == [expected(reference_engine, POINT, "")]
+        assert proposed(newer, LAST) == [expected(reference_engine, POINT, "")]
         s = await stats(c)
         assert s["counters"]["superseded"] == 1
     finally:
@@ -120,7 +132,7 @@ async def test_cancel_request_answers_cancelled_and_next_is_served(repo, tiny_mo
             await asyncio.wrap_future(fut)
         assert err.value.code == -32800  # RequestCancelled
         items = await complete(c, uri, 3, 13)
-        assert [i.insert_text for i in items] == [expected(reference_engine, POINT, "")]
+        assert proposed(items, LAST) == [expected(reference_engine, POINT, "")]
         s = await stats(c)
         assert s["counters"]["cancelled"] == 1
     finally:
@@ -136,7 +148,7 @@ async def test_bad_input_gets_errors_and_the_daemon_keeps_serving(client, repo, 
 
     async def still_serving():
         items = await complete(client, uri, 3, 13)
-        assert [i.insert_text for i in items] == want
+        assert proposed(items, LAST) == want
 
     # A position past the end of the document.
     with pytest.raises(JsonRpcException) as err:
@@ -210,7 +222,7 @@ async def test_invalid_setting_falls_back_with_a_warning(repo, tiny_model, model
         uri = (repo / "w.py").as_uri()
         open_doc(c, uri, POINT)
         items = await complete(c, uri, 3, 13)
-        assert items and len(items[0].insert_text) > 0
+        assert items and len(items[0].insert_text) > len(LAST)
         warnings = [m.message for m in c.log_messages if m.type == T.MessageType.Warning]
         assert any("mode" in w and "sideways" in w for w in warnings), warnings
         c.workspace_did_change_configuration(T.DidChangeConfigurationParams(
