@@ -143,8 +143,11 @@ def editor_settings(options: Any) -> dict:
     """The part of initializationOptions/didChangeConfiguration that is ours."""
     if not isinstance(options, dict):
         return {}
-    inner = options.get("codecomplete")
-    return inner if isinstance(inner, dict) else options
+    if "codecomplete" not in options:
+        return options
+    inner = options["codecomplete"]
+    # An empty Lua table arrives as [] from Neovim: no settings.
+    return inner if isinstance(inner, dict) else {}
 
 
 def load_config(repo: Path | None, cli: dict | None = None,

@@ -265,12 +265,22 @@ class CodecompleteServer(LanguageServer):
         log.error("server error (%s): %s", getattr(source, "__name__", source), error)
 
 
+def _plain(value: Any) -> Any:
+    """pygls hands the params of custom methods over as namedtuples: make them dicts."""
+    if hasattr(value, "_asdict"):
+        return {k: _plain(v) for k, v in value._asdict().items()}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
 def completion_id_of(params: Any) -> str | None:
     """Find our completion id in a notification's params, ours or Copilot-shaped."""
-    if params is None:
-        return None
+    params = _plain(params)
     if not isinstance(params, dict):
-        params = getattr(params, "__dict__", {}) or {}
+        return None
     if isinstance(params.get("completionId"), str):
         return params["completionId"]
     item = params.get("item") or {}

@@ -42,3 +42,9 @@ def test_broken_config_file_is_reported_not_fatal(tmp_path):
     bad.write_text("[completion\nmax_tokens = ")
     cfg, warnings = load_config(None, None, user_file=bad)
     assert cfg == Config() and "unreadable config file" in warnings[0]
+
+
+def test_empty_editor_section_means_no_settings():
+    """Neovim encodes an empty Lua table as []."""
+    assert editor_settings({"codecomplete": []}) == {}
+    assert editor_settings({"completion": {"mode": "single"}}) == {"completion": {"mode": "single"}}

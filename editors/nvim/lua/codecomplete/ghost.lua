@@ -1,0 +1,293 @@
+--- Ghost text for Neovim without vim.lsp.inline_completion (0.10, 0.11), or when the
+--- user sets `builtin = false`: request textDocument/inlineCompletion after a pause in
+--- typing, draw the item with extmarks (inline text at the cursor, virtual lines below),
+--- accept all of it, its next word or the rest of its line, or dismiss it. Shown,
+--- accepted and rejected items are reported to the daemon.
+local M = {}
+
+local ns = vim.api.nvim_create_namespace('codecomplete_ghost')
+local state = {} -- bufnr -> { client_id, item, row, col, text, request_id, timer }
+
+local function cfg()
+  return require('codecomplete').config
+end
+
+local function call(client, method, ...)
+  -- Neovim 0.11 added method syntax (client:request); 0.10 has client.request.
+  if vim.fn.has('nvim-0.11') == 1 then
+    return client[method](client, ...)
+  end
+  return client[method](...)
+end
+
+--- Byte column of an LSP character offset in `line`, for the client's encoding.
+local function byte_col(line, character, encoding)
+  if encoding == 'utf-8' then
+    return math.min(character, #line)
+  end
+  local units, i = 0, 1
+  while i <= #line and units < character do
+    local c = line:byte(i)
+    local len = c < 0x80 and 1 or c < 0xE0 and 2 or c < 0xF0 and 3 or 4
+    units = units + ((encoding == 'utf-16' and len == 4) and 2 or 1)
+    i = i + len
+  end
+  return i - 1
+end
+
+local function clear(bufnr)
+  local s = state[bufnr]
+  if s then
+    s.item, s.text = nil, nil
+  end
+  if vim.api.nvim_buf_is_valid(bufnr) then
+    vim.api.nvim_buf_clear_namespace(bufnr, ns, 0, -1)
+  end
+end
+
+local function completion_id(item)
+  local args = item and item.command and item.command.arguments
+  return args and args[1] and args[1].completionId or nil
+end
+
+local function notify(client, method, item, extra)
+  local id = completion_id(item)
+  if client and id then
+    call(client, 'notify', method, vim.tbl_extend('force', { completionId = id }, extra or {}))
+  end
+end
+
+--- What the item adds at the cursor: its text minus what is already typed in its range.
+local function remainder(bufnr, item, encoding, row, col)
+  local text = type(item.insertText) == 'string' and item.insertText or item.insertText.value
+  if not item.range then
+    return text
+  end
+  local line = vim.api.nvim_buf_get_lines(bufnr, row, row + 1, false)[1] or ''
+  if item.range.start.line ~= row then
+    return nil
+  end
+  local start = byte_col(line, item.range.start.character, encoding)
+  local typed = line:sub(start + 1, col)
+  if text:sub(1, #typed) ~= typed then
+    return nil -- the user typed past what the item proposes
+  end
+  return text:sub(#typed + 1)
+end
+
+local function show(bufnr, client, item)
+  local win = vim.api.nvim_get_current_win()
+  if vim.api.nvim_win_get_buf(win) ~= bufnr or not vim.api.nvim_get_mode().mode:match('^i') then
+    return
+  end
+  local row, col = unpack(vim.api.nvim_win_get_cursor(win))
+  row = row - 1
+  local text = remainder(bufnr, item, client.offset_encoding, row, col)
+  if not text or text == '' then
+    return
+  end
+  clear(bufnr)
+  local lines = vim.split(text, '\n', { plain = true })
+  local virt_lines = {}
+  for i = 2, #lines do
+    virt_lines[#virt_lines + 1] = { { lines[i], 'Comment' } }
+  end
+  vim.api.nvim_buf_set_extmark(bufnr, ns, row, col, {
+    virt_text = { { lines[1], 'Comment' } },
+    virt_text_pos = 'inline',
+    virt_lines = #virt_lines > 0 and virt_lines or nil,
+    hl_mode = 'combine',
+  })
+  local s = state[bufnr]
+  s.item, s.text, s.row, s.col, s.client_id = item, text, row, col, client.id
+  notify(client, 'codecomplete/didShowCompletion', item)
+end
+
+local function request(bufnr, client)
+  local s = state[bufnr]
+  if s.request_id then
+    call(client, 'cancel_request', s.request_id)
+    s.request_id = nil
+  end
+  local params = vim.lsp.util.make_position_params(0, client.offset_encoding)
+  params.context = { triggerKind = 2 } -- Automatic
+  local ok, id = call(client, 'request', 'textDocument/inlineCompletion', params, function(err, result)
+    s.request_id = nil
+    if err or not result then
+      return
+    end
+    local items = result.items or result
+    if items[1] then
+      show(bufnr, client, items[1])
+    end
+  end, bufnr)
+  if ok then
+    s.request_id = id
+  end
+end
+
+local function schedule(bufnr, client)
+  local s = state[bufnr]
+  if s.item then
+    notify(client, 'codecomplete/didRejectCompletion', s.item)
+  end
+  clear(bufnr)
+  if s.timer then
+    s.timer:stop()
+  end
+  s.timer = s.timer or vim.uv.new_timer()
+  s.timer:start(cfg().debounce_ms, 0, vim.schedule_wrap(function()
+    if vim.api.nvim_buf_is_valid(bufnr) and vim.api.nvim_get_mode().mode:match('^i') then
+      request(bufnr, client)
+    end
+  end))
+end
+
+function M.attach(client, bufnr)
+  if state[bufnr] then
+    return
+  end
+  state[bufnr] = {}
+  local group = vim.api.nvim_create_augroup('codecomplete_ghost_' .. bufnr, { clear = true })
+  vim.api.nvim_create_autocmd({ 'InsertEnter', 'TextChangedI' }, {
+    group = group,
+    buffer = bufnr,
+    callback = function()
+      schedule(bufnr, client)
+    end,
+  })
+  vim.api.nvim_create_autocmd('CursorMovedI', {
+    group = group,
+    buffer = bufnr,
+    callback = function()
+      local s = state[bufnr]
+      local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+      if s.item and (row - 1 ~= s.row or col ~= s.col) then
+        schedule(bufnr, client)
+      end
+    end,
+  })
+  vim.api.nvim_create_autocmd({ 'InsertLeave', 'BufLeave' }, {
+    group = group,
+    buffer = bufnr,
+    callback = function()
+      M.dismiss(bufnr)
+    end,
+  })
+  vim.api.nvim_create_autocmd('BufUnload', {
+    group = group,
+    buffer = bufnr,
+    callback = function()
+      local s = state[bufnr]
+      if s and s.timer then
+        s.timer:close()
+      end
+      state[bufnr] = nil
+    end,
+  })
+end
+
+--- The part of `text` to take: everything, the next word, or up to the end of its line.
+function M.take(text, part)
+  if part == 'word' then
+    local ws, rest = text:match('^(%s*)(.*)$')
+    local word = rest:match('^[%w_]+') or rest:match('^[^%w_%s]+') or ''
+    return ws .. word
+  elseif part == 'line' then
+    local first, nl = text:match('^([^\n]*)(\n?)')
+    if first:match('^%s*$') and nl == '\n' then
+      return first .. nl .. (text:sub(#first + 2):match('^[^\n]*') or '')
+    end
+    return first
+  end
+  return text
+end
+
+local function insert_at_cursor(text)
+  local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+  local lines = vim.split(text, '\n', { plain = true })
+  vim.api.nvim_buf_set_text(0, row - 1, col, row - 1, col, lines)
+  local last = lines[#lines]
+  local new_row = row + #lines - 1
+  local new_col = (#lines == 1 and col or 0) + #last
+  vim.api.nvim_win_set_cursor(0, { new_row, new_col })
+end
+
+function M.accept(part)
+  local bufnr = vim.api.nvim_get_current_buf()
+  local s = state[bufnr]
+  if not s or not s.item then
+    return false
+  end
+  local item, text = s.item, s.text
+  local client = vim.lsp.get_client_by_id(s.client_id)
+  clear(bufnr)
+  local take = M.take(text, part)
+  vim.schedule(function()
+    insert_at_cursor(take)
+    if client and take == text and item.command then
+      -- The daemon's accept command: it counts the acceptance.
+      call(client, 'request', 'workspace/executeCommand',
+        { command = item.command.command, arguments = item.command.arguments }, function() end, bufnr)
+    elseif client then
+      notify(client, 'textDocument/didPartiallyAcceptCompletion', item, { acceptedLength = #take })
+    end
+  end)
+  return true
+end
+
+--- For the built-in client's on_accept: insert part of its current item.
+function M.insert_partial(item, part)
+  local bufnr = vim.api.nvim_get_current_buf()
+  local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+  local client = vim.lsp.get_client_by_id(item.client_id)
+  local text = type(item.insert_text) == 'string' and item.insert_text or tostring(item.insert_text.value)
+  if item.range then
+    local _, start = item.range.start:to_extmark()
+    local line = vim.api.nvim_buf_get_lines(bufnr, row - 1, row, false)[1] or ''
+    local typed = line:sub(start + 1, col)
+    if text:sub(1, #typed) == typed then
+      text = text:sub(#typed + 1)
+    end
+  end
+  local take = M.take(text, part)
+  insert_at_cursor(take)
+  if client then
+    notify(client, 'textDocument/didPartiallyAcceptCompletion', { command = item.command },
+      { acceptedLength = #take })
+  end
+end
+
+function M.dismiss(bufnr)
+  bufnr = bufnr or vim.api.nvim_get_current_buf()
+  local s = state[bufnr]
+  if not s or not s.item then
+    return false
+  end
+  local client = vim.lsp.get_client_by_id(s.client_id)
+  notify(client, 'codecomplete/didRejectCompletion', s.item)
+  clear(bufnr)
+  return true
+end
+
+function M.dismiss_builtin()
+  local ns_ids = vim.api.nvim_get_namespaces()
+  local id = ns_ids['nvim.lsp.inline_completion']
+  if not id then
+    return false
+  end
+  local marks = vim.api.nvim_buf_get_extmarks(0, id, 0, -1, {})
+  vim.api.nvim_buf_clear_namespace(0, id, 0, -1)
+  return #marks > 0
+end
+
+--- Whether ghost text is shown in a buffer (for tests and statuslines).
+function M.visible(bufnr)
+  if bufnr == nil or bufnr == 0 then
+    bufnr = vim.api.nvim_get_current_buf()
+  end
+  local s = state[bufnr]
+  return s ~= nil and s.item ~= nil
+end
+
+return M

@@ -1,0 +1,71 @@
+-- Headless Neovim: type at the end of a line, wait for ghost text from the daemon,
+-- accept it with a key, and write what happened to $CC_OUT as JSON.
+local env = vim.env
+vim.opt.rtp:prepend(env.CC_PLUGIN)
+local cc = require('codecomplete')
+cc.setup({
+  cmd = vim.json.decode(env.CC_CMD),
+  builtin = env.CC_BUILTIN == '1',
+  debounce_ms = 10,
+  keymaps = { accept = '<Tab>', accept_word = '<M-Right>' },
+})
+
+local function poll(cond, done, timeout)
+  local start, t = vim.uv.now(), vim.uv.new_timer()
+  t:start(20, 20, vim.schedule_wrap(function()
+    local ok = cond()
+    if ok or vim.uv.now() - start > timeout then
+      t:stop()
+      t:close()
+      done(ok)
+    end
+  end))
+end
+
+local function ghost_visible()
+  if not cc.use_builtin() then
+    return require('codecomplete.ghost').visible(0)
+  end
+  local ns = vim.api.nvim_get_namespaces()['nvim.lsp.inline_completion']
+  return ns ~= nil and #vim.api.nvim_buf_get_extmarks(0, ns, 0, -1, {}) > 0
+end
+
+local result = { builtin = cc.use_builtin() }
+local function finish()
+  local client = cc.client(0)
+  if client then
+    local res = vim.fn.has('nvim-0.11') == 1 and client:request_sync('codecomplete/stats', {}, 5000, 0)
+      or client.request_sync('codecomplete/stats', {}, 5000, 0)
+    result.stats = res and res.result
+  end
+  result.lines = vim.api.nvim_buf_get_lines(0, 0, -1, false)
+  local f = assert(io.open(env.CC_OUT, 'w'))
+  f:write(vim.json.encode(result))
+  f:close()
+  vim.cmd('qa!')
+end
+
+vim.cmd('edit ' .. env.CC_FILE)
+poll(function()
+  return cc.client(0) ~= nil
+end, function(attached)
+  result.attached = attached
+  if not attached then
+    return finish()
+  end
+  vim.api.nvim_win_set_cursor(0, { tonumber(env.CC_ROW), 0 })
+  vim.api.nvim_feedkeys('A' .. env.CC_TYPE, 'n', false)
+  poll(ghost_visible, function(shown)
+    result.shown = shown
+    result.typed_line = vim.api.nvim_get_current_line()
+    if not shown then
+      return finish()
+    end
+    vim.api.nvim_feedkeys(vim.keycode('<Tab>'), 'm', false)
+    poll(function()
+      return vim.api.nvim_get_current_line() ~= result.typed_line
+    end, function()
+      vim.defer_fn(finish, 300) -- let the accept command reach the daemon
+    end, 5000)
+  end, 60000)
+end, 60000)

