@@ -1,0 +1,178 @@
+// codecomplete for VS Code: starts codecomplete-daemon for the workspace folder and
+// gets inline completions through vscode-languageclient's LSP 3.18 inline-completion
+// support. The status bar shows the daemon's state and the last completion's latency;
+// shown, accepted and rejected completions are reported to the daemon.
+import * as vscode from 'vscode';
+import {
+  LanguageClient,
+  LanguageClientOptions,
+  ServerOptions,
+  TransportKind,
+} from 'vscode-languageclient/node';
+
+let client: LanguageClient | undefined;
+let status: vscode.StatusBarItem;
+let output: vscode.LogOutputChannel;
+let poller: NodeJS.Timeout | undefined;
+let lastShown: string | undefined; // completion id shown and not yet accepted
+let lastLatencyMs: number | undefined;
+
+interface DaemonStats {
+  counters?: { latency_ms?: { p50?: number } };
+  engine?: { ready?: boolean; load_error?: string | null; model?: string };
+  index?: { state?: string };
+}
+
+/** The settings the daemon understands, in the shape of its config file. */
+export function daemonSettings(): Record<string, unknown> {
+  const c = vscode.workspace.getConfiguration('codecomplete');
+  return { model: c.get('model') ?? {}, completion: c.get('completion') ?? {} };
+}
+
+function serverOptions(): ServerOptions {
+  const c = vscode.workspace.getConfiguration('codecomplete');
+  const folder = vscode.workspace.workspaceFolders?.[0]?.uri.fsPath;
+  const args = [...(folder ? ['--repo', folder] : []), ...(c.get<string[]>('server.args') ?? [])];
+  return {
+    command: c.get<string>('server.path') || 'codecomplete-daemon',
+    args,
+    options: folder ? { cwd: folder } : undefined,
+    transport: TransportKind.stdio,
+  };
+}
+
+function completionIdOf(item: vscode.InlineCompletionItem): string | undefined {
+  const arg = item.command?.arguments?.[0] as { completionId?: string } | undefined;
+  return arg?.completionId;
+}
+
+function setStatus(text: string, tooltip?: string): void {
+  status.text = text;
+  status.tooltip = tooltip ?? 'codecomplete: click for statistics';
+  status.show();
+}
+
+function clientOptions(): LanguageClientOptions {
+  return {
+    documentSelector: [{ scheme: 'file' }, { scheme: 'untitled' }],
+    initializationOptions: { codecomplete: daemonSettings() },
+    outputChannel: output,
+    middleware: {
+      provideInlineCompletionItems: async (document, position, context, token, next) => {
+        const started = Date.now();
+        const result = await next(document, position, context, token);
+        const items = Array.isArray(result) ? result : result?.items ?? [];
+        if (lastShown && client) {
+          // A new request while the previous completion is still unaccepted: it was passed over.
+          void client.sendNotification('codecomplete/didRejectCompletion', { completionId: lastShown });
+          lastShown = undefined;
+        }
+        const id = items[0] ? completionIdOf(items[0]) : undefined;
+        if (id && client && !token.isCancellationRequested) {
+          lastLatencyMs = Date.now() - started;
+          lastShown = id;
+          void client.sendNotification('codecomplete/didShowCompletion', { completionId: id });
+          setStatus(`$(sparkle) codecomplete ${lastLatencyMs} ms`);
+        }
+        return result;
+      },
+      executeCommand: async (command, args, next) => {
+        if (command === 'codecomplete.accept') {
+          lastShown = undefined; // accepted: not a rejection
+        }
+        return next(command, args);
+      },
+    },
+  };
+}
+
+async function pollStatus(): Promise<void> {
+  if (!client || !client.isRunning()) {
+    return;
+  }
+  try {
+    const stats = await client.sendRequest<DaemonStats>('codecomplete/stats', {});
+    const engine = stats.engine ?? {};
+    if (engine.load_error) {
+      setStatus('$(error) codecomplete: model unavailable', engine.load_error);
+    } else if (stats.index?.state === 'indexing') {
+      setStatus('$(sync~spin) codecomplete: indexing');
+    } else if (!engine.ready) {
+      setStatus('$(loading~spin) codecomplete: loading model');
+    } else if (lastLatencyMs === undefined) {
+      setStatus('$(sparkle) codecomplete: ready', `model ${engine.model ?? '?'}`);
+    }
+  } catch (err) {
+    output.appendLine(`stats request failed: ${String(err)}`);
+  }
+}
+
+async function start(context: vscode.ExtensionContext): Promise<void> {
+  setStatus('$(loading~spin) codecomplete: starting');
+  client = new LanguageClient('codecomplete', 'codecomplete', serverOptions(), clientOptions());
+  try {
+    await client.start();
+  } catch (err) {
+    setStatus('$(error) codecomplete: daemon failed to start', String(err));
+    void vscode.window.showErrorMessage(
+      `codecomplete: could not start the daemon (${String(err)}). Check codecomplete.server.path.`);
+    return;
+  }
+  await pollStatus();
+  poller = setInterval(() => void pollStatus(), 2000);
+  context.subscriptions.push({ dispose: () => poller && clearInterval(poller) });
+}
+
+async function stop(): Promise<void> {
+  if (poller) {
+    clearInterval(poller);
+    poller = undefined;
+  }
+  if (client) {
+    await client.stop();
+    client = undefined;
+  }
+}
+
+export async function activate(context: vscode.ExtensionContext): Promise<void> {
+  output = vscode.window.createOutputChannel('codecomplete', { log: true });
+  status = vscode.window.createStatusBarItem(vscode.StatusBarAlignment.Right, 100);
+  status.command = 'codecomplete.showStats';
+  context.subscriptions.push(output, status);
+
+  context.subscriptions.push(
+    vscode.commands.registerCommand('codecomplete.restart', async () => {
+      await stop();
+      await start(context);
+    }),
+    vscode.commands.registerCommand('codecomplete.showStats', async () => {
+      if (!client) {
+        return;
+      }
+      const stats = await client.sendRequest('codecomplete/stats', {});
+      output.appendLine(JSON.stringify(stats, null, 2));
+      output.show(true);
+    }),
+    vscode.commands.registerCommand('codecomplete.acceptNextWord', () =>
+      vscode.commands.executeCommand('editor.action.inlineSuggest.acceptNextWord')),
+    vscode.commands.registerCommand('codecomplete.acceptNextLine', () =>
+      vscode.commands.executeCommand('editor.action.inlineSuggest.acceptNextLine')),
+    vscode.workspace.onDidChangeConfiguration(async (e) => {
+      if (e.affectsConfiguration('codecomplete.server')) {
+        await stop();
+        await start(context);
+      } else if (e.affectsConfiguration('codecomplete') && client) {
+        await client.sendNotification('workspace/didChangeConfiguration', {
+          settings: { codecomplete: daemonSettings() },
+        });
+        lastLatencyMs = undefined;
+        await pollStatus();
+      }
+    }),
+  );
+  await start(context);
+}
+
+export async function deactivate(): Promise<void> {
+  await stop();
+}
