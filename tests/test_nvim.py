@@ -73,3 +73,21 @@ def test_type_see_ghost_text_accept(builtin, tmp_path, tiny_model, model_cache, 
     assert result["lines"][3:3 + len(want)] == want
     counters = result["stats"]["counters"]
     assert counters["accepted"] == 1 and counters["completions"] >= 1
+
+
+def test_plugin_units_and_health_check(tmp_path):
+    """Partial accept (word, line) and :checkhealth codecomplete, without a model."""
+    nvim = nvim_binary()
+    if nvim is None:
+        pytest.skip("no nvim binary")
+    daemon = shutil.which("codecomplete-daemon")
+    if daemon is None:
+        pytest.skip("the codecomplete-daemon script is not installed")
+    out = tmp_path / "units.json"
+    env = {**os.environ, "CC_PLUGIN": str(ROOT / "editors" / "nvim"), "CC_DAEMON": daemon, "CC_OUT": str(out),
+           "XDG_STATE_HOME": str(tmp_path / "state"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    proc = subprocess.run([nvim, "--headless", "--clean", "-c", f"luafile {ROOT / 'tests/nvim/units.lua'}"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert out.is_file(), proc.stdout + proc.stderr
+    failed = [r for r in json.loads(out.read_text()) if not r["ok"]]
+    assert failed == []

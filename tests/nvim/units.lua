@@ -1,0 +1,21 @@
+-- Unit checks of the plugin's pure pieces and its health check, in headless Neovim.
+vim.opt.rtp:prepend(vim.env.CC_PLUGIN)
+local ghost = require('codecomplete.ghost')
+local results = {}
+local function check(name, got, want)
+  results[#results + 1] = { name = name, ok = got == want, got = got, want = want }
+end
+check('word', ghost.take('foo(bar)', 'word'), 'foo')
+check('word leading space', ghost.take('  bar.baz', 'word'), '  bar')
+check('word punctuation', ghost.take('(x)', 'word'), '(')
+check('line', ghost.take('a = 1\nb = 2', 'line'), 'a = 1')
+check('line from newline', ghost.take('\n    b = 2\nc', 'line'), '\n    b = 2')
+check('all', ghost.take('a\nb', 'all'), 'a\nb')
+require('codecomplete').setup({ cmd = { vim.env.CC_DAEMON } })
+vim.cmd('checkhealth codecomplete')
+local health = table.concat(vim.api.nvim_buf_get_lines(0, 0, -1, false), '\n')
+results[#results + 1] = { name = 'health', ok = health:find('codecomplete%-daemon %d') ~= nil, got = health }
+local f = assert(io.open(vim.env.CC_OUT, 'w'))
+f:write(vim.json.encode(results))
+f:close()
+vim.cmd('qa!')
