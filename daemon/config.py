@@ -56,9 +56,18 @@ class CompletionConfig:
 
 
 @dataclass
+class EngineConfig:
+    kv_budget_mb: int = field(default=512, metadata=_range(0, 1 << 20))  # 0: no reuse across requests
+    efim: bool = True  # EFIM prompts while the prefix grows (FIM models)
+    inc_bound: int = field(default=64, metadata=_range(0, 4096))  # EFIM inc tokens before a rebase
+    max_batch: int = field(default=16, metadata=_range(1, 256))  # requests decoded together
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     completion: CompletionConfig = field(default_factory=CompletionConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     index_dir: str = ""  # "" -> the user cache directory keyed by the repository path
     log_level: str = field(default="info", metadata=_choice("debug", "info", "warning", "error"))
 
@@ -175,7 +184,9 @@ def engine_settings(cfg: Config):
     """The engine's view of the configuration (a torch-free value)."""
     from codecomplete.model.api import EngineSettings
 
-    m, c = cfg.model, cfg.completion
+    m, c, e = cfg.model, cfg.completion, cfg.engine
     return EngineSettings(model=m.name, device=m.device, dtype=m.dtype, template=m.template,
                           threads=m.threads, max_prefix_tokens=c.max_prefix_tokens,
-                          max_suffix_tokens=c.max_suffix_tokens, token_healing=c.token_healing)
+                          max_suffix_tokens=c.max_suffix_tokens, token_healing=c.token_healing,
+                          kv_budget_mb=e.kv_budget_mb, efim=e.efim, inc_bound=e.inc_bound,
+                          max_batch=e.max_batch)

@@ -160,7 +160,7 @@ class CodecompleteServer(LanguageServer):
         rid = f"c{next(self._ids)}"
         request = CompletionRequest(prefix=cursor.prefix, suffix=cursor.suffix, request_id=rid,
                                     mode=cfg.mode, max_tokens=cfg.max_tokens, max_lines=cfg.max_lines,
-                                    time_budget_ms=cfg.time_budget_ms)
+                                    time_budget_ms=cfg.time_budget_ms, session_key=uri)
         pending = Pending(request, uri, version)
         self._supersede(uri, superseded=True)
         self.pending[uri] = pending

@@ -21,6 +21,8 @@ class CompletionRequest:
     time_budget_ms: int = 3000
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.perf_counter)
+    session_key: str | None = None  # (client, document): EFIM sessions are kept per key
+    ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
 
 
 @dataclass
@@ -33,6 +35,8 @@ class Completion:
     error: str | None = None
     multiline: bool = False
     token_ids: list[int] = field(default_factory=list)  # generated ids, healing included
+    reused_tokens: int = 0  # prompt tokens whose KV came from the KV store
+    prompt_kind: str = ""  # prefix | psm | efim
 
     @property
     def cancelled(self) -> bool:
@@ -49,3 +53,7 @@ class EngineSettings:
     max_prefix_tokens: int = 1024
     max_suffix_tokens: int = 256
     token_healing: bool = True
+    kv_budget_mb: int = 512  # the KV store's budget; 0 disables reuse across requests
+    efim: bool = True  # EFIM prompts while the prefix grows (FIM models)
+    inc_bound: int = 64  # tokens of EFIM's inc before a rebase to PSM
+    max_batch: int = 16  # requests decoded together per iteration

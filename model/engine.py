@@ -1,11 +1,16 @@
-"""The completion engine: prompt building, prefill, greedy decoding, stop rules.
+"""The completion engine: prompt plans, KV reuse, batched greedy decoding, stop rules.
 
 Contract: ``Engine.submit(request)`` returns a ``concurrent.futures.Future`` that always
 resolves to a ``Completion`` (never raises): an empty text with ``stop_reason`` and
 ``error`` set when the model is unavailable or the request failed.  All torch work
-happens on the engine's own thread, so callers on an asyncio loop never block.  A
-request's ``cancel`` event is checked before every forward pass: cancelling stops a
-generation within one decode step.  The engine knows nothing about LSP.
+happens on the engine's own thread, so callers on an asyncio loop never block.
+
+Each iteration of that thread admits new requests (prompt plan from the session pool,
+the longest cached prefix from the KV store, prefill of the rest), then advances every
+live request by one token in a single batched forward pass.  A request's ``cancel``
+event is checked before each of its steps, so cancelling stops it within one decode
+step; finished requests leave the batch and their prompt + output KV goes back into
+the store.  The engine knows nothing about LSP.
 """
 
 from __future__ import annotations
@@ -15,13 +20,17 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 
 from .api import Completion, CompletionRequest, EngineSettings
+from .kvstore import KVStore, Node
 from .loader import LoadedModel, ModelLoadError, load_model
+from .prompts import PromptPlan, SessionPool, Tokens
 from .stops import CompletionShape, StopRules
+from .transformer import SeqKV
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +39,9 @@ class _Vocab:
     """Per-token text, used by token healing; built lazily, once per model."""
 
     def __init__(self, tokenizer):
-        self.tok = tokenizer
         n = len(tokenizer)
         self.texts: list[str] = tokenizer.batch_decode([[i] for i in range(n)])
-        special = set(getattr(tokenizer, "all_special_ids", []) or [])
-        for i in special:
+        for i in set(getattr(tokenizer, "all_special_ids", []) or []):
             if 0 <= i < n:
                 self.texts[i] = ""
         sample = " def foo(bar):\n    return bar  # ok\n"
@@ -49,20 +56,166 @@ class _Vocab:
         return torch.tensor(ok, dtype=torch.long)
 
 
+@dataclass
+class Live:
+    """One request being decoded."""
+
+    request: CompletionRequest
+    future: Future | None
+    plan: PromptPlan
+    cache: SeqKV
+    fed: list[int]  # token ids whose KV is in ``cache``
+    rules: StopRules
+    budget: int
+    deadline: float
+    t0: float
+    reused: int = 0
+    nodes: list[Node] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    generated: list[int] = field(default_factory=list)
+    pending: str = ""
+    text: str = ""
+    timings: dict = field(default_factory=dict)
+    result: Completion | None = None
+
+
+# -- the algorithm ---------------------------------------------------------------------
+
+def pick_token(logits: torch.Tensor, pending: str, vocab: "_Vocab | None") -> int:
+    """Greedy choice; while token healing has text pending, only tokens that agree
+    with it are allowed."""
+    if pending and vocab is not None:
+        allowed = vocab.candidates(pending).to(logits.device)
+        if len(allowed):
+            return int(allowed[logits[allowed].argmax()])
+    return int(logits.argmax())
+
+
+def plan_prompt(lm: LoadedModel, request: CompletionRequest, settings: EngineSettings,
+                vocab: "_Vocab | None", pool: SessionPool | None) -> PromptPlan:
+    pool = pool or SessionPool()
+    return pool.plan(request.session_key if pool is not None else None, request.prefix, request.suffix,
+                     lm.template.template, Tokens(lm.tokenizer, vocab), settings.max_prefix_tokens,
+                     settings.max_suffix_tokens, efim=settings.efim)
+
+
+def start(lm: LoadedModel, request: CompletionRequest, plan: PromptPlan, store: KVStore | None) -> Live:
+    """Prefill: take what the KV store has of the prompt, run the rest."""
+    t0 = time.perf_counter()
+    shape = CompletionShape.at_cursor(request.prefix, request.suffix, request.mode)
+    ids = plan.ids
+    max_ctx = lm.model.args.max_positions
+    budget = max(0, min(request.max_tokens + (1 if plan.healed else 0), max_ctx - len(ids)))
+    cache = lm.model.new_cache(len(ids) + budget + 1)
+    live = Live(request, None, plan, cache, list(ids), StopRules(shape, request.max_lines), budget,
+                t0 + request.time_budget_ms / 1000, t0, pending=plan.healed)
+    if store is not None:
+        match = store.match_prefix(ids)
+        reuse = min(match.length, len(ids) - 1)  # at least one token runs: its logits start decoding
+        if reuse > 0:
+            cache.load(match.k[:, :, :reuse], match.v[:, :, :reuse])
+            live.nodes = match.nodes
+            store.lock(match.nodes)
+        live.reused = reuse
+        store.record_reuse(reuse)
+    t1 = time.perf_counter()
+    rest = torch.tensor([ids[live.reused:]], device=lm.device)
+    live.logits = lm.model(rest, [cache])[0].float()
+    live.timings["prefill_ms"] = (time.perf_counter() - t1) * 1000
+    live.timings["decode_start"] = time.perf_counter()
+    return live
+
+
+def advance(lm: LoadedModel, live: Live, vocab: "_Vocab | None") -> bool:
+    """Pick the next token from ``live.logits``; False when the request is finished."""
+    request, rules = live.request, live.rules
+    if request.cancel.is_set():
+        return _finish(live, "", "cancelled")
+    token = pick_token(live.logits, live.pending, vocab)
+    if token in lm.stop_ids and not (request.ignore_eos and not live.pending):
+        return _finish(live, rules.finish(live.text), "eos")
+    live.generated.append(token)
+    if live.pending and vocab is not None:
+        piece = vocab.texts[token]
+        live.pending = "" if piece.startswith(live.pending) else live.pending[len(piece):]
+    if not live.pending:
+        live.text = lm.tokenizer.decode(live.generated, skip_special_tokens=True)[len(live.plan.healed):]
+        if not request.ignore_eos:
+            decision = rules.check(live.text)
+            if decision.stop:
+                return _finish(live, rules.finish(decision.text), decision.reason)
+    if len(live.generated) >= live.budget:
+        return _finish(live, rules.finish(live.text), "max_tokens")
+    if time.perf_counter() > live.deadline and not request.ignore_eos:
+        return _finish(live, rules.finish(live.text), "time_budget")
+    return True
+
+
+def step(lm: LoadedModel, lives: list[Live]) -> None:
+    """One batched forward pass: each live request's last token -> its next logits."""
+    tokens = torch.tensor([[lv.generated[-1]] for lv in lives], device=lm.device)
+    logits = lm.model(tokens, [lv.cache for lv in lives]).float()
+    for lv, row in zip(lives, logits):
+        lv.fed.append(lv.generated[-1])
+        lv.logits = row
+
+
+def _finish(live: Live, text: str, reason: str) -> bool:
+    n = len(live.generated)
+    t = live.timings
+    t["decode_ms"] = (time.perf_counter() - t.pop("decode_start", live.t0)) * 1000 if n else 0.0
+    t["total_ms"] = (time.perf_counter() - live.t0) * 1000
+    live.result = Completion(text if reason != "cancelled" else "", reason, len(live.plan.ids), n, t,
+                             multiline=live.rules.shape.multiline, token_ids=list(live.generated),
+                             reused_tokens=live.reused, prompt_kind=live.plan.kind)
+    return False
+
+
+def release(live: Live, store: KVStore | None) -> None:
+    """Give the request's KV (prompt and output) to the store; unlock what it used."""
+    if store is None:
+        return
+    if live.nodes:
+        store.unlock(live.nodes)
+        live.nodes = []
+    n = live.cache.length
+    if n and live.result is not None and live.result.stop_reason != "error":
+        store.insert(live.fed[:n], live.cache.k[:, :, :n], live.cache.v[:, :, :n])
+
+
+def generate(lm: LoadedModel, request: CompletionRequest, settings: EngineSettings,
+             vocab: "_Vocab | None" = None, store: KVStore | None = None,
+             pool: SessionPool | None = None) -> Completion:
+    """One request alone, start to finish (the unbatched path, used by tests and tools)."""
+    plan = plan_prompt(lm, request, settings, vocab, pool)
+    if request.cancel.is_set():
+        return Completion("", "cancelled", len(plan.ids), prompt_kind=plan.kind)
+    live = start(lm, request, plan, store)
+    while advance(lm, live, vocab):
+        step(lm, [live])
+    release(live, store)
+    return live.result
+
+
+# -- the engine thread -----------------------------------------------------------------
+
 class Engine:
-    """Owns the model; runs requests one at a time on its own thread."""
+    """Owns the model, the KV store and the session pool; serves requests on its thread."""
 
     def __init__(self, settings: EngineSettings):
         self.settings = settings
         self.lm: LoadedModel | None = None
         self.load_error: str | None = None
         self.ready = threading.Event()
+        self.store: KVStore | None = None
+        self.pool = SessionPool(inc_bound=settings.inc_bound)
         self._vocab: _Vocab | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stats_lock = threading.Lock()
         self._stats = {"completions": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
-                       "generated_tokens": 0, "prefill_ms": 0.0, "decode_ms": 0.0}
+                       "reused_tokens": 0, "generated_tokens": 0, "prefill_ms": 0.0, "decode_ms": 0.0,
+                       "iterations": 0, "batched_tokens": 0, "max_batch_seen": 0}
 
     # -- public API (any thread) -------------------------------------------------------
     def start(self) -> "Engine":
@@ -86,11 +239,18 @@ class Engine:
             self.reload(settings)
         else:
             self.settings = settings
+            self.pool.inc_bound = settings.inc_bound
+            if self.store is not None:
+                self.store.budget = settings.kv_budget_mb * 2**20
 
     def close(self, timeout: float = 5.0) -> None:
         self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def complete(self, request: CompletionRequest) -> Completion:
+        """Synchronous helper for scripts and the CLI."""
+        return self.submit(request).result()
 
     def stats(self) -> dict:
         with self._stats_lock:
@@ -103,36 +263,119 @@ class Engine:
                  ready=self.ready.is_set() and lm is not None, load_error=self.load_error)
         s["decode_tokens_per_s"] = (round(1000 * s["generated_tokens"] / s["decode_ms"], 2)
                                     if s["decode_ms"] else None)
+        s["reuse_rate"] = round(s["reused_tokens"] / s["prompt_tokens"], 4) if s["prompt_tokens"] else None
+        s["mean_batch"] = round(s["batched_tokens"] / s["iterations"], 2) if s["iterations"] else None
+        s["kv_store"] = self.store.snapshot() if self.store else None
+        s["prompts"] = dict(self.pool.counts)
         return s
-
-    def complete(self, request: CompletionRequest) -> Completion:
-        """Synchronous helper for scripts and the CLI."""
-        return self.submit(request).result()
 
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         self._load(self.settings)
+        live: list[Live] = []
+        reload_to: EngineSettings | None = None
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if job[0] == "reload":
-                self._load(job[1])
-                continue
-            request, fut = job
-            if not fut.set_running_or_notify_cancel():
-                continue
-            fut.set_result(self._serve(request))
+            # Admit: block when idle; otherwise take what has arrived, up to max_batch.
+            while reload_to is None and len(live) < max(1, self.settings.max_batch):
+                try:
+                    job = self._jobs.get(block=not live)
+                except queue.Empty:
+                    break
+                if job is None:
+                    for lv in live:
+                        lv.request.cancel.set()
+                    self._drain(live)
+                    return
+                if job[0] == "reload":
+                    reload_to = job[1]
+                    break
+                lv = self._admit(*job)
+                if lv is not None:
+                    live.append(lv)
+            if live:
+                self._iterate(live)
+            elif reload_to is not None:
+                self._load(reload_to)
+                reload_to = None
+
+    def _drain(self, live: list[Live]) -> None:
+        while live:
+            self._iterate(live)
+
+    def _admit(self, request: CompletionRequest, fut: Future) -> Live | None:
+        if not fut.set_running_or_notify_cancel():
+            return None
+        queued_ms = (time.perf_counter() - request.submitted_at) * 1000
+        if self.lm is None:
+            fut.set_result(Completion("", "model_unavailable", error=self.load_error,
+                                      timings={"queue_ms": queued_ms}))
+            return None
+        if request.cancel.is_set():
+            self._count(cancelled=1)
+            fut.set_result(Completion("", "cancelled", timings={"queue_ms": queued_ms}))
+            return None
+        try:
+            with torch.inference_mode():
+                plan = plan_prompt(self.lm, request, self.settings, self._healing_vocab(), self.pool)
+                lv = start(self.lm, request, plan, self.store)
+        except Exception as exc:
+            log.exception("[%s] prefill failed", request.request_id)
+            self._count(failed=1)
+            fut.set_result(Completion("", "error", error=f"{type(exc).__name__}: {exc}",
+                                      timings={"queue_ms": queued_ms}))
+            return None
+        lv.future = fut
+        lv.timings["queue_ms"] = queued_ms
+        return lv
+
+    def _iterate(self, live: list[Live]) -> None:
+        """Advance every live request by one token; retire the finished ones."""
+        vocab = self._healing_vocab()
+        try:
+            with torch.inference_mode():
+                going = [lv for lv in live if advance(self.lm, lv, vocab)]
+                if going:
+                    step(self.lm, going)
+        except Exception as exc:
+            log.exception("decode step failed for %d requests", len(live))
+            for lv in live:
+                if lv.result is None:
+                    lv.result = Completion("", "error", error=f"{type(exc).__name__}: {exc}")
+            going = []
+        self._count(iterations=1 if going else 0, batched_tokens=len(going))
+        with self._stats_lock:
+            self._stats["max_batch_seen"] = max(self._stats["max_batch_seen"], len(going))
+        for lv in [lv for lv in live if lv not in going]:
+            live.remove(lv)
+            self._retire(lv)
+
+    def _retire(self, lv: Live) -> None:
+        try:
+            release(lv, self.store)
+        except Exception:
+            log.exception("[%s] could not store KV", lv.request.request_id)
+        r = lv.result
+        self._count(completions=1, cancelled=int(r.cancelled), failed=int(r.stop_reason == "error"),
+                    prompt_tokens=r.prompt_tokens, reused_tokens=r.reused_tokens,
+                    generated_tokens=r.generated_tokens, prefill_ms=r.timings.get("prefill_ms", 0.0),
+                    decode_ms=r.timings.get("decode_ms", 0.0))
+        log.info("[%s] %s prompt %d (%d reused) + %d generated, prefill %.0f ms, decode %.0f ms, stop %s",
+                 lv.request.request_id, r.prompt_kind, r.prompt_tokens, r.reused_tokens, r.generated_tokens,
+                 r.timings.get("prefill_ms", 0), r.timings.get("decode_ms", 0), r.stop_reason)
+        if lv.future is not None:
+            lv.future.set_result(r)
 
     def _load(self, settings: EngineSettings) -> None:
         self.ready.clear()
         self.settings = settings
+        self.pool = SessionPool(inc_bound=settings.inc_bound)
         if settings.threads > 0:
             torch.set_num_threads(settings.threads)
         try:
             self.lm = load_model(settings.model, settings.device, settings.dtype, settings.template)
             self.load_error = None
             self._vocab = None
+            self.store = KVStore(settings.kv_budget_mb * 2**20)
         except ModelLoadError as exc:
             self.lm, self.load_error = None, str(exc)
             log.error("model unavailable: %s", exc)
@@ -141,33 +384,6 @@ class Engine:
             log.exception("model failed to load")
         finally:
             self.ready.set()
-
-    def _serve(self, request: CompletionRequest) -> Completion:
-        queued_ms = (time.perf_counter() - request.submitted_at) * 1000
-        if self.lm is None:
-            return Completion("", "model_unavailable", error=self.load_error,
-                              timings={"queue_ms": queued_ms})
-        if request.cancel.is_set():
-            self._count(cancelled=1)
-            return Completion("", "cancelled", timings={"queue_ms": queued_ms})
-        try:
-            with torch.inference_mode():
-                result = generate(self.lm, request, self.settings, self._healing_vocab())
-        except Exception as exc:
-            log.exception("[%s] completion failed", request.request_id)
-            self._count(failed=1)
-            return Completion("", "error", error=f"{type(exc).__name__}: {exc}",
-                              timings={"queue_ms": queued_ms})
-        result.timings["queue_ms"] = queued_ms
-        self._count(completions=1, cancelled=int(result.cancelled),
-                    prompt_tokens=result.prompt_tokens, generated_tokens=result.generated_tokens,
-                    prefill_ms=result.timings.get("prefill_ms", 0.0),
-                    decode_ms=result.timings.get("decode_ms", 0.0))
-        log.info("[%s] %d prompt + %d generated tokens, prefill %.0f ms, decode %.0f ms, stop %s",
-                 request.request_id, result.prompt_tokens, result.generated_tokens,
-                 result.timings.get("prefill_ms", 0), result.timings.get("decode_ms", 0),
-                 result.stop_reason)
-        return result
 
     def _healing_vocab(self) -> "_Vocab | None":
         if not self.settings.token_healing or self.lm is None:
@@ -182,125 +398,3 @@ class Engine:
         with self._stats_lock:
             for k, v in deltas.items():
                 self._stats[k] += v
-
-
-# -- the algorithm ---------------------------------------------------------------------
-
-def encode(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False) if text else []
-
-
-def build_prompt(lm: LoadedModel, prefix: str, suffix: str, settings: EngineSettings,
-                 vocab: "_Vocab | None") -> tuple[list[int], str]:
-    """Token ids of the prompt, and the text removed from the prefix by token healing.
-
-    Segments are tokenized separately: special tokens, the prefix window, the suffix
-    window.  The prefix keeps its last ``max_prefix_tokens`` ids, the suffix its first
-    ``max_suffix_tokens``.
-    """
-    tok = lm.tokenizer
-    # A character window first, so a 10 MB document costs no more than a small one.
-    prefix_ids = encode(tok, prefix[-settings.max_prefix_tokens * 8:])[-settings.max_prefix_tokens:]
-    healed = ""
-    if vocab is not None and prefix_ids:
-        last = vocab.texts[prefix_ids[-1]]
-        if last and "\ufffd" not in last:
-            healed = last
-            prefix_ids = prefix_ids[:-1]
-    bos = [tok.bos_token_id] if getattr(tok, "add_bos_token", False) and tok.bos_token_id is not None else []
-    template = lm.template.template
-    if template is None:
-        return bos + prefix_ids, healed
-    suffix_ids = encode(tok, suffix[: settings.max_suffix_tokens * 8])[: settings.max_suffix_tokens]
-    special = tok.convert_tokens_to_ids
-    ids = bos + [special(template.prefix)] + encode(tok, template.prefix_pad) + prefix_ids
-    ids += [special(template.suffix)] + suffix_ids + [special(template.middle)]
-    ids += encode(tok, template.middle_pad)
-    return ids, healed
-
-
-def new_cache(model):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
-
-
-def prefill(model, ids: torch.Tensor, cache) -> torch.Tensor:
-    # ids: [1, S] -> logits of the last position: [V]
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[0, -1].float()
-
-
-def decode_one_token(model, token: int, cache, device) -> torch.Tensor:
-    # token -> logits [V]
-    ids = torch.tensor([[token]], device=device)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[0, -1].float()
-
-
-def pick_token(logits: torch.Tensor, pending: str, vocab: "_Vocab | None") -> int:
-    """Greedy choice; while token healing has text pending, only tokens that agree
-    with it are allowed."""
-    if pending and vocab is not None:
-        allowed = vocab.candidates(pending).to(logits.device)
-        if len(allowed):
-            return int(allowed[logits[allowed].argmax()])
-    return int(logits.argmax())
-
-
-def generate(lm: LoadedModel, request: CompletionRequest, settings: EngineSettings,
-             vocab: "_Vocab | None" = None) -> Completion:
-    """Greedy decoding with a KV cache until a stop rule fires."""
-    t0 = time.perf_counter()
-    shape = CompletionShape.at_cursor(request.prefix, request.suffix, request.mode)
-    rules = StopRules(shape, request.max_lines)
-    ids, healed = build_prompt(lm, request.prefix, request.suffix, settings, vocab)
-    max_ctx = getattr(lm.model.config, "max_position_embeddings", 2048)
-    budget = max(0, min(request.max_tokens + (1 if healed else 0), max_ctx - len(ids)))
-    deadline = t0 + request.time_budget_ms / 1000
-    timings: dict[str, float] = {}
-
-    def done(text: str, reason: str, n: int) -> Completion:
-        timings["decode_ms"] = (time.perf_counter() - t_decode) * 1000 if n else 0.0
-        timings["total_ms"] = (time.perf_counter() - t0) * 1000
-        return Completion(text, reason, len(ids), n, timings, multiline=shape.multiline,
-                          token_ids=list(generated))
-
-    generated: list[int] = []
-    if request.cancel.is_set():
-        t_decode = t0
-        return done("", "cancelled", 0)
-    cache = new_cache(lm.model)
-    t_prefill = time.perf_counter()
-    logits = prefill(lm.model, torch.tensor([ids], device=lm.device), cache)
-    t_decode = time.perf_counter()
-    timings["prefill_ms"] = (t_decode - t_prefill) * 1000
-    pending = healed
-    text = ""
-    while True:
-        token = pick_token(logits, pending, vocab)
-        if token in lm.stop_ids:
-            return done(rules.finish(text), "eos", len(generated))
-        generated.append(token)
-        if pending and vocab is not None:
-            piece = vocab.texts[token]
-            pending = "" if piece.startswith(pending) else pending[len(piece):]
-        text = decode(lm, generated)
-        if not pending:
-            text = text[len(healed):]
-            decision = rules.check(text)
-            if decision.stop:
-                return done(rules.finish(decision.text), decision.reason, len(generated))
-        else:
-            text = ""
-        if len(generated) >= budget:
-            return done(rules.finish(text), "max_tokens", len(generated))
-        if time.perf_counter() > deadline:
-            return done(rules.finish(text), "time_budget", len(generated))
-        if request.cancel.is_set():
-            return done("", "cancelled", len(generated))
-        logits = decode_one_token(lm.model, token, cache, lm.device)
-
-
-def decode(lm: LoadedModel, ids: list[int]) -> str:
-    return lm.tokenizer.decode(ids, skip_special_tokens=True)

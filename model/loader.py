@@ -42,7 +42,7 @@ class ModelLoadError(RuntimeError):
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: torch.nn.Module  # codecomplete.model.transformer.Transformer
     tokenizer: object
     name: str
     path: str
@@ -205,10 +205,17 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     except OSError as exc:
         raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from exc
     model.to(dev).eval()
+    from .transformer import from_hf
+
+    try:
+        net = from_hf(model)  # the engine's own forward; the HF module is dropped
+    except ValueError as exc:
+        raise ModelLoadError(f"cannot serve {spec!r}: {exc}") from exc
+    del model
     choice = detect_template(tok.get_vocab(), template)
     if template not in ("auto", choice.name):
         log.warning("FIM template: %s", choice.reason)
-    loaded = LoadedModel(model=model, tokenizer=tok, name=name, path=str(ckpt), device=dev,
+    loaded = LoadedModel(model=net, tokenizer=tok, name=name, path=str(ckpt), device=dev,
                          dtype=dt, template=choice, stop_ids=stop_token_ids(tok, choice),
                          load_seconds=time.perf_counter() - t0)
     log.info("model %s loaded from %s on %s/%s in %.2f s, template %s", name, ckpt, dev,

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
 import torch
 
 from codecomplete.model.api import CompletionRequest, EngineSettings
-from codecomplete.model.engine import Engine, _Vocab, build_prompt, encode, generate
+from codecomplete.model.engine import Engine, _Vocab, advance, generate, plan_prompt, release, start, step
+from codecomplete.model.kvstore import KVStore
 from codecomplete.model.loader import load_model
+from codecomplete.model.prompts import SessionPool, Tokens
+
+POINT = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self."
+NO_HEAL = EngineSettings(token_healing=False)
 
 
 @pytest.fixture(scope="module")
@@ -17,63 +23,144 @@ def lm(tiny_model):
     return load_model(str(tiny_model), device="cpu", dtype="float32")
 
 
-def greedy_without_cache(lm, ids: list[int], steps: int) -> list[int]:
-    """The slow reference: the whole sequence through the model at every step."""
+@pytest.fixture(scope="module")
+def hf(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def greedy_without_cache(hf, stop_ids, ids: list[int], steps: int) -> list[int]:
+    """The slow reference: transformers' model over the whole sequence at every step."""
     out: list[int] = []
     with torch.inference_mode():
         for _ in range(steps):
-            logits = lm.model(input_ids=torch.tensor([ids + out])).logits[0, -1]
-            token = int(logits.argmax())
-            if token in lm.stop_ids:
+            token = int(hf(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax())
+            if token in stop_ids:
                 break
             out.append(token)
     return out
 
 
 @pytest.mark.parametrize("prefix,suffix", [
-    ("class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.", "\n"),
+    (POINT, "\n"),
     ("def mean(data):\n    total = 0\n    for x in data:\n        total", "\n    return total\n"),
     ("import os\nimport ", ""),
 ])
-def test_kv_cached_greedy_equals_recomputing_everything(lm, prefix, suffix):
-    """Guards the KV cache: cached decoding must pick exactly the reference tokens."""
-    settings = EngineSettings(token_healing=False)
+def test_engine_greedy_equals_transformers_recomputing_everything(lm, hf, prefix, suffix):
+    """Guards the own forward + KV cache inside the engine against the HF reference."""
     request = CompletionRequest(prefix, suffix, mode="multi", max_tokens=24, max_lines=200)
     with torch.inference_mode():
-        result = generate(lm, request, settings)
-    ids, _ = build_prompt(lm, prefix, suffix, settings, None)
+        result = generate(lm, request, NO_HEAL)
+    plan = plan_prompt(lm, request, NO_HEAL, None, None)
     assert result.generated_tokens > 0
-    assert result.token_ids == greedy_without_cache(lm, ids, result.generated_tokens)
+    assert result.token_ids == greedy_without_cache(hf, lm.stop_ids, plan.ids, result.generated_tokens)
 
 
-def test_fim_prompt_is_built_segment_by_segment(lm):
-    """Guards the PSM layout and separate tokenization of each segment."""
-    tok = lm.tokenizer
-    settings = EngineSettings(token_healing=False, max_prefix_tokens=5, max_suffix_tokens=3)
-    prefix, suffix = "alpha = beta + gamma * delta", "\nreturn alpha  # done\n"
-    ids, healed = build_prompt(lm, prefix, suffix, settings, None)
-    sid = tok.convert_tokens_to_ids
-    want = ([sid("<fim_prefix>")] + encode(tok, prefix)[-5:] + [sid("<fim_suffix>")]
-            + encode(tok, suffix)[:3] + [sid("<fim_middle>")])
-    assert ids == want and healed == ""
+def edits(seed: int, n: int = 12):
+    """A random editing session: typing, deleting, jumping elsewhere, editing the suffix."""
+    rng = random.Random(seed)
+    doc = POINT + "\n\n    def norm(self):\n        return (self.x ** 2 + self.y ** 2) ** 0.5\n"
+    cursor = len(POINT)
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.55:
+            text = rng.choice(["x", "y", " = ", "(", "self", ".", "\n        ", "ab", "_"])
+            doc, cursor = doc[:cursor] + text + doc[cursor:], cursor + len(text)
+        elif r < 0.7 and cursor > 1:
+            doc, cursor = doc[:cursor - 1] + doc[cursor:], cursor - 1
+        elif r < 0.85:
+            cursor = rng.randrange(len(doc) + 1)
+        else:
+            at = rng.randrange(cursor, len(doc) + 1)
+            doc = doc[:at] + "# note\n" + doc[at:]
+        yield doc[:cursor], doc[cursor:]
 
 
-def test_token_healing_backs_up_one_token_and_regenerates_it(lm):
-    """Guards token healing: the removed text is regenerated first, never duplicated."""
+def run_plan(lm, request, plan, vocab, store):
+    live = start(lm, request, plan, store)
+    while advance(lm, live, vocab):
+        step(lm, [live])
+    release(live, store)
+    return live.result
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reuse_never_changes_the_output(lm, seed):
+    """Guards KV reuse and EFIM sessions: the same plan with a store = without one."""
     vocab = _Vocab(lm.tokenizer)
-    assert vocab.concatenative
     settings = EngineSettings(token_healing=True)
-    prefix = "def area(radius):\n    return radius * radi"
-    ids, healed = build_prompt(lm, prefix, "\n", settings, vocab)
-    assert healed and prefix.endswith(healed)
+    store, pool = KVStore(64 * 2**20), SessionPool(inc_bound=16)
+    reused, kinds = 0, set()
     with torch.inference_mode():
-        result = generate(lm, CompletionRequest(prefix, "\n", max_tokens=8), settings, vocab)
-    produced = "".join(vocab.texts[i] for i in result.token_ids)
-    assert produced.startswith(healed)
-    assert produced[len(healed):].rstrip().startswith(result.text.rstrip()[:1] or "")
-    for candidate in vocab.candidates("  "):
-        text = vocab.texts[int(candidate)]
-        assert text.startswith("  ") or "  ".startswith(text)
+        for prefix, suffix in edits(seed):
+            request = CompletionRequest(prefix, suffix, mode="multi", max_tokens=12, max_lines=200,
+                                        session_key="doc")
+            plan = plan_prompt(lm, request, settings, vocab, pool)
+            fast = run_plan(lm, request, plan, vocab, store)
+            slow = run_plan(lm, request, plan, vocab, None)
+            assert fast.token_ids == slow.token_ids and fast.text == slow.text
+            reused += fast.reused_tokens
+            kinds.add(plan.kind)
+    assert reused > 0 and kinds == {"psm", "efim"}
+
+
+def test_efim_prompt_is_built_token_for_token(lm):
+    """Guards EFIM: <P>prefix0<S>suffix<M>inc with each segment tokenized alone."""
+    toks, t = Tokens(lm.tokenizer), lm.template.template
+    pool = SessionPool(inc_bound=64)
+    prefix0, suffix = "def area(r):\n    return 3.14 * r", "\n\nprint(area(2))\n"
+    first = pool.plan( "doc", prefix0, suffix, t, toks, 1024, 256)
+    sid = toks.special
+    head = ([sid(t.prefix)] + toks.encode("def area(r):") + toks.encode("\n    return 3.14 * r")
+            + [sid(t.suffix)] + toks.encode(suffix) + [sid(t.middle)])
+    assert first.kind == "psm" and first.ids == head
+    grown = pool.plan( "doc", prefix0 + " * r  # are", suffix, t, toks, 1024, 256)
+    assert grown.kind == "efim" and grown.ids == head + toks.encode(" * r  # are")
+    moved = pool.plan( "doc", prefix0[:-3], suffix, t, toks, 1024, 256)
+    assert moved.kind == "psm" and moved.reason == "rebase"
+    other = pool.plan( "other-doc", prefix0, suffix, t, toks, 1024, 256)
+    assert other.kind == "psm" and other.reason == "new session"
+
+
+def test_efim_inc_bound_rebases(lm):
+    toks, t = Tokens(lm.tokenizer), lm.template.template
+    pool = SessionPool(inc_bound=3)
+    pool.plan( "d", "x = ", "", t, toks, 1024, 256)
+    assert pool.plan( "d", "x = 1", "", t, toks, 1024, 256).kind == "efim"
+    assert pool.plan( "d", "x = 1 + 2 + 3 + 4", "", t, toks, 1024, 256).reason == "inc bound"
+
+
+def test_tiny_budget_evicts_without_corrupting(lm):
+    """Guards eviction: a store that holds almost nothing still gives exact outputs."""
+    store = KVStore(30_000)  # a few dozen tokens of KV
+    with torch.inference_mode():
+        for prefix, suffix in edits(7, 8):
+            req = dict(mode="multi", max_tokens=8, max_lines=200)
+            fast = generate(lm, CompletionRequest(prefix, suffix, **req), NO_HEAL, None, store)
+            slow = generate(lm, CompletionRequest(prefix, suffix, **req), NO_HEAL)
+            assert fast.token_ids == slow.token_ids
+    snap = store.snapshot()
+    assert snap["evictions"] > 0 and snap["bytes"] <= 30_000
+
+
+def test_batched_engine_equals_unbatched(tiny_model, lm):
+    """Guards iteration-level batching: concurrent requests = each one alone."""
+    prompts = [(p, s) for p, s in edits(3, 6)]
+    with torch.inference_mode():
+        alone = [generate(lm, CompletionRequest(p, s, mode="multi", max_tokens=10, max_lines=200), NO_HEAL).token_ids
+                 for p, s in prompts]
+    engine = Engine(EngineSettings(model=str(tiny_model), dtype="float32", token_healing=False,
+                                   kv_budget_mb=0)).start()
+    try:
+        engine.ready.wait(60)
+        futures = [engine.submit(CompletionRequest(p, s, mode="multi", max_tokens=10, max_lines=200))
+                   for p, s in prompts]
+        together = [f.result(timeout=60).token_ids for f in futures]
+        assert together == alone
+        assert engine.stats()["max_batch_seen"] > 1
+    finally:
+        engine.close()
 
 
 class TripAfter(threading.Event):
@@ -90,31 +177,44 @@ class TripAfter(threading.Event):
 
 def test_cancel_stops_within_one_decode_step(lm):
     """Guards cooperative cancellation: no forward pass after the flag is seen."""
-    settings = EngineSettings(token_healing=False)
-    candidates = ["def f(x):\n    if x is None:\n        ", "import os\n\n\ndef main(", "for i in range(",
-                  "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self."]
+    candidates = ["def f(x):\n    if x is None:\n        ", "import os\n\n\ndef main(", "for i in range(", POINT]
     with torch.inference_mode():
-        # A prompt the tiny model continues for more than three tokens when left alone.
         prefix = next(p for p in candidates if generate(
-            lm, CompletionRequest(p, "", mode="multi", max_tokens=200, max_lines=200), settings).generated_tokens > 3)
-        request = CompletionRequest(prefix, "", mode="multi", max_tokens=200, max_lines=200,
-                                    cancel=TripAfter(4))
-        result = generate(lm, request, settings)
+            lm, CompletionRequest(p, "", mode="multi", max_tokens=200, max_lines=200), NO_HEAL).generated_tokens > 3)
+        request = CompletionRequest(prefix, "", mode="multi", max_tokens=200, max_lines=200, cancel=TripAfter(4))
+        result = generate(lm, request, NO_HEAL)
     assert result.stop_reason == "cancelled"
-    # Checks: one before prefill, one after each token; the fifth (after token 4) sees
-    # the flag, so no forward pass follows token 4.
-    assert result.generated_tokens == 4
+    # Checks: one before planning, then one before each token; the fifth check sees the
+    # flag after token 3, so no forward pass follows.
+    assert result.generated_tokens == 3
+
+
+def test_token_healing_backs_up_one_token_and_regenerates_it(lm):
+    """Guards token healing: the removed text is regenerated first, never duplicated."""
+    vocab = _Vocab(lm.tokenizer)
+    assert vocab.concatenative
+    prefix = "def area(radius):\n    return radius * radi"
+    plan = plan_prompt(lm, CompletionRequest(prefix, "\n"), EngineSettings(), vocab, None)
+    assert plan.healed and prefix.endswith(plan.healed)
+    with torch.inference_mode():
+        result = generate(lm, CompletionRequest(prefix, "\n", max_tokens=8), EngineSettings(), vocab)
+    produced = "".join(vocab.texts[i] for i in result.token_ids)
+    assert produced.startswith(plan.healed)
+    for candidate in vocab.candidates("  "):
+        text = vocab.texts[int(candidate)]
+        assert text.startswith("  ") or "  ".startswith(text)
 
 
 def test_engine_thread_serves_and_counts(tiny_model):
     """Guards the engine thread: futures resolve, stats add up, close returns."""
     engine = Engine(EngineSettings(model=str(tiny_model), dtype="float32")).start()
     try:
-        futures = [engine.submit(CompletionRequest("import os\nimport ", "", max_tokens=4)) for _ in range(3)]
-        results = [f.result(timeout=60) for f in futures]
+        # One after another: each finds the previous one's KV in the store.
+        results = [engine.complete(CompletionRequest("import os\nimport ", "", max_tokens=4)) for _ in range(3)]
         assert len({r.text for r in results}) == 1  # greedy: the same answer each time
         stats = engine.stats()
         assert stats["completions"] == 3 and stats["ready"] and stats["template"] == "starcoder"
+        assert stats["reused_tokens"] > 0 and stats["kv_store"]["cached_tokens"] > 0
         cancelled = CompletionRequest("import os\n", "")
         cancelled.cancel.set()
         assert engine.complete(cancelled).stop_reason == "cancelled"

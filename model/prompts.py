@@ -1,0 +1,152 @@
+"""Prompt plans: which text goes into the prompt, tokenized so that KV can be reused.
+
+Two rules make consecutive keystrokes share token ids, so the KV store can serve them:
+
+* **Stable windows.**  A long prefix is cut at a line boundary taken from a coarse grid
+  (every ``GRID`` lines), so the window's start does not move with each keystroke.
+* **Segments.**  Each piece is tokenized alone: the prefix as (text before the cursor's
+  line) + (newline and the cursor's line), the suffix, the FIM tokens, and EFIM's ``inc``.
+  Typing on a line only changes the last segment's ids.
+
+The ``SessionPool`` is EFIM's §3.1: per (client, document) it remembers the prefix and
+suffix of the last PSM prompt.  While the prefix only grows and the suffix stays, the
+prompt is ``<P>prefix0<S>suffix<M>inc`` (EFIM), so the KV of prefix0 *and* suffix stays
+valid; anything else rebuilds a PSM prompt and rebases the session.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+GRID = 64  # lines: the window's start moves in steps of this many lines
+CHARS_PER_TOKEN = 3  # a cautious estimate for code, used only to size windows
+
+
+@dataclass
+class PromptPlan:
+    ids: list[int]
+    healed: str  # text removed from the prompt's end by token healing
+    kind: str  # "prefix" | "psm" | "efim"
+    reason: str = ""
+
+
+@dataclass
+class Session:
+    prefix0: str  # the whole prefix text at the last rebase
+    suffix: str
+    head: list[int]  # the ids of that PSM prompt: <P>prefix0<S>suffix<M>
+    healed: str  # what healing took off prefix0's end there (it starts every inc)
+
+
+def window_start(prefix: str, max_tokens: int) -> int:
+    """Start offset of the prefix window: a line start on the GRID, so it is stable."""
+    budget = max_tokens * CHARS_PER_TOKEN
+    if len(prefix) <= budget:
+        return 0
+    need = len(prefix) - budget
+    line = prefix.count("\n", 0, need)
+    line = -(-line // GRID) * GRID  # round up to the grid
+    start = 0
+    for _ in range(line):
+        nxt = prefix.find("\n", start)
+        if nxt < 0:
+            break
+        start = nxt + 1
+    return min(start, prefix.rfind("\n") + 1) if start > need else start
+
+
+def suffix_window(suffix: str, max_tokens: int) -> str:
+    budget = max_tokens * CHARS_PER_TOKEN
+    if len(suffix) <= budget:
+        return suffix
+    cut = suffix.rfind("\n", 0, budget)
+    return suffix[: cut + 1] if cut > 0 else suffix[:budget]
+
+
+class Tokens:
+    """Tokenizing by segments, and token healing of the last one."""
+
+    def __init__(self, tokenizer, vocab=None):
+        self.tok = tokenizer
+        self.vocab = vocab  # a healing vocabulary (engine._Vocab) or None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False) if text else []
+
+    def prefix_ids(self, text: str) -> list[int]:
+        """(text before the last newline) + (the rest), tokenized apart."""
+        cut = text.rfind("\n")
+        if cut <= 0:
+            return self.encode(text)
+        return self.encode(text[:cut]) + self.encode(text[cut:])
+
+    def heal(self, ids: list[int]) -> tuple[list[int], str]:
+        if self.vocab is None or not ids:
+            return ids, ""
+        last = self.vocab.texts[ids[-1]]
+        if not last or "\ufffd" in last:
+            return ids, ""
+        return ids[:-1], last
+
+    def special(self, token: str) -> int:
+        return self.tok.convert_tokens_to_ids(token)
+
+
+class SessionPool:
+    """EFIM sessions per key (client and document), least recently used dropped."""
+
+    def __init__(self, max_sessions: int = 256, inc_bound: int = 64):
+        self.sessions: OrderedDict[str, Session] = OrderedDict()
+        self.max_sessions = max_sessions
+        self.inc_bound = inc_bound
+        self._lock = threading.Lock()
+        self.counts = {"psm": 0, "efim": 0, "prefix": 0, "rebase": 0}
+
+    def plan(self, key: str | None, prefix: str, suffix: str, template, toks: Tokens,
+             max_prefix_tokens: int, max_suffix_tokens: int, efim: bool = True) -> PromptPlan:
+        bos = [toks.tok.bos_token_id] if getattr(toks.tok, "add_bos_token", False) and toks.tok.bos_token_id is not None else []
+        if template is None:
+            start = window_start(prefix, max_prefix_tokens)
+            ids, healed = toks.heal(toks.prefix_ids(prefix[start:]))
+            self._count("prefix")
+            return PromptPlan(bos + ids, healed, "prefix")
+        with self._lock:
+            session = self.sessions.get(key) if key and efim else None
+            if session is not None:
+                self.sessions.move_to_end(key)
+        reason = "new session" if session is None else "rebase"
+        if session is not None and prefix.startswith(session.prefix0) and suffix == session.suffix:
+            inc_ids = toks.encode(session.healed + prefix[len(session.prefix0):])
+            if len(inc_ids) <= self.inc_bound:
+                inc_ids, healed = toks.heal(inc_ids)
+                self._count("efim")
+                return PromptPlan(session.head + inc_ids, healed, "efim")
+            reason = "inc bound"
+        elif session is not None and prefix == session.prefix0 and suffix.endswith(session.suffix):
+            reason = "suffix grew"
+        start = window_start(prefix, max_prefix_tokens)
+        prefix_ids, healed = toks.heal(toks.prefix_ids(prefix[start:]))
+        ids = (bos + [toks.special(template.prefix)] + toks.encode(template.prefix_pad) + prefix_ids
+               + [toks.special(template.suffix)]
+               + toks.encode(suffix_window(suffix, max_suffix_tokens))[:max_suffix_tokens]
+               + [toks.special(template.middle)] + toks.encode(template.middle_pad))
+        if key and efim:
+            with self._lock:
+                self.sessions[key] = Session(prefix, suffix, ids, healed)
+                self.sessions.move_to_end(key)
+                while len(self.sessions) > self.max_sessions:
+                    self.sessions.popitem(last=False)
+            if reason != "new session":
+                self._count("rebase")
+        self._count("psm")
+        return PromptPlan(ids, healed, "psm", reason)
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self.sessions.pop(key, None)
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.counts[kind] += 1

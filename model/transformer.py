@@ -1,0 +1,316 @@
+"""A compact Llama-family transformer (Llama, Mistral, Qwen2) that owns its forward.
+
+Why our own: layer-by-layer execution (early exit), explicit positions and attention
+masks (tree verification, EFIM), and one KV layout the KV store can slice and reuse.
+Weights come from any Hugging Face causal LM of these families (``from_hf``); the
+transformers model stays the slow reference in the parity tests.
+
+Shapes: B batch, S new tokens, T cached + new tokens, D model width, H query heads,
+K key/value heads, E head dim.  A sequence's KV lives in a ``SeqKV``: per layer
+``k, v: [K, capacity, E]``, of which the first ``length`` positions are filled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_dim: int
+    norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple | None
+    qkv_bias: bool
+    tie_embeddings: bool
+    max_positions: int
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelArgs":
+        if cfg.model_type not in SUPPORTED:
+            raise ValueError(f"model type {cfg.model_type!r} is not supported by the own forward "
+                             f"(supported: {', '.join(SUPPORTED)})")
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope type {kind!r} is not supported by the own forward")
+        scaling = None
+        if kind == "linear":
+            scaling = ("linear", float(rope["factor"]))
+        elif kind == "llama3":
+            scaling = ("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+                       float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(vocab_size=cfg.vocab_size, dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers,
+                   n_heads=cfg.num_attention_heads,
+                   n_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                   head_dim=head_dim, hidden_dim=cfg.intermediate_size, norm_eps=cfg.rms_norm_eps,
+                   rope_theta=float(theta), rope_scaling=scaling,
+                   qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+                   tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+                   max_positions=int(getattr(cfg, "max_position_embeddings", 4096)))
+
+
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies [E/2], with linear or llama3 scaling applied."""
+    e = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, e, 2, dtype=torch.float64) / e))
+    if args.rope_scaling and args.rope_scaling[0] == "linear":
+        inv = inv / args.rope_scaling[1]
+    elif args.rope_scaling and args.rope_scaling[0] == "llama3":
+        _, factor, low, high, orig = args.rope_scaling
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = orig / low, orig / high
+        smooth = (orig / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv.float()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, heads, S, E]; cos, sin: [B, 1, S, E] (the rotate-half layout of HF Llama)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class SeqKV:
+    """One sequence's KV cache: per layer k, v [K, capacity, E]; grows by doubling."""
+
+    def __init__(self, args: ModelArgs, capacity: int, dtype: torch.dtype, device):
+        self.args, self.dtype, self.device = args, dtype, device
+        shape = (args.n_layers, args.n_kv_heads, max(capacity, 16), args.head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def reserve(self, n: int) -> None:
+        need = self.length + n
+        if need <= self.capacity:
+            return
+        cap = max(need, 2 * self.capacity)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.empty((old.shape[0], old.shape[1], cap, old.shape[3]), dtype=old.dtype, device=old.device)
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def load(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Fill from cached KV [L, K, n, E] (the KV store's chunks)."""
+        n = k.shape[2]
+        self.length = 0
+        self.reserve(n)
+        self.k[:, :, :n] = k
+        self.v[:, :, :n] = v
+        self.length = n
+
+    def truncate(self, n: int) -> None:
+        self.length = min(self.length, n)
+
+    def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV of positions [start, end): [L, K, end-start, E] copies."""
+        return self.k[:, :, start:end].clone(), self.v[:, :, start:end].clone()
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None,
+           causal: bool) -> torch.Tensor:
+    """Attention of q [1, H, S, E] over keys, vals [1, K, T, E]; mask [1, 1, S, T] (True =
+    attend) or ``causal`` or neither (all).  Few queries (decode, drafts): plain matmuls
+    with the query heads grouped under their KV head, which beats the fused kernel's
+    set-up cost; many queries (prefill): the fused kernel."""
+    _, h, s, e = q.shape
+    kv = keys.shape[1]
+    if s > 64:
+        out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, vals, attn_mask=mask,
+                                             is_causal=causal and mask is None, enable_gqa=h != kv)
+        return out.to(q.dtype)
+    g = h // kv
+    qg = q.reshape(kv, g * s, e).to(keys.dtype)  # heads of one group share a KV head
+    scores = torch.matmul(qg, keys[0].transpose(1, 2)).float() * (1.0 / math.sqrt(e))  # [K, G*S, T]
+    if mask is None and causal:
+        mask = causal_mask(keys.shape[2] - s, s, q.device).view(1, 1, s, -1)
+    if mask is not None:
+        scores = scores.view(kv, g, s, -1).masked_fill(~mask[0], float("-inf")).view(kv, g * s, -1)
+    probs = torch.softmax(scores, dim=-1).to(vals.dtype)
+    return torch.matmul(probs, vals[0]).view(1, h, s, e).to(q.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        h, k, e = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wqkv = nn.Linear(args.dim, (h + 2 * k) * e, bias=args.qkv_bias)
+        self.wo = nn.Linear(h * e, args.dim, bias=False)
+
+    def forward(self, x, cos, sin, layer: int, caches: list[SeqKV], masks: list[torch.Tensor | None]):
+        # x: [B, S, D]; every sequence b appends S positions to caches[b]
+        a = self.args
+        bsz, s, _ = x.shape
+        qkv = self.wqkv(x)
+        q, k, v = qkv.split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim], -1)
+        q = apply_rope(q.view(bsz, s, a.n_heads, a.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(bsz, s, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(bsz, s, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        outs = []
+        for b, cache in enumerate(caches):
+            start = cache.length
+            cache.k[layer, :, start:start + s] = k[b]
+            cache.v[layer, :, start:start + s] = v[b]
+            keys = cache.k[layer, :, : start + s].unsqueeze(0)  # [1, K, T, E]
+            vals = cache.v[layer, :, : start + s].unsqueeze(0)
+            outs.append(attend(q[b:b + 1], keys, vals, masks[b], causal=s > 1 and start == 0))
+        out = torch.cat(outs, 0).transpose(1, 2).reshape(bsz, s, a.n_heads * a.head_dim)
+        return self.wo(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn = Attention(args)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, layer, caches, masks):
+        x = x + self.attn(self.attn_norm(x), cos, sin, layer, caches, masks)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        # KV in fp32 on CPU: small attention matmuls run ~2.5x faster in fp32 than bf16
+        # there (measured), and the cache is small next to the weights.
+        self.kv_dtype: torch.dtype | None = None
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, capacity: int = 256) -> SeqKV:
+        dtype = self.kv_dtype or (torch.float32 if self.device.type == "cpu" else self.dtype)
+        return SeqKV(self.args, capacity, dtype, self.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [B, S] -> cos, sin: [B, 1, S, E]
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, S, E/2]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def forward(self, tokens: torch.Tensor, caches: list[SeqKV], positions: torch.Tensor | None = None,
+                masks: list[torch.Tensor | None] | None = None, logits_for: str = "last") -> torch.Tensor:
+        """Run new tokens [B, S] through every layer, appending to each sequence's KV.
+
+        ``positions`` default to each cache's length onward; ``masks[b]`` is a boolean
+        [S, T] (True = attend) for sequence b, default causal.  Returns logits of the
+        last position [B, V] (``logits_for="last"``) or of all positions [B, S, V].
+        """
+        bsz, s = tokens.shape
+        if positions is None:
+            base = torch.tensor([c.length for c in caches], device=tokens.device)
+            positions = base.unsqueeze(1) + torch.arange(s, device=tokens.device)
+        if masks is None:
+            masks = [None if c.length == 0 or s == 1 else causal_mask(c.length, s, tokens.device) for c in caches]
+        masks = [m.view(1, 1, *m.shape) if m is not None else None for m in masks]
+        for c in caches:
+            c.reserve(s)
+        cos, sin = self.rope(positions)
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, caches, masks)
+        for c in caches:
+            c.length += s
+        x = self.norm(x[:, -1:] if logits_for == "last" else x)
+        logits = self.head(x)
+        return logits[:, -1] if logits_for == "last" else logits
+
+
+def causal_mask(cached: int, new: int, device) -> torch.Tensor:
+    """[new, cached + new] boolean: each new token sees the cache and earlier new tokens."""
+    t = cached + new
+    return torch.arange(t, device=device).unsqueeze(0) <= (cached + torch.arange(new, device=device)).unsqueeze(1)
+
+
+@torch.no_grad()
+def from_hf(hf_model) -> Transformer:
+    """Build a ``Transformer`` with the weights of a Hugging Face Llama/Mistral/Qwen2 model."""
+    cfg = hf_model.config
+    args = ModelArgs.from_hf_config(cfg)
+    sd = hf_model.state_dict()
+    dtype = next(hf_model.parameters()).dtype
+    device = next(hf_model.parameters()).device
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device=device).to(dtype)
+    model.inv_freq = rope_frequencies(args).to(device)
+    model.embed.weight.copy_(sd["model.embed_tokens.weight"])
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        layer.attn.wqkv.weight.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+        if args.qkv_bias:
+            layer.attn.wqkv.bias.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
+        layer.attn.wo.weight.copy_(sd[p + "self_attn.o_proj.weight"])
+        layer.mlp.w13.weight.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
+        layer.mlp.w2.weight.copy_(sd[p + "mlp.down_proj.weight"])
+        layer.attn_norm.weight.copy_(sd[p + "input_layernorm.weight"])
+        layer.mlp_norm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
+    model.norm.weight.copy_(sd["model.norm.weight"])
+    if args.tie_embeddings or "lm_head.weight" not in sd:
+        model.head.weight = model.embed.weight
+    else:
+        model.head.weight.copy_(sd["lm_head.weight"])
+    return model.eval()

@@ -1,0 +1,93 @@
+"""The own forward against transformers' models on small random configs (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+from codecomplete.model.transformer import causal_mask, from_hf
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "llama3-rope": (LlamaConfig, LlamaForCausalLM, {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+}
+
+
+def pair(family: str, tie: bool = False):
+    torch.manual_seed(0)
+    config_cls, model_cls, extra = FAMILIES[family]
+    cfg = config_cls(vocab_size=311, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                     tie_word_embeddings=tie, **extra)
+    hf = model_cls(cfg).eval()
+    return hf, from_hf(hf)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_match_transformers_with_chunked_prefill(family):
+    """Guards the forward and the KV cache: chunks through the cache = one pass of HF."""
+    hf, own = pair(family, tie=family == "llama")
+    ids = torch.randint(0, 311, (1, 40))
+    with torch.no_grad():
+        want = hf(ids).logits
+        cache = own.new_cache(8)  # small on purpose: it must grow
+        got = torch.cat([own(ids[:, a:b], [cache], logits_for="all") for a, b in ((0, 17), (17, 18), (18, 40))], 1)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_tokens_identical(family):
+    hf, own = pair(family)
+    prompt = torch.randint(0, 311, (1, 12))
+    with torch.no_grad():
+        ref = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)[0, 12:].tolist()
+        cache, out = own.new_cache(), []
+        logits = own(prompt, [cache])
+        for _ in range(20):
+            out.append(int(logits[0].argmax()))
+            logits = own(torch.tensor([[out[-1]]]), [cache])
+    assert out == ref
+
+
+def test_batched_decode_equals_one_at_a_time():
+    """Guards batching: sequences of different lengths stepped together."""
+    _, own = pair("llama")
+    prompts = [torch.randint(0, 311, (1, n)) for n in (5, 9, 14)]
+    with torch.no_grad():
+        caches = [own.new_cache() for _ in prompts]
+        first = [own(p, [c]) for p, c in zip(prompts, caches)]
+        tokens = torch.tensor([[int(f[0].argmax())] for f in first])
+        batched = own(tokens, caches)
+        alone = []
+        for p, t in zip(prompts, tokens):
+            c = own.new_cache()
+            own(p, [c])
+            alone.append(own(t.view(1, 1), [c])[0])
+    torch.testing.assert_close(batched, torch.stack(alone), atol=1e-5, rtol=1e-5)
+
+
+def test_explicit_positions_and_mask_reproduce_the_causal_default():
+    """Guards the hooks speculation needs: explicit positions and a 4D-able mask."""
+    _, own = pair("qwen2")
+    ids = torch.randint(0, 311, (1, 10))
+    with torch.no_grad():
+        c1, c2 = own.new_cache(), own.new_cache()
+        own(ids[:, :6], [c1])
+        own(ids[:, :6], [c2])
+        a = own(ids[:, 6:], [c1], logits_for="all")
+        b = own(ids[:, 6:], [c2], positions=torch.arange(6, 10).view(1, 4), masks=[causal_mask(6, 4, "cpu")],
+                logits_for="all")
+    torch.testing.assert_close(a, b)
+
+
+def test_unsupported_family_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(ValueError, match="not supported"):
+        from_hf(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))
