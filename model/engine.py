@@ -134,6 +134,8 @@ def advance(lm: LoadedModel, live: Live, vocab: "_Vocab | None") -> bool:
     token = pick_token(live.logits, live.pending, vocab)
     if token in lm.stop_ids and not (request.ignore_eos and not live.pending):
         return _finish(live, rules.finish(live.text), "eos")
+    if not live.generated:
+        live.timings["first_token_ms"] = (time.perf_counter() - live.t0) * 1000
     live.generated.append(token)
     if live.pending and vocab is not None:
         piece = vocab.texts[token]

@@ -1,0 +1,368 @@
+"""EFIM serving benchmark: the paper's §4.2 workload on this engine and on peers.
+
+Workload (EFIM's own benchmark code): each user owns a code sample T of 2-4k tokens;
+h = len(T)/2; the suffix is T[h:] (fixed); the prefix starts as T[:h/(R+2)] and each
+round appends the next h/(R+2) characters of ground truth.  U users run R rounds each,
+closed loop (a user sends round r+1 when round r answers), all starting together.  Every
+request generates exactly OUT tokens (EOS ignored), so schemes do equal work.
+
+Schemes on this engine: baseline (PSM prompts, no KV reuse), fim (PSM + KV store),
+efim (EFIM prompts + KV store).  Peers, same prompts, same machine, same run:
+transformers with one DynamicCache per user cropped to the longest common prefix, and
+llama.cpp (llama-cpp-python) with one context per user (its own prefix reuse), each
+serving one request at a time.
+
+The model is SmolLM2-135M (the current default).  It has no FIM tokens, so prompts
+frame prefix/suffix/middle with three of its existing special tokens; outputs have a
+fixed length, so only the cost is measured here, not quality.
+
+Usage: python bench/efim_serving.py [--users 16 --rounds 5] [--quick] [--sweep 1,2,4,8]
+Writes bench/results/efim_serving.md (+ .json, + the sweep plot PNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import sysconfig
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, header  # noqa: E402
+
+from codecomplete.model.api import CompletionRequest, EngineSettings  # noqa: E402
+from codecomplete.model.engine import Engine  # noqa: E402
+from codecomplete.model.fim import TEMPLATES, FimTemplate  # noqa: E402
+
+BENCH_TEMPLATE = FimTemplate("smollm2-bench", "<repo_name>", "<reponame>", "<file_sep>", stop=("<|endoftext|>",))
+TEMPLATES[BENCH_TEMPLATE.name] = BENCH_TEMPLATE
+SCHEMES = {
+    "baseline": dict(kv_budget_mb=0, efim=False),
+    "fim": dict(efim=False),
+    "efim": dict(efim=True),
+}
+
+
+def samples(tokenizer, n: int, lo: int = 2000, hi: int = 4000, seed: int = 0) -> list[str]:
+    """n real code samples of lo..hi tokens from CPython's standard library (PSF licence)."""
+    import random
+
+    rng = random.Random(seed)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.glob("*.py") if 20_000 < p.stat().st_size < 200_000)
+    rng.shuffle(files)
+    out = []
+    for f in files:
+        text = f.read_text(errors="replace")
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) < lo:
+            continue
+        size = rng.randint(lo, min(hi, len(ids)))
+        start = rng.randint(0, len(ids) - size)
+        out.append(tokenizer.decode(ids[start:start + size]))
+        if len(out) == n:
+            return out
+    raise RuntimeError("not enough samples")
+
+
+def workload(texts: list[str], rounds: int) -> list[list[tuple[str, str]]]:
+    """Per user, per round: (prefix, suffix)."""
+    plan = []
+    for t in texts:
+        h = len(t) // 2
+        step = h // (rounds + 2)
+        plan.append([(t[: step * (r + 1)], t[h:]) for r in range(rounds)])
+    return plan
+
+
+def summarize(records: list[dict], wall: float) -> dict:
+    lat = sorted(r["latency_ms"] for r in records)
+    warm = [r for r in records if r["round"] > 0]
+    return {
+        "requests": len(records), "wall_s": round(wall, 2),
+        "mean_ms": round(statistics.mean(lat), 1), "p50_ms": round(lat[len(lat) // 2], 1),
+        "p99_ms": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1),
+        "ttft_ms": round(statistics.mean(r["ttft_ms"] for r in records), 1),
+        "req_per_s": round(len(records) / wall, 3),
+        "input_tok_per_s": round(sum(r["prompt_tokens"] for r in records) / wall, 1),
+        "reuse_warm": round(sum(r["reused"] for r in warm) / max(1, sum(r["prompt_tokens"] for r in warm)), 4),
+        "reuse_all": round(sum(r["reused"] for r in records) / max(1, sum(r["prompt_tokens"] for r in records)), 4),
+    }
+
+
+def closed_loop(users: list[list[tuple[str, str]]], serve) -> tuple[list[dict], float]:
+    """Every user runs its rounds in order; all users at once."""
+    records: list[dict] = []
+    lock = threading.Lock()
+
+    def user(u: int):
+        for r, (prefix, suffix) in enumerate(users[u]):
+            t0 = time.perf_counter()
+            rec = serve(u, prefix, suffix)
+            rec.update(user=u, round=r, latency_ms=(time.perf_counter() - t0) * 1000)
+            with lock:
+                records.append(rec)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(users)) as pool:
+        list(pool.map(user, range(len(users))))
+    return records, time.perf_counter() - t0
+
+
+def run_engine(scheme: str, users, out_len: int, budget_mb: int, max_tokens: int) -> dict:
+    settings = EngineSettings(model="default", template=BENCH_TEMPLATE.name, max_prefix_tokens=max_tokens,
+                              max_suffix_tokens=max_tokens, token_healing=False, inc_bound=max_tokens,
+                              kv_budget_mb=budget_mb, max_batch=64)
+    for k, v in SCHEMES[scheme].items():
+        setattr(settings, k, v)
+    engine = Engine(settings).start()
+    engine.ready.wait()
+
+    def serve(u, prefix, suffix):
+        c = engine.complete(CompletionRequest(prefix, suffix, request_id=f"u{u}", mode="multi",
+                                              max_tokens=out_len, time_budget_ms=600_000,
+                                              session_key=f"user{u}", ignore_eos=True))
+        assert c.generated_tokens == out_len, c
+        return {"prompt_tokens": c.prompt_tokens, "reused": c.reused_tokens, "kind": c.prompt_kind,
+                "ttft_ms": c.timings.get("queue_ms", 0) + c.timings.get("first_token_ms", 0)}
+
+    records, wall = closed_loop(users, serve)
+    stats = engine.stats()
+    engine.close()
+    out = summarize(records, wall)
+    out["prompt_kinds"] = stats["prompts"]
+    out["evictions"] = stats["kv_store"]["evictions"]
+    return out
+
+
+def psm_ids(tokenizer, prefix: str, suffix: str) -> list[int]:
+    from codecomplete.model.prompts import SessionPool, Tokens
+
+    plan = SessionPool().plan(None, prefix, suffix, BENCH_TEMPLATE, Tokens(tokenizer), 8192, 8192, efim=False)
+    return plan.ids
+
+
+def run_transformers(users, out_len: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    from codecomplete.model.loader import resolve_checkpoint
+
+    _, ckpt = resolve_checkpoint("default")
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    state: dict[int, tuple[list[int], DynamicCache]] = {}
+    lock = threading.Lock()
+
+    def serve(u, prefix, suffix):
+        ids = psm_ids(tok, prefix, suffix)
+        with lock, torch.inference_mode():
+            t0 = time.perf_counter()
+            prev_ids, cache = state.get(u, ([], None))
+            common = 0
+            while common < min(len(prev_ids), len(ids) - 1) and prev_ids[common] == ids[common]:
+                common += 1
+            if cache is None or common == 0:
+                cache, common = DynamicCache(config=model.config), 0
+            elif cache.get_seq_length() > common:
+                cache.crop(common - cache.get_seq_length())  # transformers 5: negative = drop that many
+            common = min(common, cache.get_seq_length())
+            out = model(input_ids=torch.tensor([ids[common:]]), past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
+            ttft = (time.perf_counter() - t0) * 1000
+            full = list(ids)
+            for _ in range(out_len):
+                nxt = int(out.logits[0, -1].argmax())
+                full.append(nxt)
+                out = model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True,
+                            logits_to_keep=1)
+            state[u] = (full, cache)
+        return {"prompt_tokens": len(ids), "reused": common, "ttft_ms": ttft}
+
+    records, wall = closed_loop(users, serve)
+    return summarize(records, wall)
+
+
+def run_llamacpp(users, out_len: int) -> dict | str:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return "llama-cpp-python is not installed (see docs/benchmarks.md)"
+    from transformers import AutoTokenizer
+
+    from codecomplete.model.loader import default_model_path, resolve_checkpoint
+
+    _, ckpt = resolve_checkpoint("default")
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    contexts = {u: Llama(model_path=str(default_model_path()), n_ctx=8192, n_threads=2, n_batch=512,
+                         verbose=False) for u in range(len(users))}
+    lock = threading.Lock()
+
+    def serve(u, prefix, suffix):
+        ids = psm_ids(tok, prefix, suffix)
+        llm = contexts[u]
+        with lock:
+            t0 = time.perf_counter()
+            before = llm.n_tokens
+            common = 0
+            cached = llm.input_ids[:before].tolist()
+            while common < min(len(cached), len(ids) - 1) and cached[common] == ids[common]:
+                common += 1
+            ttft = None
+            for i, _ in enumerate(llm.generate(ids, top_k=1, temp=0.0, reset=True)):
+                if i == 0:
+                    ttft = (time.perf_counter() - t0) * 1000
+                if i + 1 >= out_len:
+                    break
+        return {"prompt_tokens": len(ids), "reused": common, "ttft_ms": ttft or 0.0}
+
+    records, wall = closed_loop(users, serve)
+    return summarize(records, wall)
+
+
+def decode_speed() -> dict:
+    """Per-token decode (batch 1, 1k-token context) and the weight-bandwidth bound."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from codecomplete.model.loader import load_model, resolve_checkpoint
+
+    lm = load_model("default")
+    ids = torch.randint(100, 40000, (1, 1024))
+    with torch.inference_mode():
+        cache = lm.model.new_cache(1200)
+        lm.model(ids, [cache])
+        tok = torch.tensor([[5]])
+        for _ in range(5):
+            lm.model(tok, [cache])
+        t = time.perf_counter()
+        for _ in range(30):
+            lm.model(tok, [cache])
+        own_ms = (time.perf_counter() - t) / 30 * 1000
+        _, ckpt = resolve_checkpoint("default")
+        hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=lm.dtype).eval()
+        out = hf(input_ids=ids, use_cache=True, logits_to_keep=1)
+        c = out.past_key_values
+        for _ in range(5):
+            hf(input_ids=tok, past_key_values=c, use_cache=True, logits_to_keep=1)
+        t = time.perf_counter()
+        for _ in range(30):
+            hf(input_ids=tok, past_key_values=c, use_cache=True, logits_to_keep=1)
+        hf_ms = (time.perf_counter() - t) / 30 * 1000
+        big = torch.randn(64 * 2**20)
+        big.sum()
+        t = time.perf_counter()
+        for _ in range(5):
+            big.sum()
+        bandwidth = 5 * big.numel() * 4 / (time.perf_counter() - t)
+    weight_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    weight_bytes += lm.model.head.weight.numel() * lm.model.head.weight.element_size()  # tied: read twice
+    return {"own_ms": round(own_ms, 2), "transformers_ms": round(hf_ms, 2), "dtype": str(lm.dtype),
+            "bandwidth_gb_s": round(bandwidth / 1e9, 1), "bound_ms": round(weight_bytes / bandwidth * 1000, 2)}
+
+
+def table(rows: dict[str, dict]) -> list[str]:
+    cols = ["mean_ms", "p50_ms", "p99_ms", "ttft_ms", "req_per_s", "input_tok_per_s", "reuse_warm"]
+    out = ["| scheme | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, r in rows.items():
+        if isinstance(r, str):
+            out.append(f"| {name} | {r} |" + " |" * (len(cols) - 1))
+        else:
+            out.append(f"| {name} | " + " | ".join(str(r[c]) for c in cols) + " |")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--users", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out-len", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--quick", action="store_true", help="4 users x 3 rounds, 32 tokens")
+    ap.add_argument("--sweep", default="", help="user counts for the sweep, e.g. 1,2,4,8,16,32")
+    ap.add_argument("--sweep-budget-mb", type=int, default=256)
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS / "efim_serving.md")
+    args = ap.parse_args()
+    if args.quick:
+        args.users, args.rounds, args.out_len = 4, 3, [32]
+    from transformers import AutoTokenizer
+
+    from codecomplete.model.loader import resolve_checkpoint
+
+    _, ckpt = resolve_checkpoint("default")
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    texts = samples(tok, max(args.users, max([int(x) for x in args.sweep.split(",") if x] or [0])))
+    results: dict = {"config": vars(args) | {"out": str(args.out)}, "runs": {}, "sweep": {}}
+    lines = [header("EFIM serving: Baseline vs FIM vs EFIM, and peers"), ""]
+    for out_len in args.out_len:
+        users = workload(texts[: args.users], args.rounds)
+        rows: dict[str, dict | str] = {}
+        for scheme in SCHEMES:
+            print(f"{scheme} out={out_len} ...", file=sys.stderr)
+            rows[scheme] = run_engine(scheme, users, out_len, budget_mb=2048, max_tokens=8192)
+        if not args.no_peers:
+            print(f"transformers out={out_len} ...", file=sys.stderr)
+            rows["transformers (DynamicCache + LCP)"] = run_transformers(users, out_len)
+            print(f"llama.cpp out={out_len} ...", file=sys.stderr)
+            rows["llama.cpp (context per user)"] = run_llamacpp(users, out_len)
+        results["runs"][str(out_len)] = rows
+        base, efim = rows["baseline"], rows["efim"]
+        lines += [f"## {args.users} users x {args.rounds} rounds, {out_len} output tokens", ""] + table(rows) + [
+            "", f"EFIM vs Baseline: mean latency {efim['mean_ms'] / base['mean_ms']:.2f}x, "
+                f"request throughput {efim['req_per_s'] / base['req_per_s']:.2f}x; reuse on warm rounds: "
+                f"EFIM {efim['reuse_warm']:.1%}, FIM {rows['fim']['reuse_warm']:.1%}.", ""]
+    if args.sweep:
+        counts = [int(x) for x in args.sweep.split(",")]
+        for scheme in SCHEMES:
+            results["sweep"][scheme] = {}
+            for n in counts:
+                print(f"sweep {scheme} users={n} ...", file=sys.stderr)
+                users = workload(texts[:n], args.rounds)
+                results["sweep"][scheme][n] = run_engine(scheme, users, args.out_len[0], args.sweep_budget_mb, 8192)
+        png = args.out.with_suffix(".png")
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+        for scheme, pts in results["sweep"].items():
+            ax[0].plot(counts, [pts[n]["mean_ms"] for n in counts], marker="o", label=scheme)
+            ax[1].plot(counts, [pts[n]["req_per_s"] for n in counts], marker="o", label=scheme)
+        ax[0].set(xlabel="users", ylabel="mean latency (ms)", xscale="log", yscale="log")
+        ax[1].set(xlabel="users", ylabel="requests/s", xscale="log")
+        ax[0].legend()
+        fig.suptitle(f"User sweep, KV budget {args.sweep_budget_mb} MB, {args.rounds} rounds, "
+                     f"{args.out_len[0]} output tokens")
+        fig.tight_layout()
+        fig.savefig(png, dpi=100)
+        lines += [f"## User sweep (KV budget {args.sweep_budget_mb} MB, {args.out_len[0]} output tokens)", "",
+                  "| users | " + " | ".join(f"{s} mean ms | {s} req/s" for s in SCHEMES) + " |",
+                  "|---" * (1 + 2 * len(SCHEMES)) + "|"]
+        for n in counts:
+            lines.append(f"| {n} | " + " | ".join(
+                f"{results['sweep'][s][n]['mean_ms']} | {results['sweep'][s][n]['req_per_s']}" for s in SCHEMES) + " |")
+        lines += ["", f"![sweep]({png.name})", ""]
+    print("decode speed ...", file=sys.stderr)
+    speed = decode_speed()
+    results["decode"] = speed
+    lines += ["## Decode, batch 1, 1k-token context", "",
+              f"- own forward: {speed['own_ms']} ms/token; transformers: {speed['transformers_ms']} ms/token "
+              f"({speed['own_ms'] / speed['transformers_ms']:.2f}x), both {speed['dtype']}",
+              f"- weight-bandwidth bound: {speed['bound_ms']} ms/token (weights read per token / "
+              f"{speed['bandwidth_gb_s']} GB/s measured); own forward at "
+              f"{speed['own_ms'] / speed['bound_ms']:.1f}x the bound", ""]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines))
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    print(args.out.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
