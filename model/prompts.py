@@ -20,7 +20,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-GRID = 64  # lines: the window's start moves in steps of this many lines
+GRID = 16  # lines: the window's start moves in steps of this many lines
 CHARS_PER_TOKEN = 3  # a cautious estimate for code, used only to size windows
 
 
@@ -41,20 +41,19 @@ class Session:
 
 
 def window_start(prefix: str, max_tokens: int) -> int:
-    """Start offset of the prefix window: a line start on the GRID, so it is stable."""
+    """Start offset of the prefix window: a line start on the GRID, so it is stable.
+
+    Rounding down keeps at most GRID lines more than the budget; the start moves only
+    when the cursor crosses GRID lines.
+    """
     budget = max_tokens * CHARS_PER_TOKEN
     if len(prefix) <= budget:
         return 0
-    need = len(prefix) - budget
-    line = prefix.count("\n", 0, need)
-    line = -(-line // GRID) * GRID  # round up to the grid
+    line = prefix.count("\n", 0, len(prefix) - budget) // GRID * GRID
     start = 0
     for _ in range(line):
-        nxt = prefix.find("\n", start)
-        if nxt < 0:
-            break
-        start = nxt + 1
-    return min(start, prefix.rfind("\n") + 1) if start > need else start
+        start = prefix.index("\n", start) + 1
+    return start
 
 
 def suffix_window(suffix: str, max_tokens: int) -> str:
