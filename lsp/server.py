@@ -265,20 +265,20 @@ class CodecompleteServer(LanguageServer):
         log.error("server error (%s): %s", getattr(source, "__name__", source), error)
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """pygls hands the params of custom methods over as namedtuples: make them dicts."""
     if hasattr(value, "_asdict"):
-        return {k: _plain(v) for k, v in value._asdict().items()}
+        return {k: plain(v) for k, v in value._asdict().items()}
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     return value
 
 
 def completion_id_of(params: Any) -> str | None:
     """Find our completion id in a notification's params, ours or Copilot-shaped."""
-    params = _plain(params)
+    params = plain(params)
     if not isinstance(params, dict):
         return None
     if isinstance(params.get("completionId"), str):
@@ -334,22 +334,15 @@ def create_server(engine, config: Config, repo: Path | None = None,
     def accept(ls: CodecompleteServer, *args):
         ls.record_event("accepted", args[0] if args else None)
 
-    @server.feature(SHOWN)
-    @server.feature(COPILOT_SHOWN)
-    def shown(ls: CodecompleteServer, params: Any):
-        ls.record_event("shown", params)
+    def counter(kind: str):
+        def handler(ls: CodecompleteServer, params: Any):
+            ls.record_event(kind, params)
 
-    @server.feature(ACCEPTED)
-    def accepted(ls: CodecompleteServer, params: Any):
-        ls.record_event("accepted", params)
+        return handler
 
-    @server.feature(COPILOT_PARTIAL)
-    def partially_accepted(ls: CodecompleteServer, params: Any):
-        ls.record_event("partially_accepted", params)
-
-    @server.feature(REJECTED)
-    def rejected(ls: CodecompleteServer, params: Any):
-        ls.record_event("rejected", params)
+    for method, kind in ((SHOWN, "shown"), (COPILOT_SHOWN, "shown"), (ACCEPTED, "accepted"),
+                         (COPILOT_PARTIAL, "partially_accepted"), (REJECTED, "rejected")):
+        server.feature(method)(counter(kind))
 
     @server.feature(STATS_REQUEST)
     def stats(ls: CodecompleteServer, params: Any):

@@ -10,6 +10,8 @@ from pathlib import Path
 from lsprotocol import types as T
 from pytest_lsp import LanguageClient, make_test_lsp_client
 
+from codecomplete.lsp.server import plain
+
 
 async def start_daemon(repo: Path, model: Path, *, encodings: list[str] | None = None,
                        init_options: dict | None = None, extra_args: tuple[str, ...] = ()) -> LanguageClient:
@@ -54,19 +56,8 @@ async def complete(client: LanguageClient, uri: str, line: int, char: int, invok
     return list(result.items if isinstance(result, T.InlineCompletionList) else (result or []))
 
 
-def _plain(value):
-    """pygls hands custom results back as namedtuples: turn them into dicts."""
-    if hasattr(value, "_asdict"):
-        return {k: _plain(v) for k, v in value._asdict().items()}
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 async def stats(client: LanguageClient) -> dict:
-    return _plain(await client.protocol.send_request_async("codecomplete/stats", {}))
+    return plain(await client.protocol.send_request_async("codecomplete/stats", {}))
 
 
 async def send_raw(client: LanguageClient, body: bytes, msg_id: str | None = None):
