@@ -90,16 +90,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # HF Llama's order: normalise in fp32, cast back, then scale (one fused op here).
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, heads, S, E]; cos, sin: [B, 1, S, E] (the rotate-half layout of HF Llama)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    # x: [B, heads, S, E]; cos, sin: [B, 1, S, E], sin's first half negated (see rope()):
+    # HF Llama's rotate-half, x*cos + cat(-x2, x1)*sin, as one roll.
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class SeqKV:
@@ -248,8 +246,11 @@ class Transformer(nn.Module):
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, S] -> cos, sin: [B, 1, S, E]
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, S, E/2]
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos = freqs.cos()
+        sin = freqs.sin()
+        cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+        sin = torch.cat((-sin, sin), dim=-1).unsqueeze(1)  # signs of rotate-half folded in
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def forward(self, tokens: torch.Tensor, caches: list[SeqKV], positions: torch.Tensor | None = None,
                 masks: list[torch.Tensor | None] | None = None, logits_for: str = "last") -> torch.Tensor:
