@@ -47,3 +47,26 @@ def test_read_source_rejects_binary_big_and_non_utf8(tmp_path):
     with pytest.raises(SourceError, match="not a regular file"):
         read_source(tmp_path)
     assert read_source(tmp_path / "ok") == "héllo"
+
+
+def test_gguf_is_converted_once_and_serves(tmp_path, monkeypatch):
+    """Guards .gguf loading: transformers dequantizes the default model's GGUF into a
+    cached safetensors checkpoint that the own forward serves; the second load reuses it."""
+    import torch
+
+    from codecomplete.model.api import CompletionRequest, EngineSettings
+    from codecomplete.model.engine import generate
+    from codecomplete.model.loader import load_model
+
+    monkeypatch.setenv("CODECOMPLETE_CACHE_DIR", str(tmp_path))
+    gguf = default_model_path()
+    lm = load_model(str(gguf), device="cpu", dtype="bfloat16")
+    converted = list((tmp_path / "models").iterdir())
+    assert len(converted) == 1 and (converted[0] / "model.safetensors").is_file()
+    assert lm.template.template is None  # SmolLM2 has no FIM tokens: prefix-only
+    with torch.inference_mode():
+        result = generate(lm, CompletionRequest("def add(a, b):\n    return a", "\n", max_tokens=8),
+                          EngineSettings(token_healing=False))
+    assert result.text.strip().startswith("+ b")
+    again = load_model(str(gguf), device="cpu", dtype="bfloat16")
+    assert again.path == str(converted[0]) and again.load_seconds < lm.load_seconds
