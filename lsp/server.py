@@ -55,7 +55,6 @@ class Pending:
 
     request: CompletionRequest
     uri: str
-    version: int | None
     superseded: bool = False
     stale: bool = False
 
@@ -116,16 +115,16 @@ class CodecompleteServer(LanguageServer):
         return warnings
 
     # -- completions -----------------------------------------------------------------
-    def document_text(self, uri: str) -> tuple[str, int | None]:
-        """Text and version of an open document, else of the file on disk."""
+    def document_text(self, uri: str) -> str:
+        """Text of an open document, else of the file on disk."""
         doc = self.workspace.text_documents.get(uri)
         if doc is not None:
-            return doc.source, doc.version
+            return doc.source
         path = to_fs_path(uri) if uri.startswith("file:") else None
         if path is None:
             raise JsonRpcInvalidParams(f"unknown document {uri}: not open and not a file uri")
         try:
-            return read_source(path, self.config.completion.max_document_bytes), None
+            return read_source(path, self.config.completion.max_document_bytes)
         except SourceError as exc:
             raise JsonRpcInvalidParams(f"cannot complete in {uri}: {exc}") from exc
 
@@ -145,7 +144,7 @@ class CodecompleteServer(LanguageServer):
         self.counters.requests += 1
         uri = params.text_document.uri
         cfg = self.config.completion
-        text, version = self.document_text(uri)
+        text = self.document_text(uri)
         if not cfg.enabled:
             return self._empty()
         if len(text) > cfg.max_document_bytes:
@@ -161,7 +160,7 @@ class CodecompleteServer(LanguageServer):
         request = CompletionRequest(prefix=cursor.prefix, suffix=cursor.suffix, request_id=rid,
                                     mode=cfg.mode, max_tokens=cfg.max_tokens, max_lines=cfg.max_lines,
                                     time_budget_ms=cfg.time_budget_ms, session_key=uri)
-        pending = Pending(request, uri, version)
+        pending = Pending(request, uri)
         self._supersede(uri, superseded=True)
         self.pending[uri] = pending
         try:

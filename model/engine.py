@@ -93,8 +93,8 @@ def pick_token(logits: torch.Tensor, pending: str, vocab: "_Vocab | None") -> in
 
 def plan_prompt(lm: LoadedModel, request: CompletionRequest, settings: EngineSettings,
                 vocab: "_Vocab | None", pool: SessionPool | None) -> PromptPlan:
-    pool = pool or SessionPool()
-    return pool.plan(request.session_key if pool is not None else None, request.prefix, request.suffix,
+    pool = pool or SessionPool()  # a fresh pool: a PSM prompt, as for a new document
+    return pool.plan(request.session_key, request.prefix, request.suffix,
                      lm.template.template, Tokens(lm.tokenizer, vocab), settings.max_prefix_tokens,
                      settings.max_suffix_tokens, efim=settings.efim)
 
