@@ -113,7 +113,7 @@ def start(lm: LoadedModel, request: CompletionRequest, plan: PromptPlan, store: 
         match = store.match_prefix(ids)
         reuse = min(match.length, len(ids) - 1)  # at least one token runs: its logits start decoding
         if reuse > 0:
-            cache.load(match.k[:, :, :reuse], match.v[:, :, :reuse])
+            cache.load(match.parts, reuse)
             live.nodes = match.nodes
             store.lock(match.nodes)
         live.reused = reuse

@@ -40,8 +40,15 @@ class Node:
 class Match:
     length: int  # tokens with cached KV
     nodes: list[Node]  # the path, for lock/unlock
-    k: torch.Tensor | None  # [L, K, length, E], or None when length == 0
-    v: torch.Tensor | None
+    parts: list[tuple[torch.Tensor, torch.Tensor]]  # per edge: views k, v [L, K, n, E]
+
+    @property
+    def k(self) -> torch.Tensor | None:  # [L, K, length, E]: a copy, for inspection
+        return torch.cat([k for k, _ in self.parts], 2) if self.parts else None
+
+    @property
+    def v(self) -> torch.Tensor | None:
+        return torch.cat([v for _, v in self.parts], 2) if self.parts else None
 
 
 class KVStore:
@@ -54,29 +61,37 @@ class KVStore:
                       "evicted_tokens": 0, "evictions": 0}
 
     # -- lookup --------------------------------------------------------------------------
+    def _descend(self, ids: list[int], split: bool) -> tuple[list[tuple[Node, int]], Node, int]:
+        """Follow ``ids`` down from the root, stamping each edge as used.  Returns the
+        edges with how many of their tokens matched, the last fully matched node and the
+        matched length.  With ``split`` a partly matched edge is cut at the divergence."""
+        node, pos, path = self.root, 0, []
+        stamp = next(_clock)
+        while pos < len(ids):
+            child = node.children.get(ids[pos])
+            if child is None:
+                break
+            n = _common(child.key, ids, pos)
+            child.last_access = stamp
+            if n < len(child.key):
+                if not split:
+                    path.append((child, n))
+                    pos += n
+                    break
+                child = self._split(child, n)
+            path.append((child, n))
+            pos += n
+            node = child
+        return path, node, pos
+
     def match_prefix(self, ids: list[int], count: bool = True) -> Match:
         with self._lock:
-            node, pos, path, ks, vs = self.root, 0, [], [], []
-            stamp = next(_clock)
-            while pos < len(ids):
-                child = node.children.get(ids[pos])
-                if child is None:
-                    break
-                n = _common(child.key, ids, pos)
-                child.last_access = stamp
-                path.append(child)
-                ks.append(child.k[:, :, :n])
-                vs.append(child.v[:, :, :n])
-                pos += n
-                if n < len(child.key):
-                    break
-                node = child
+            path, _, pos = self._descend(ids, split=False)
             if count:
                 self.stats["lookups"] += 1
                 self.stats["prompt_tokens"] += len(ids)
-            k = torch.cat(ks, 2) if ks else None
-            v = torch.cat(vs, 2) if vs else None
-            return Match(pos, path, k, v)
+            parts = [(c.k[:, :, :n], c.v[:, :, :n]) for c, n in path]
+            return Match(pos, [c for c, _ in path], parts)
 
     def record_reuse(self, reused: int) -> None:
         with self._lock:
@@ -99,22 +114,11 @@ class KVStore:
         if self.budget <= 0 or not ids:
             return 0
         with self._lock:
-            node, pos = self.root, 0
-            stamp = next(_clock)
-            while pos < len(ids):
-                child = node.children.get(ids[pos])
-                if child is None:
-                    break
-                n = _common(child.key, ids, pos)
-                child.last_access = stamp
-                if n < len(child.key):
-                    child = self._split(child, n)
-                pos += n
-                node = child
+            _, node, pos = self._descend(ids, split=True)
             added = len(ids) - pos
             if added:
                 leaf = Node(tuple(ids[pos:]), k[:, :, pos:len(ids)].clone(), v[:, :, pos:len(ids)].clone(),
-                            node, last_access=stamp)
+                            node, last_access=next(_clock))
                 node.children[ids[pos]] = leaf
                 self.bytes += leaf.nbytes
                 self.stats["inserted_tokens"] += added

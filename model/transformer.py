@@ -125,21 +125,20 @@ class SeqKV:
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
 
-    def load(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Fill from cached KV [L, K, n, E] (the KV store's chunks)."""
-        n = k.shape[2]
+    def load(self, parts: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
+        """Fill the first ``n`` positions from cached KV pieces ``(k, v): [L, K, m, E]``
+        (the KV store's edges, in order), copying each once."""
         self.length = 0
         self.reserve(n)
-        self.k[:, :, :n] = k
-        self.v[:, :, :n] = v
-        self.length = n
-
-    def truncate(self, n: int) -> None:
-        self.length = min(self.length, n)
-
-    def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """KV of positions [start, end): [L, K, end-start, E] copies."""
-        return self.k[:, :, start:end].clone(), self.v[:, :, start:end].clone()
+        pos = 0
+        for k, v in parts:
+            m = min(k.shape[2], n - pos)
+            if m <= 0:
+                break
+            self.k[:, :, pos:pos + m] = k[:, :, :m]
+            self.v[:, :, pos:pos + m] = v[:, :, :m]
+            pos += m
+        self.length = pos
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None,
