@@ -12,6 +12,7 @@ import ipaddress
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 from codecomplete import __version__
@@ -66,7 +67,7 @@ def parse_tcp(value: str) -> tuple[str, int]:
 def serve(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="codecomplete-daemon", description=(
         "Serve inline code completions over the Language Server Protocol. "
-        "Subcommands: complete (one completion from the terminal)."))
+        "Subcommands: complete (one completion from the terminal), index (build the repository index)."))
     _common(p)
     p.add_argument("--tcp", type=parse_tcp, metavar="HOST:PORT",
                    help="listen on TCP instead of stdio (a bare PORT binds 127.0.0.1)")
@@ -94,6 +95,8 @@ def serve(argv: list[str]) -> int:
         else:
             server.start_io(sys.stdin.buffer, lsp_out)
     finally:
+        if server.index is not None:
+            server.index.close(timeout=2)
         engine.close(timeout=2)
     return 0
 
@@ -166,7 +169,66 @@ def complete(argv: list[str]) -> int:
     return 0
 
 
-SUBCOMMANDS = {"complete": complete}
+def index(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="codecomplete-daemon index",
+                                description="Build or update the repository index and print its stats.")
+    _common(p)
+    p.add_argument("--json", action="store_true", help="print the stats as JSON")
+    p.add_argument("--no-tokens", action="store_true", help="skip token ids (no model tokenizer needed)")
+    p.add_argument("--common", action="store_true",
+                   help="also build the common-code datastore for the model's tokenizer")
+    args = p.parse_args(argv)
+    setup_logging(args.verbose, args.log_file, quiet=not args.verbose)
+    repo = (args.repo or Path.cwd()).resolve()
+    if not repo.is_dir():
+        print(f"codecomplete-daemon index: {repo} is not a directory", file=sys.stderr)
+        return 2
+    cfg = build_config(args)
+    from codecomplete.indexer.index import RepoIndex
+    from codecomplete.indexer.progress import Progress
+
+    tokenizer = None
+    if not args.no_tokens:
+        from codecomplete.model.loader import ModelLoadError, load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(cfg.model.name)
+        except ModelLoadError as exc:
+            print(f"codecomplete-daemon index: {exc}", file=sys.stderr)
+            return 1
+    idx = RepoIndex(repo, Path(cfg.index_dir) if cfg.index_dir else None, tokenizer=tokenizer,
+                    max_file_bytes=cfg.index.max_file_bytes, watch=False)
+    t0 = time.perf_counter()
+    with Progress("indexing", enabled=sys.stderr.isatty() and not args.json) as bar:
+        idx.progress = bar.update
+        stats = idx.build()
+    seconds = time.perf_counter() - t0
+    counts = idx.counts()
+    out = {"repo": str(repo), "index": str(idx.db_path), "files": counts["files"], "tokens": counts["tokens"],
+           "bytes": counts["bytes"], "chunks": counts["chunks"], "definitions": counts["definitions"],
+           "seconds": round(seconds, 3), "files_indexed": stats["files_indexed"],
+           "files_unchanged": stats["files_unchanged"], "files_removed": stats["files_removed"],
+           "files_skipped": stats["files_skipped"], "skipped": stats["skipped"],
+           "tokenize_seconds": stats["tokens_seconds"], "rebuilt_from": stats["rebuilt_from"]}
+    if args.common and tokenizer is not None:
+        from codecomplete.indexer.common import build_common, common_dir
+
+        folder = common_dir(tokenizer)
+        info = build_common(tokenizer, folder)
+        out["common"] = {"path": str(folder), "tokens": info["tokens"], "files": info["documents"]}
+    idx.close()
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{out['files']} files, {out['tokens']} tokens, {out['bytes'] / 1e6:.1f} MB in "
+              f"{out['seconds']:.1f} s ({out['files_indexed']} indexed, {out['files_unchanged']} unchanged, "
+              f"{out['files_removed']} removed, {out['files_skipped']} skipped) -> {out['index']}")
+        if "common" in out:
+            print(f"common datastore: {out['common']['tokens']} tokens -> {out['common']['path']}")
+    return 0
+
+
+SUBCOMMANDS = {"complete": complete, "index": index}
 
 
 def main(argv: list[str] | None = None) -> int:

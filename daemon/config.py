@@ -52,6 +52,11 @@ class CompletionConfig:
     max_prefix_tokens: int = field(default=1024, metadata=_range(16, 32768))
     max_suffix_tokens: int = field(default=256, metadata=_range(0, 32768))
     token_healing: bool = True
+    # Repository snippets at the head of the prompt (definitions of names used near the
+    # cursor, similar code); 0 = none.  Off by default until the replay harness measures
+    # what they buy against the prefill they cost on a CPU.
+    context_snippets: int = field(default=0, metadata=_range(0, 16))
+    context_tokens: int = field(default=256, metadata=_range(16, 8192))
     max_document_bytes: int = field(default=2_000_000, metadata=_range(1024, None))
 
 
@@ -64,10 +69,21 @@ class EngineConfig:
 
 
 @dataclass
+class IndexConfig:
+    enabled: bool = True  # index the repository and watch it
+    watch: bool = True  # a watchdog observer; off: the start-up scan and open buffers only
+    max_file_bytes: int = field(default=1_000_000, metadata=_range(1024, None))
+    debounce_ms: int = field(default=50, metadata=_range(0, 10000))  # quiet time before a reconcile
+    common: bool = True  # the common-code datastore (built once per tokenizer, memory-mapped)
+    snippet_budget_ms: int = field(default=40, metadata=_range(1, 5000))
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     completion: CompletionConfig = field(default_factory=CompletionConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
     index_dir: str = ""  # "" -> the user cache directory keyed by the repository path
     log_level: str = field(default="info", metadata=_choice("debug", "info", "warning", "error"))
 

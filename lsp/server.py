@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 ACCEPT_COMMAND = "codecomplete.accept"
 STATS_REQUEST = "codecomplete/stats"
+RETRIEVE_REQUEST = "codecomplete/retrieve"
 SHOWN = "codecomplete/didShowCompletion"
 ACCEPTED = "codecomplete/didAcceptCompletion"
 REJECTED = "codecomplete/didRejectCompletion"
@@ -72,6 +73,7 @@ class Counters:
     accepted: int = 0
     partially_accepted: int = 0
     rejected: int = 0
+    with_context: int = 0  # requests whose prompt opened with repository snippets
     latencies_ms: deque = field(default_factory=lambda: deque(maxlen=2000))
 
     def as_dict(self) -> dict:
@@ -100,6 +102,92 @@ class CodecompleteServer(LanguageServer):
         self.issued: OrderedDict[str, dict] = OrderedDict()  # completion id -> info
         self._ids = itertools.count(1)
         self._told_unavailable = False
+        self.index = None  # the RepoIndex, once the repository is known
+        self._contexts: dict[str, tuple[int, str]] = {}  # uri -> (line block, rendered snippets)
+
+    # -- the repository index ----------------------------------------------------------
+    def start_index(self) -> None:
+        cfg = self.config.index
+        if self.index is not None or not cfg.enabled or self.repo is None:
+            return
+        if not Path(self.repo).is_dir():
+            log.warning("repository %s is not a directory; no index", self.repo)
+            return
+        from codecomplete.indexer.index import RepoIndex
+
+        index_dir = Path(self.config.index_dir).expanduser() if self.config.index_dir else None
+        self.index = RepoIndex(Path(self.repo), index_dir, max_file_bytes=cfg.max_file_bytes,
+                               watch=cfg.watch, debounce_ms=cfg.debounce_ms, want_common=cfg.common).start()
+        log.info("indexing %s into %s", self.repo, self.index.db_path)
+        listeners = getattr(self.engine, "on_load", None)
+        if listeners is not None:
+            listeners.append(self._tokenizer_loaded)
+        lm = getattr(self.engine, "lm", None)
+        if lm is not None:
+            self._tokenizer_loaded(lm)
+
+    def _tokenizer_loaded(self, lm) -> None:
+        from codecomplete.indexer.tokens import TokenizerInfo
+
+        if self.index is not None:
+            self.index.set_tokenizer(TokenizerInfo(lm.tokenizer, lm.name))
+
+    def overlay(self, uri: str, closed: bool = False) -> None:
+        """Keep the index's view of an open buffer current."""
+        if self.index is None or not uri.startswith("file:"):
+            return
+        path = to_fs_path(uri)
+        if closed:
+            self.index.close_overlay(path)
+            return
+        doc = self.workspace.text_documents.get(uri)
+        if doc is not None and len(doc.source) <= self.config.index.max_file_bytes:
+            self.index.overlay(path, doc.source)
+
+    def retrieve(self, params: Any) -> dict:
+        """Snippets and draft continuations at a position (a debugging aid, and what
+        the completion path consumes)."""
+        params = plain(params)
+        try:
+            uri = params["textDocument"]["uri"]
+            line, character = params["position"]["line"], params["position"]["character"]
+        except (KeyError, TypeError) as exc:
+            raise JsonRpcInvalidParams(f"{RETRIEVE_REQUEST} wants textDocument.uri and position: {exc}") from exc
+        text = self.document_text(uri)
+        encoding = self.workspace.position_encoding or "utf-16"
+        try:
+            cursor = cursor_at(text, line, character, encoding)
+        except PositionError as exc:
+            raise JsonRpcInvalidParams(f"position out of range in {uri}: {exc}") from exc
+        out: dict = {"ready": False, "snippets": [], "drafts": []}
+        index = self.index
+        if index is None:
+            return out
+        path = to_fs_path(uri) if uri.startswith("file:") else uri
+        out["ready"] = index.ready.is_set()
+        limit = int(params.get("limit") or 3)
+        for sn in index.snippets(path, text, cursor.offset, limit=limit,
+                                 budget_ms=self.config.index.snippet_budget_ms):
+            out["snippets"].append({"path": sn.path, "startLine": sn.start_line, "endLine": sn.end_line,
+                                    "text": sn.text, "reason": sn.reason, "score": round(sn.score, 3)})
+        tok = index.tokenizer
+        if tok is not None:
+            draft_len = int(params.get("draftLength") or 8)
+            context = tok.encode(cursor.prefix[-2000:]).tolist()
+            # Token healing: the last token may be a fragment of what the repository
+            # spells as one token (" " before "handle"): look up without it and keep the
+            # continuations that start with its text.
+            tail = tok.backend.decode(context[-1:]) if len(context) > 1 else ""
+            for m in index.lookup(context[:-1] if tail else context, draft_len=draft_len + 1):
+                conts = []
+                for c in m.continuations:
+                    text = tok.backend.decode(list(c.tokens))
+                    if text.startswith(tail) and len(text) > len(tail):
+                        conts.append({"text": text[len(tail):], "tokens": list(c.tokens), "count": c.count})
+                if conts:
+                    out["drafts"].append({"source": m.source, "matched": m.length,
+                                          "occurrences": m.occurrences, "continuations": conts})
+        return out
 
     # -- configuration ---------------------------------------------------------------
     def apply_settings(self, options: Any, source: str) -> list[str]:
@@ -157,9 +245,11 @@ class CodecompleteServer(LanguageServer):
             raise JsonRpcInvalidParams(f"position out of range in {uri}: {exc}") from exc
 
         rid = f"c{next(self._ids)}"
+        context = await self._context(uri, text, cursor) if cfg.context_snippets and self.index else ""
+        self.counters.with_context += bool(context)
         request = CompletionRequest(prefix=cursor.prefix, suffix=cursor.suffix, request_id=rid,
                                     mode=cfg.mode, max_tokens=cfg.max_tokens, max_lines=cfg.max_lines,
-                                    time_budget_ms=cfg.time_budget_ms, session_key=uri)
+                                    time_budget_ms=cfg.time_budget_ms, session_key=uri, context=context)
         pending = Pending(request, uri)
         self._supersede(uri, superseded=True)
         self.pending[uri] = pending
@@ -191,6 +281,29 @@ class CodecompleteServer(LanguageServer):
                  params.position.line + 1, params.position.character + 1, latency,
                  completion.stop_reason, completion.text[:60])
         return types.InlineCompletionList(items=items)
+
+    async def _context(self, uri: str, text: str, cursor) -> str:
+        """Rendered snippets for the prompt's head.  Sticky per document and block of
+        lines: while the cursor stays in a block the context is the same text, so the
+        prompt's head (and its KV) does not change with every keystroke."""
+        cfg = self.config.completion
+        block = text.count("\n", 0, cursor.line_start) // 16
+        cached = self._contexts.get(uri)
+        if cached is not None and cached[0] == block:
+            return cached[1]
+        path = to_fs_path(uri) if uri.startswith("file:") else uri
+        try:
+            found = await asyncio.to_thread(self.index.snippets, path, text, cursor.offset,
+                                            limit=cfg.context_snippets,
+                                            budget_ms=self.config.index.snippet_budget_ms)
+        except Exception:
+            log.exception("snippet retrieval failed")
+            return ""
+        from codecomplete.indexer.snippets import render_context
+
+        context = render_context(found, language_of(path), cfg.context_tokens * 3)
+        self._contexts[uri] = (block, context)
+        return context
 
     def _items(self, rid, uri, text, cursor, completion: Completion, encoding) -> list:
         """One item whose range starts at the beginning of the cursor's line and whose
@@ -254,7 +367,7 @@ class CodecompleteServer(LanguageServer):
 
     def stats(self) -> dict:
         return {"version": __version__, "counters": self.counters.as_dict(),
-                "engine": self.engine.stats(), "open_documents": len(self.workspace.text_documents),
+                "engine": self.engine.stats(), "index": self.index.stats() if self.index else None, "open_documents": len(self.workspace.text_documents),
                 "position_encoding": str(self.workspace.position_encoding or "utf-16")}
 
     def report_server_error(self, error: Exception, source) -> None:
@@ -300,6 +413,7 @@ def create_server(engine, config: Config, repo: Path | None = None,
             ls.apply_settings(params.initialization_options, "initializationOptions")
         if ls.repo is None and params.root_uri:
             ls.repo = Path(to_fs_path(params.root_uri) or ".")
+        ls.start_index()
         log.info("client %s, position encoding %s", params.client_info.name if params.client_info else "?",
                  ls.workspace.position_encoding)
 
@@ -311,10 +425,12 @@ def create_server(engine, config: Config, repo: Path | None = None,
     def did_open(ls: CodecompleteServer, params: types.DidOpenTextDocumentParams):
         log.debug("open %s (%s)", params.text_document.uri,
                   params.text_document.language_id or language_of(params.text_document.uri))
+        ls.overlay(params.text_document.uri)
 
     @server.feature(types.TEXT_DOCUMENT_DID_CHANGE)
     def did_change(ls: CodecompleteServer, params: types.DidChangeTextDocumentParams):
         ls._supersede(params.text_document.uri, superseded=False)
+        ls.overlay(params.text_document.uri)
 
     @server.feature(types.TEXT_DOCUMENT_DID_SAVE)
     def did_save(ls: CodecompleteServer, params: types.DidSaveTextDocumentParams):
@@ -324,6 +440,8 @@ def create_server(engine, config: Config, repo: Path | None = None,
     def did_close(ls: CodecompleteServer, params: types.DidCloseTextDocumentParams):
         ls._supersede(params.text_document.uri, superseded=False)
         ls.pending.pop(params.text_document.uri, None)
+        ls._contexts.pop(params.text_document.uri, None)
+        ls.overlay(params.text_document.uri, closed=True)
 
     @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
     async def inline_completion(ls: CodecompleteServer, params: types.InlineCompletionParams):
@@ -346,5 +464,9 @@ def create_server(engine, config: Config, repo: Path | None = None,
     @server.feature(STATS_REQUEST)
     def stats(ls: CodecompleteServer, params: Any):
         return ls.stats()
+
+    @server.feature(RETRIEVE_REQUEST)
+    async def retrieve(ls: CodecompleteServer, params: Any):
+        return await asyncio.to_thread(ls.retrieve, params)
 
     return server

@@ -23,6 +23,7 @@ class CompletionRequest:
     submitted_at: float = field(default_factory=time.perf_counter)
     session_key: str | None = None  # (client, document): EFIM sessions are kept per key
     ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
+    context: str = ""  # repository code for the prompt's head (retrieved snippets, rendered)
 
 
 @dataclass

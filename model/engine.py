@@ -96,7 +96,7 @@ def plan_prompt(lm: LoadedModel, request: CompletionRequest, settings: EngineSet
     pool = pool or SessionPool()  # a fresh pool: a PSM prompt, as for a new document
     return pool.plan(request.session_key, request.prefix, request.suffix,
                      lm.template.template, Tokens(lm.tokenizer, vocab), settings.max_prefix_tokens,
-                     settings.max_suffix_tokens, efim=settings.efim)
+                     settings.max_suffix_tokens, efim=settings.efim, context=request.context)
 
 
 def start(lm: LoadedModel, request: CompletionRequest, plan: PromptPlan, store: KVStore | None) -> Live:
@@ -215,6 +215,7 @@ class Engine:
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stats_lock = threading.Lock()
+        self.on_load: list = []  # callables given the LoadedModel after each successful load
         self._stats = {"completions": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
                        "reused_tokens": 0, "generated_tokens": 0, "prefill_ms": 0.0, "decode_ms": 0.0,
                        "iterations": 0, "batched_tokens": 0, "max_batch_seen": 0}
@@ -378,6 +379,11 @@ class Engine:
             self.load_error = None
             self._vocab = None
             self.store = KVStore(settings.kv_budget_mb * 2**20)
+            for callback in list(self.on_load):
+                try:
+                    callback(self.lm)
+                except Exception:
+                    log.exception("a model-load listener failed")
         except ModelLoadError as exc:
             self.lm, self.load_error = None, str(exc)
             log.error("model unavailable: %s", exc)

@@ -221,3 +221,20 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     log.info("model %s loaded from %s on %s/%s in %.2f s, template %s", name, ckpt, dev,
              str(dt).removeprefix("torch."), loaded.load_seconds, choice.name)
     return loaded
+
+
+def load_tokenizer(spec: str = DEFAULT_MODEL):
+    """Only the tokenizer of a model (the ``index`` command needs no weights)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from codecomplete.indexer.tokens import TokenizerInfo
+
+    name, ckpt = resolve_checkpoint(spec)
+    path = Path(ckpt) / "tokenizer.json" if isinstance(ckpt, Path) else None
+    if path is not None and path.is_file():
+        return TokenizerInfo.from_file(path, name)
+    from transformers import AutoTokenizer
+
+    try:
+        return TokenizerInfo(AutoTokenizer.from_pretrained(ckpt, local_files_only=True), name)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {spec!r}: {exc}") from exc

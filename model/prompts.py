@@ -104,13 +104,18 @@ class SessionPool:
         self.counts = {"psm": 0, "efim": 0, "prefix": 0, "rebase": 0}
 
     def plan(self, key: str | None, prefix: str, suffix: str, template, toks: Tokens,
-             max_prefix_tokens: int, max_suffix_tokens: int, efim: bool = True) -> PromptPlan:
+             max_prefix_tokens: int, max_suffix_tokens: int, efim: bool = True,
+             context: str = "") -> PromptPlan:
+        """``context`` (repository snippets) opens the prefix, tokenized as its own
+        segment; an EFIM continuation keeps the session's context, so the head's KV
+        stays valid while the user types."""
         bos = [toks.tok.bos_token_id] if getattr(toks.tok, "add_bos_token", False) and toks.tok.bos_token_id is not None else []
+        context_ids = toks.encode(context)
         if template is None:
             start = window_start(prefix, max_prefix_tokens)
             ids, healed = toks.heal(toks.prefix_ids(prefix[start:]))
             self._count("prefix")
-            return PromptPlan(bos + ids, healed, "prefix")
+            return PromptPlan(bos + context_ids + ids, healed, "prefix")
         with self._lock:
             session = self.sessions.get(key) if key and efim else None
             if session is not None:
@@ -127,7 +132,7 @@ class SessionPool:
             reason = "suffix grew"
         start = window_start(prefix, max_prefix_tokens)
         prefix_ids, healed = toks.heal(toks.prefix_ids(prefix[start:]))
-        ids = (bos + [toks.special(template.prefix)] + toks.encode(template.prefix_pad) + prefix_ids
+        ids = (bos + [toks.special(template.prefix)] + toks.encode(template.prefix_pad) + context_ids + prefix_ids
                + [toks.special(template.suffix)]
                + toks.encode(suffix_window(suffix, max_suffix_tokens))[:max_suffix_tokens]
                + [toks.special(template.middle)] + toks.encode(template.middle_pad))

@@ -29,10 +29,11 @@ def tiny_model(request) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory) -> Path:
-    """Keep converted checkpoints out of the user's cache during tests."""
-    path = tmp_path_factory.mktemp("model-cache")
+    """Keep converted checkpoints, repository indexes and the common datastore out of
+    the user's cache during tests (daemons started by tests inherit it)."""
+    path = tmp_path_factory.mktemp("cache")
     os.environ["CODECOMPLETE_CACHE_DIR"] = str(path)
     return path
 

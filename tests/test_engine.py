@@ -123,6 +123,21 @@ def test_efim_prompt_is_built_token_for_token(lm):
     assert other.kind == "psm" and other.reason == "new session"
 
 
+def test_context_opens_the_prefix_and_stays_through_efim(lm):
+    """Guards prompt context: snippets are their own segment right after <P>; an EFIM
+    continuation keeps the session's context (a new one waits for the next rebase)."""
+    toks, t = Tokens(lm.tokenizer), lm.template.template
+    pool = SessionPool(inc_bound=64)
+    ctx = "# lib.py\ndef area(r):\n    return 3.14 * r * r\n\n"
+    first = pool.plan("doc", "x = are", "", t, toks, 1024, 256, context=ctx)
+    sid = toks.special
+    assert first.ids[:1 + len(toks.encode(ctx))] == [sid(t.prefix)] + toks.encode(ctx)
+    grown = pool.plan("doc", "x = area(", "", t, toks, 1024, 256, context="# other\n")
+    assert grown.kind == "efim" and grown.ids[:len(first.ids)] == first.ids
+    plain = SessionPool().plan(None, "x = are", "", None, toks, 1024, 256, context=ctx)
+    assert plain.ids[:len(toks.encode(ctx))] == toks.encode(ctx)
+
+
 def test_efim_inc_bound_rebases(lm):
     toks, t = Tokens(lm.tokenizer), lm.template.template
     pool = SessionPool(inc_bound=3)

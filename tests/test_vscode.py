@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from codecomplete.daemon.config import CompletionConfig, ModelConfig
+from codecomplete.daemon.config import CompletionConfig, IndexConfig, ModelConfig
 
 EXT = Path(__file__).resolve().parents[1] / "editors" / "vscode"
 
@@ -24,7 +24,7 @@ def snake(name: str) -> str:
 
 def test_every_daemon_setting_the_extension_offers_exists_with_its_default():
     props = json.loads((EXT / "package.json").read_text())["contributes"]["configuration"]["properties"]
-    sections = {"model": ModelConfig(), "completion": CompletionConfig()}
+    sections = {"model": ModelConfig(), "completion": CompletionConfig(), "index": IndexConfig()}
     offered = 0
     for key, spec in props.items():
         _, section, *rest = key.split(".")
@@ -35,7 +35,7 @@ def test_every_daemon_setting_the_extension_offers_exists_with_its_default():
         assert field in {f.name for f in dataclasses.fields(defaults)}, key
         assert spec["default"] == getattr(defaults, field), key
         offered += 1
-    assert offered == len(dataclasses.fields(ModelConfig)) + len(dataclasses.fields(CompletionConfig))
+    assert offered == sum(len(dataclasses.fields(type(v))) for v in sections.values())
 
 
 def test_npm_build_type_checks_bundles_and_packages(tmp_path):

@@ -26,7 +26,7 @@ interface DaemonStats {
 /** The settings the daemon understands, in the shape of its config file. */
 export function daemonSettings(): Record<string, unknown> {
   const c = vscode.workspace.getConfiguration('codecomplete');
-  return { model: c.get('model') ?? {}, completion: c.get('completion') ?? {} };
+  return { model: c.get('model') ?? {}, completion: c.get('completion') ?? {}, index: c.get('index') ?? {} };
 }
 
 function serverOptions(): ServerOptions {

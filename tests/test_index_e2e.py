@@ -1,0 +1,140 @@
+"""The index inside the real daemon: an LSP client over stdio sees retrieval follow
+unsaved buffers and files saved on disk; the ``index`` command prints its stats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import pytest_asyncio
+
+from codecomplete.lsp.server import plain
+
+from .lsp_client import open_doc, start_daemon, stats
+
+ASYNC = pytest.mark.asyncio(loop_scope="function")
+
+
+@pytest_asyncio.fixture
+async def client(repo, tiny_model, tmp_path):
+    c = await start_daemon(repo, tiny_model, extra_args=("--index-dir", str(tmp_path / "index")))
+    yield c
+    await c.shutdown_session()
+    await c.stop()
+
+
+async def retrieve(client, uri: str, line: int, character: int) -> dict:
+    return plain(await client.protocol.send_request_async(
+        "codecomplete/retrieve", {"textDocument": {"uri": uri}, "position": {"line": line, "character": character}}))
+
+
+async def until(fn, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await fn()
+        if value or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.1)
+
+
+@ASYNC
+async def test_retrieval_sees_unsaved_buffers_and_saved_files(client, repo):
+    """Guards parts 3-5: the watcher, the open-buffer overlay, snippets and drafts."""
+    data = await until(lambda: _ready(client))
+    assert data["index"]["ready"] and data["index"]["files_indexed"] >= 1  # util.py (latin1.py skipped)
+    assert data["index"]["skipped"].get("not_utf8") == 1
+
+    # an unsaved buffer defines a function; another file uses it
+    lib = (repo / "shipping.py").as_uri()
+    open_doc(client, lib, "def compute_shipping_cost(order, region):\n    rate = RATES[region]\n"
+                          "    return order.weight * rate\n")
+    main = (repo / "main.py").as_uri()
+    text = "from shipping import compute_shipping_cost\n\ntotal = compute_shipping_cost("
+    open_doc(client, main, text)
+
+    async def found():
+        r = await retrieve(client, main, 2, len("total = compute_shipping_cost("))
+        return r if r["snippets"] else None
+
+    r = await until(found)
+    assert r and r["snippets"][0]["path"] == "shipping.py"
+    assert r["snippets"][0]["reason"] == "definition of compute_shipping_cost"
+
+    # a file saved outside the editor becomes retrievable, drafts included
+    (repo / "saved.py").write_text("def parse_config_file(path):\n    with open(path) as handle:\n"
+                                   "        return handle.read().splitlines()\n")
+    probe = "def parse_config_file(path):\n    with open(path) as handle:\n        return "
+    other = (repo / "probe.py").as_uri()
+    open_doc(client, other, probe)
+
+    async def drafted():
+        r = await retrieve(client, other, 2, len("        return "))
+        texts = [c["text"] for d in r["drafts"] if d["source"] == "repository" for c in d["continuations"]]
+        return texts if any(t.startswith("handle") for t in texts) else None
+
+    assert await until(drafted)
+
+
+async def _ready(client):
+    data = await stats(client)
+    idx = data.get("index") or {}
+    return data if idx.get("ready") and idx.get("drafts") else None
+
+
+@ASYNC
+async def test_prompt_context_from_the_index(repo, tiny_model, tmp_path):
+    """With contextSnippets on, a completion's prompt opens with the definition of a
+    name used at the cursor, found in another (unsaved) buffer."""
+    from .lsp_client import complete
+
+    c = await start_daemon(repo, tiny_model, extra_args=("--index-dir", str(tmp_path / "index")),
+                           init_options={"completion": {"contextSnippets": 2}})
+    try:
+        await until(lambda: _ready(c))
+        open_doc(c, (repo / "geometry.py").as_uri(), "def circle_area(radius):\n    return 3.14159 * radius ** 2\n")
+        uri = (repo / "main.py").as_uri()
+        text = "from geometry import circle_area\n\nprint(circle_area("
+        open_doc(c, uri, text)
+
+        async def overlay_in():
+            return (await retrieve(c, uri, 2, 18))["snippets"]
+
+        assert await until(overlay_in)
+        await complete(c, uri, 2, len("print(circle_area("))
+        data = await stats(c)
+        assert data["counters"]["with_context"] == 1 and data["engine"]["completions"] == 1
+    finally:
+        await c.shutdown_session()
+        await c.stop()
+
+
+@ASYNC
+async def test_retrieve_rejects_bad_params(client, repo):
+    from pygls.exceptions import JsonRpcException
+
+    with pytest.raises(JsonRpcException):
+        await client.protocol.send_request_async("codecomplete/retrieve", {"position": {}})
+    uri = (repo / "util.py").as_uri()
+    with pytest.raises(JsonRpcException):
+        await retrieve(client, uri, 400, 0)
+    assert (await stats(client))["index"] is not None  # still serving
+
+
+def test_index_command_prints_stats(repo, tiny_model, tmp_path):
+    cmd = [sys.executable, "-m", "codecomplete.daemon", "index", "--repo", str(repo),
+           "--model", str(tiny_model), "--index-dir", str(tmp_path / "idx"), "--json"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    out = json.loads(first.stdout)
+    assert out["files"] == 1 and out["tokens"] > 0 and out["bytes"] > 0 and out["seconds"] >= 0
+    assert out["files_skipped"] == 1  # latin1.py is not UTF-8
+    (repo / "more.py").write_text("def more():\n    return 2\n")
+    again = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout)
+    assert again["files"] == 2 and again["files_indexed"] == 1 and again["files_unchanged"] == 1
+    missing = subprocess.run([sys.executable, "-m", "codecomplete.daemon", "index", "--repo",
+                              str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "not a directory" in missing.stderr

@@ -1,0 +1,525 @@
+"""The repository index: scan rules, the SQLite datastore, suffix retrieval, snippets,
+and the watcher with a real watchdog observer on a temporary repository."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from codecomplete.indexer import snippets as snip
+from codecomplete.indexer.index import RepoIndex
+from codecomplete.indexer.scan import Rules, walk
+from codecomplete.indexer.store import APPLICATION_ID, open_store
+from codecomplete.indexer.suffix import DraftIndex, Segment, lookup
+from codecomplete.indexer.tokens import TokenizerInfo
+
+
+def paths(root: Path, **kw) -> set[str]:
+    return {e.path for e in walk(Rules(root, **kw))}
+
+
+def write(root: Path, rel: str, text: str | bytes) -> Path:
+    p = root / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(text, bytes):
+        p.write_bytes(text)
+    else:
+        p.write_text(text)
+    return p
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    write(root, "src/app.py", "def main():\n    return 1\n")
+    write(root, "src/gen/out.py", "x = 1\n")
+    write(root, "src/gen/keep.py", "y = 2\n")
+    write(root, "src/.gitignore", "gen/*\n!gen/keep.py\n")
+    write(root, ".gitignore", "*.log\nsecret/\n")
+    write(root, "debug.log", "noise\n")
+    write(root, "secret/key.py", "KEY = 1\n")
+    write(root, "node_modules/lib/index.js", "module.exports = 1\n")
+    write(root, "env/pyvenv.cfg", "home = /usr\n")
+    write(root, "env/lib/site.py", "import os\n")
+    write(root, ".git/info/exclude", "local_only.py\n")
+    write(root, ".git/HEAD", "ref: refs/heads/main\n")
+    write(root, "local_only.py", "z = 3\n")
+    write(root, "package-lock.json", "{}\n")
+    write(root, "big.py", "a = 1\n" * 300)
+    return root
+
+
+def test_scan_honours_ignore_files_and_default_excludes(tree: Path):
+    got = paths(tree)
+    assert "src/app.py" in got and "src/gen/keep.py" in got and ".gitignore" in got
+    for gone in ("src/gen/out.py", "debug.log", "secret/key.py", "node_modules/lib/index.js",
+                 "env/lib/site.py", "local_only.py", ".git/HEAD", "package-lock.json"):
+        assert gone not in got, gone
+    assert "big.py" not in paths(tree, max_bytes=1000)  # size cap
+
+
+def test_scan_symlinks_stay_inside_and_loops_end(tree: Path, tmp_path: Path):
+    outside = tmp_path / "outside"
+    write(outside, "leak.py", "LEAK = 1\n")
+    (tree / "out_link").symlink_to(outside, target_is_directory=True)
+    (tree / "leak.py").symlink_to(outside / "leak.py")
+    (tree / "src" / "loop").symlink_to(tree / "src", target_is_directory=True)
+    (tree / "alias.py").symlink_to(tree / "src" / "app.py")
+    got = paths(tree)
+    assert not any(p.startswith("out_link/") for p in got) and "leak.py" not in got
+    assert "alias.py" in got  # a link that stays inside the repository
+    assert [p for p in got if p.endswith("app.py")] == ["src/app.py"]  # the loop is walked once
+
+
+def test_scan_skips_unreadable_folders(tree: Path, monkeypatch):
+    real = os.scandir
+
+    def scandir(path):
+        if str(path).endswith("src"):
+            raise PermissionError(13, "Permission denied")
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    got = paths(tree)
+    assert "big.py" in got and not any(p.startswith("src/") for p in got)
+
+
+def test_corrupt_and_foreign_databases_are_moved_aside_and_rebuilt(tmp_path: Path):
+    db = tmp_path / "index.sqlite"
+    db.write_bytes(b"this is not sqlite" * 100)
+    store = open_store(db)
+    assert store.rebuilt and "not a database" in store.rebuilt
+    assert store.conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+    store.close()
+    assert list(tmp_path.glob("index.sqlite.corrupt-*"))
+
+    foreign = tmp_path / "foreign.sqlite"
+    conn = sqlite3.connect(foreign)
+    conn.execute("CREATE TABLE users (name TEXT)")
+    conn.commit()
+    conn.close()
+    store = open_store(foreign)
+    assert store.rebuilt and "foreign" in store.rebuilt
+    assert store.counts()["files"] == 0
+    store.close()
+
+
+def test_migrations_bring_an_old_schema_up_to_date(tmp_path: Path):
+    import sqlite_utils
+
+    from codecomplete.indexer import store as st
+
+    db = tmp_path / "v1.sqlite"
+    conn = sqlite3.connect(db)
+    st._v1(sqlite_utils.Database(conn))
+    conn.execute("INSERT INTO files (path, hash, size, mtime_ns, language, indexed_at, tokens) "
+                 "VALUES ('a.py', 'h', 1, 1, 'python', 0, 0)")
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    store = open_store(db)
+    assert store.rebuilt is None and store.counts()["files"] == 1  # kept, not rebuilt
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == st.SCHEMA_VERSION
+    assert store.conn.execute("SELECT count(*) FROM chunks_vocab").fetchone()[0] == 0
+    store.close()
+
+
+def test_corrupt_page_is_detected(tmp_path: Path):
+    root = tmp_path / "repo"
+    for i in range(200):
+        write(root, f"m{i}.py", f"def f{i}(x):\n    return x * {i}\n" * 20)
+    idx = RepoIndex(root, tmp_path / "idx", watch=False)
+    idx.build()
+    idx.close()
+    idx.store.close()
+    db = tmp_path / "idx" / "index.sqlite"
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    data = bytearray(db.read_bytes())
+    for off in range(4096 * 3, len(data) - 4096, 4096 * 2):  # scribble over many pages
+        data[off + 100:off + 400] = os.urandom(300)
+    db.write_bytes(bytes(data))
+    again = RepoIndex(root, tmp_path / "idx", watch=False)
+    stats = again.build()
+    assert stats["rebuilt_from"]
+    assert again.counts()["files"] == 200
+    again.close()
+
+
+def brute(docs, ctx, min_len=2, draft_len=8):
+    for length in range(min(16, len(ctx)), min_len - 1, -1):
+        q = list(ctx[-length:])
+        cont: dict = {}
+        for _, ids in docs:
+            ids = list(ids)
+            for p in range(len(ids) - length + 1):
+                if ids[p:p + length] == q:
+                    c = tuple(ids[p + length:p + length + draft_len])
+                    if c:
+                        cont[c] = cont.get(c, 0) + 1
+        if cont:
+            return length, cont
+    return None
+
+
+def random_edit(index: DraftIndex, docs: dict, rng: random.Random, keys: int, vocab: int, max_len: int) -> None:
+    """Remove, change or add one document, in the index and in ``docs`` alike."""
+    key = f"f{rng.randrange(keys)}"
+    if rng.random() < 0.2 and key in docs:
+        del docs[key]
+        index.remove(key)
+    else:
+        docs[key] = np.array([rng.randrange(vocab) for _ in range(rng.randrange(1, max_len))])
+        index.update(key, docs[key])
+
+
+def assert_brute(index: DraftIndex, docs: dict, ctx: list[int]) -> None:
+    m = index.lookup(ctx, top_k=10**6, max_positions=10**9)
+    expected = brute(list(docs.items()), ctx)
+    if expected is None:
+        assert m is None
+    else:
+        assert m is not None and m.length == expected[0]
+        assert {c.tokens: c.count for c in m.continuations} == expected[1]
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_suffix_lookup_equals_brute_force_through_updates(width: int):
+    rng = random.Random(width)
+    docs = {f"f{i}": np.array([rng.randrange(12) for _ in range(rng.randrange(0, 120))]) for i in range(30)}
+    index = DraftIndex.from_documents(list(docs.items()), width, delta_min_tokens=300, max_small=3,
+                                      background=False)
+    for step in range(150):
+        if step % 3 == 0:
+            random_edit(index, docs, rng, 40, 12, 80)
+        assert_brute(index, docs, [rng.randrange(12) for _ in range(rng.randrange(1, 24))])
+    assert index.stats()["documents"] == len(docs)
+
+
+def test_background_compaction_keeps_updates_made_meanwhile():
+    rng = random.Random(7)
+    docs = {f"f{i}": np.array([rng.randrange(10) for _ in range(400)]) for i in range(200)}
+    index = DraftIndex.from_documents(list(docs.items()), 2, delta_min_tokens=50, max_small=2)
+    for _ in range(400):  # each update may start a compaction on its thread
+        random_edit(index, docs, rng, 220, 10, 60)
+    index.compact()  # waits for a running one
+    assert index.compactions >= 1
+    for _ in range(40):
+        assert_brute(index, docs, [rng.randrange(10) for _ in range(rng.randrange(3, 12))])
+    assert index.stats()["documents"] == len(docs)
+
+
+def test_segment_saves_and_memory_maps(tmp_path: Path):
+    rng = random.Random(1)
+    docs = [(f"d{i}", np.array([rng.randrange(50000) for _ in range(200)])) for i in range(5)]
+    seg = Segment.build(docs, 2)
+    seg.save(tmp_path / "common", {"tokenizer": "t"})
+    loaded, meta = Segment.load(tmp_path / "common")
+    ctx = list(docs[3][1][50:60])
+    a, b = lookup([seg], ctx), lookup([loaded], ctx)
+    assert a == b and a.length == 10 and a.continuations[0].tokens == tuple(docs[3][1][60:68])
+    assert meta["documents"] == 5
+
+
+def test_chunks_definitions_and_similarity():
+    text = "".join(f"line {i}\n" for i in range(50))
+    cs = snip.chunks(text)
+    assert "".join(c.text for c in cs) == text and cs[0].end_line == snip.CHUNK_LINES
+    src = "class Box:\n    def open(self):\n        pass\n\nasync def fetch(url):\n    pass\n"
+    assert [(d.name, d.kind, d.line) for d in snip.definitions(src, "python")] == [
+        ("Box", "class", 0), ("open", "def", 1), ("fetch", "def", 4)]
+    go = "package x\n\nfunc (s *Server) Serve(addr string) error {\n}\ntype Config struct{}\n"
+    assert [d.name for d in snip.definitions(go, "go")] == ["Serve", "Config"]
+    assert snip.jaccard({"a", "b"}, {"a", "b"}) == 1.0 and snip.jaccard(set(), {"a"}) == 0.0
+
+
+@pytest.fixture
+def tokenizer(tiny_model: Path) -> TokenizerInfo:
+    return TokenizerInfo.from_file(tiny_model / "tokenizer.json")
+
+
+UNIQUE = "def zebra_quokka_handler(request):\n    payload = request.json()\n    return respond(payload)\n"
+
+
+def drafts_after(idx: RepoIndex, tokenizer: TokenizerInfo, text: str, prefix: str) -> list[str]:
+    """Continuations the draft index offers after ``prefix`` of ``text``."""
+    ids = tokenizer.encode(text).tolist()
+    n = len(tokenizer.encode(prefix))
+    out = []
+    for m in idx.lookup(ids[:n], draft_len=6, min_len=min(n, 8)):  # long matches only
+        out += [tokenizer.backend.decode(list(c.tokens)) for c in m.continuations]
+    return out
+
+
+def indexed(idx: RepoIndex, rel: str) -> bool:
+    row = idx.store.conn.execute("SELECT 1 FROM files WHERE path = ?", (rel,)).fetchone()
+    return row is not None
+
+
+def test_watcher_follows_edits_with_a_real_observer(tmp_path: Path, tokenizer: TokenizerInfo):
+    root = tmp_path / "repo"
+    write(root, "a.py", "import os\n")
+    write(root, ".gitignore", "ignored/\n")
+    idx = RepoIndex(root, tmp_path / "idx", tokenizer=tokenizer, debounce_ms=30).start()
+    try:
+        assert idx.tokens_ready.wait(30)
+        assert wait_for(lambda: idx._observer is not None)
+        # create
+        write(root, "pkg/new.py", UNIQUE)
+        assert wait_for(lambda: idx.drafts is not None and "pkg/new.py" in idx.drafts)
+        assert any(d.startswith(" request") or "request" in d
+                   for d in drafts_after(idx, tokenizer, UNIQUE, "def zebra_quokka_handler("))
+        # modify in place
+        write(root, "a.py", "import os\nimport sys\n")
+        assert wait_for(lambda: idx.store.conn.execute(
+            "SELECT size FROM files WHERE path = 'a.py'").fetchone()[0] == len("import os\nimport sys\n"))
+        # an editor's atomic save: write a temporary file, then move it onto the real path
+        tmp = root / "pkg" / ".new.py.swp"
+        tmp.write_text(UNIQUE.replace("zebra_quokka_handler", "yak_otter_handler"))
+        os.replace(tmp, root / "pkg" / "new.py")
+        assert wait_for(lambda: drafts_after(idx, tokenizer, UNIQUE.replace("zebra_quokka", "yak_otter"),
+                                             "def yak_otter_handler("))
+        assert wait_for(lambda: not drafts_after(idx, tokenizer, UNIQUE, "def zebra_quokka_handler("))
+        assert not indexed(idx, "pkg/.new.py.swp")
+        # rename
+        os.rename(root / "pkg" / "new.py", root / "pkg" / "renamed.py")
+        assert wait_for(lambda: indexed(idx, "pkg/renamed.py") and not indexed(idx, "pkg/new.py"))
+        # gitignored and binary files stay out
+        write(root, "ignored/x.py", "x = 1\n")
+        write(root, "blob.py", b"\x00\x01\x02binary")
+        write(root, "b.py", "b = 1\n")
+        assert wait_for(lambda: indexed(idx, "b.py"))
+        assert idx.wait_idle()
+        assert not indexed(idx, "ignored/x.py") and not indexed(idx, "blob.py")
+        # a symlink loop appears: the folder is indexed once, the worker keeps going
+        write(root, "cyc/inner.py", "inner = 1\n")
+        (root / "cyc" / "again").symlink_to(root / "cyc", target_is_directory=True)
+        idx.notify("cyc")
+        assert wait_for(lambda: indexed(idx, "cyc/inner.py"))
+        assert idx.wait_idle()
+        assert idx.store.conn.execute("SELECT count(*) FROM files WHERE path LIKE 'cyc/%'").fetchone()[0] == 1
+        # delete a file, then a whole folder
+        (root / "b.py").unlink()
+        assert wait_for(lambda: not indexed(idx, "b.py"))
+        import shutil
+        shutil.rmtree(root / "pkg")
+        assert wait_for(lambda: not indexed(idx, "pkg/renamed.py"))
+        assert wait_for(lambda: "pkg/renamed.py" not in idx.drafts)
+        assert idx.stats()["errors"] == 0
+    finally:
+        idx.close()
+
+
+def test_branch_switch_reconciles_in_a_few_batches(tmp_path: Path):
+    root = tmp_path / "repo"
+    write(root, "seed.py", "x = 1\n")
+    idx = RepoIndex(root, tmp_path / "idx", debounce_ms=200).start()
+    try:
+        assert idx.ready.wait(30)
+        assert wait_for(lambda: idx._observer is not None)
+        before = idx.stats()["reconciles"]
+        for i in range(1000):  # what a checkout does: a burst of writes
+            write(root, f"mod{i // 100}/f{i}.py", f"value_{i} = {i}\n")
+        assert wait_for(lambda: idx.counts()["files"] == 1001, timeout=60)
+        assert idx.wait_idle()
+        stats = idx.stats()
+        assert stats["events"] >= 1000
+        assert stats["reconciles"] - before <= 5, stats  # one or a few, never one per file
+    finally:
+        idx.close()
+
+
+def test_open_buffer_overlays_the_disk(tmp_path: Path, tokenizer: TokenizerInfo):
+    root = tmp_path / "repo"
+    write(root, "lib.py", "def old_name():\n    pass\n")
+    write(root, "main.py", "import lib\n")
+    idx = RepoIndex(root, tmp_path / "idx", tokenizer=tokenizer, watch=False).start()
+    try:
+        assert idx.tokens_ready.wait(30)
+        unsaved = "def compute_shipping_cost(order, region):\n    rate = RATES[region]\n    return order.weight * rate\n"
+        idx.overlay(root / "lib.py", unsaved)
+        assert idx.wait_idle()
+        # snippets see the buffer, not the disk
+        here = "from lib import compute_shipping_cost\n\ntotal = compute_shipping_cost("
+        got = idx.snippets(root / "main.py", here, len(here))
+        assert got and got[0].path == "lib.py" and "order.weight * rate" in got[0].text
+        assert got[0].reason == "definition of compute_shipping_cost"
+        assert drafts_after(idx, tokenizer, unsaved, "def compute_shipping_cost(")
+        # closing the buffer falls back to the disk
+        idx.close_overlay(root / "lib.py")
+        assert idx.wait_idle()
+        assert not drafts_after(idx, tokenizer, unsaved, "def compute_shipping_cost(")
+        assert not idx.snippets(root / "main.py", here, len(here))
+    finally:
+        idx.close()
+
+
+def test_restart_maps_the_saved_draft_index_and_applies_changes(tmp_path: Path, tokenizer: TokenizerInfo):
+    root = tmp_path / "repo"
+    for i in range(10):
+        write(root, f"m{i}.py", f"def handler_{i}(request):\n    return request.get('key_{i}')\n")
+    write(root, "gone.py", UNIQUE)
+    first = RepoIndex(root, tmp_path / "idx", tokenizer=tokenizer, watch=False)
+    first.build()
+    assert first.stats()["drafts"]["source"] == "built"
+    first.close()
+    (root / "gone.py").unlink()  # while the daemon is not running
+    write(root, "m3.py", UNIQUE.replace("zebra_quokka", "yak_otter"))
+    again = RepoIndex(root, tmp_path / "idx", tokenizer=tokenizer, watch=False)
+    again.build()
+    assert again.stats()["drafts"]["source"] == "mapped"
+    assert not drafts_after(again, tokenizer, UNIQUE, "def zebra_quokka_handler(")
+    assert drafts_after(again, tokenizer, UNIQUE.replace("zebra_quokka", "yak_otter"), "def yak_otter_handler(")
+    assert drafts_after(again, tokenizer, "def handler_7(request):\n    return request.get('key_7')\n",
+                        "def handler_7(request):\n    return request")
+    assert again.drafts.stats()["documents"] == 10
+    again.close()
+
+
+def test_similar_snippets_drop_the_local_window(tmp_path: Path):
+    root = tmp_path / "repo"
+    body = "def parse_header(stream):\n    magic = stream.read(4)\n    version = stream.read(2)\n    return magic, version\n"
+    write(root, "copy.py", body)  # the same code as the cursor's window
+    write(root, "other.py", "def parse_footer(stream):\n    checksum = stream.read(8)\n    return checksum\n")
+    idx = RepoIndex(root, tmp_path / "idx", watch=False)
+    idx.build()
+    got = idx.snippets(root / "here.py", body, len(body))
+    assert [s.path for s in got] == ["other.py"]
+    idx.close()
+
+
+def test_reads_while_the_writer_runs(tmp_path: Path):
+    root = tmp_path / "repo"
+    for i in range(300):
+        write(root, f"m{i}.py", f"def handler_{i}(request):\n    return request.get('k{i}')\n")
+    idx = RepoIndex(root, tmp_path / "idx", watch=False, debounce_ms=10).start()
+    assert idx.ready.wait(30)
+    errors, results = [], []
+    stop = threading.Event()
+
+    def reader():
+        text = "def handler_x(request):\n    return request.get("
+        while not stop.is_set():
+            try:
+                results.append(len(idx.snippets(root / "q.py", text, len(text), budget_ms=200)))
+            except Exception as exc:  # any failure of a reader fails the test
+                errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for i in range(300):
+        write(root, f"m{i}.py", f"def handler_{i}(request, extra):\n    return request.get('k{i}', extra)\n")
+        idx.notify(f"m{i}.py")
+    assert idx.wait_idle(60)
+    stop.set()
+    for t in threads:
+        t.join()
+    idx.close()
+    assert not errors and results and max(results) > 0
+
+
+def test_kill_during_indexing_leaves_a_consistent_database(tmp_path: Path):
+    root = tmp_path / "repo"
+    for i in range(3000):
+        write(root, f"d{i % 30}/m{i}.py", f"def f{i}(x):\n    return x + {i}\n" * 40)
+    idx_dir = tmp_path / "idx"
+    cmd = [sys.executable, "-m", "codecomplete.daemon", "index", "--repo", str(root),
+           "--index-dir", str(idx_dir), "--no-tokens", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    db = idx_dir / "index.sqlite"
+    assert wait_for(lambda: db.exists() and db.stat().st_size > 200_000, timeout=60)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    files = conn.execute("SELECT count(*) FROM files").fetchone()[0]
+    defs_orphans = conn.execute("SELECT count(*) FROM defs WHERE path NOT IN (SELECT path FROM files)").fetchone()[0]
+    conn.close()
+    assert 0 < files < 3000 and defs_orphans == 0  # whole batches only
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    import json
+    out = json.loads(done.stdout)
+    assert out["files"] == 3000 and out["files_unchanged"] >= files
+    assert out["definitions"] == 3000 * 40
+
+
+def test_vanished_repository_keeps_the_index(tmp_path: Path):
+    root = tmp_path / "repo"
+    write(root, "a.py", "a = 1\n")
+    idx = RepoIndex(root, tmp_path / "idx", watch=False)
+    idx.build()
+    import shutil
+    shutil.rmtree(root)
+    idx.rescan()
+    idx._full_scan()
+    assert idx.counts()["files"] == 1 and idx.failed is None
+    idx.close()
+
+
+def test_a_new_tokenizer_retokenizes_the_repository(tmp_path: Path, tiny_model: Path):
+    from tokenizers import Tokenizer
+
+    first = TokenizerInfo.from_file(tiny_model / "tokenizer.json")
+    other = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    other.add_tokens(["zebra_quokka"])  # another model's tokenizer: another id
+    second = TokenizerInfo(other, "other")
+    assert first.id != second.id
+    root = tmp_path / "repo"
+    write(root, "a.py", UNIQUE)
+    idx = RepoIndex(root, tmp_path / "idx", tokenizer=first, watch=False)
+    idx.build()
+    idx.close()
+    again = RepoIndex(root, tmp_path / "idx", tokenizer=second, watch=False)
+    stats = again.build()
+    rows = again.store.conn.execute("SELECT tokenizer, ids FROM tokens").fetchall()
+    assert [r[0] for r in rows] == [second.id] and stats["files_unchanged"] == 1
+    assert list(np.frombuffer(rows[0][1], dtype="<i4")) == second.encode(UNIQUE).tolist()
+    again.close()
+
+
+def test_common_datastore_builds_maps_and_serves_drafts(tmp_path: Path, tokenizer: TokenizerInfo):
+    from codecomplete.indexer.common import build_common, load_common, stdlib_sources
+
+    sources = [p for p in stdlib_sources() if p.name in ("textwrap.py", "shlex.py", "fnmatch.py")]
+    assert len(sources) == 3
+    folder = tmp_path / "common"
+    meta = build_common(tokenizer, folder, sources)
+    assert meta["documents"] == 3 and meta["tokens"] > 1000 and meta["licence"].startswith("PSF")
+    seg = load_common(tokenizer, folder)
+    assert seg is not None and seg.tokens == meta["tokens"]
+    text = (sources[0].parent / "textwrap.py").read_text()
+    cut = text.index("def dedent(text):") + len("def dedent(text):")
+    root = tmp_path / "repo"
+    write(root, "a.py", "x = 1\n")
+    idx = RepoIndex(root, tmp_path / "idx", tokenizer=tokenizer, watch=False, common=seg)
+    idx.build()
+    matches = idx.lookup(tokenizer.encode(text[:cut]).tolist(), draft_len=4)
+    assert [m.source for m in matches] == ["common"] and matches[0].length >= 8
+    want = tokenizer.encode(text[:cut + 40]).tolist()[len(tokenizer.encode(text[:cut])):][:2]
+    assert any(list(c.tokens[:2]) == want for c in matches[0].continuations)
+    (folder / "meta.json").write_text("{broken")
+    assert load_common(tokenizer, folder) is None  # a broken datastore is reported, not used
+    idx.close()
