@@ -67,11 +67,13 @@ def parse_tcp(value: str) -> tuple[str, int]:
 def serve(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="codecomplete-daemon", description=(
         "Serve inline code completions over the Language Server Protocol. "
-        "Subcommands: complete (one completion from the terminal), index (build the repository index)."))
+        "Subcommands: complete (one completion from the terminal), index (build the repository index), "
+        "sessions from-git, replay, record (the replay harness)."))
     _common(p)
     p.add_argument("--tcp", type=parse_tcp, metavar="HOST:PORT",
                    help="listen on TCP instead of stdio (a bare PORT binds 127.0.0.1)")
     p.add_argument("--version", action="version", version=f"codecomplete-daemon {__version__}")
+    p.add_argument("--record", metavar="FILE", help="record this editing session to FILE (replay harness)")
     args = p.parse_args(argv)
     lsp_out = sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but LSP messages may reach the real stdout
@@ -228,13 +230,57 @@ def index(argv: list[str]) -> int:
     return 0
 
 
-SUBCOMMANDS = {"complete": complete, "index": index}
+def sessions_cmd(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="codecomplete-daemon sessions", description="Make editing sessions.")
+    sub = p.add_subparsers(dest="what", required=True)
+    g = sub.add_parser("from-git", help="typing sessions from a repository's commits")
+    g.add_argument("repo", type=Path)
+    g.add_argument("--commits", type=int, default=5, help="sessions to make (one per commit)")
+    g.add_argument("--out", type=Path, default=Path("sessions.jsonl"))
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-files", type=int, default=3, help="changed files typed per commit")
+    g.add_argument("--suffix", action="append", default=None, help="file suffixes to type (default .py)")
+    args = p.parse_args(argv)
+    from .sessions import SessionError, sessions_from_git, write_sessions
+
+    try:
+        made = sessions_from_git(args.repo, args.commits, args.seed, args.max_files,
+                                 tuple(args.suffix or [".py"]))
+    except SessionError as exc:
+        print(f"codecomplete-daemon sessions: {exc}", file=sys.stderr)
+        return 2
+    if not made:
+        print("codecomplete-daemon sessions: no commit with a typable change found", file=sys.stderr)
+        return 1
+    write_sessions(args.out, made)
+    print(f"{len(made)} sessions, {sum(len(s.requests) for s in made)} requests, "
+          f"{sum(len(s.events) for s in made)} events -> {args.out}")
+    return 0
+
+
+def replay_cmd(argv: list[str]) -> int:
+    from .replay import replay
+
+    return replay(argv)
+
+
+def record_cmd(argv: list[str]) -> int:
+    from .record import record
+
+    return record(argv)
+
+
+SUBCOMMANDS = {"complete": complete, "index": index, "sessions": sessions_cmd, "replay": replay_cmd,
+               "record": record_cmd}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
         return SUBCOMMANDS[argv[0]](argv[1:])
+    if "--record" in argv[:-1]:  # serve through the recorder (editors that only add arguments)
+        i = argv.index("--record")
+        return record_cmd(["--out", argv[i + 1], *argv[:i], *argv[i + 2:]])
     return serve(argv)
 
 

@@ -103,7 +103,8 @@ class CodecompleteServer(LanguageServer):
         self._ids = itertools.count(1)
         self._told_unavailable = False
         self.index = None  # the RepoIndex, once the repository is known
-        self._contexts: dict[str, tuple[int, str]] = {}  # uri -> (line block, rendered snippets)
+        self._contexts: dict[str, tuple[int, str]] = {}
+        self.recent: deque = deque(maxlen=4096)  # per-request records for the replay harness  # uri -> (line block, rendered snippets)
 
     # -- the repository index ----------------------------------------------------------
     def start_index(self) -> None:
@@ -267,6 +268,13 @@ class CodecompleteServer(LanguageServer):
         finally:
             if self.pending.get(uri) is pending:
                 del self.pending[uri]
+        self.recent.append({"id": rid, "uri": uri, "line": params.position.line,
+                            "character": params.position.character,
+                            "prompt_tokens": completion.prompt_tokens, "reused_tokens": completion.reused_tokens,
+                            "prompt_kind": completion.prompt_kind, "stop_reason": completion.stop_reason,
+                            "status": "stale" if pending.stale else "superseded" if pending.superseded
+                            else "cancelled" if completion.cancelled else "answered",
+                            "latency_ms": round((time.perf_counter() - started) * 1000, 2)})
         if pending.superseded or pending.stale or completion.cancelled:
             return self._dropped(pending)
         if completion.error:
@@ -365,8 +373,9 @@ class CodecompleteServer(LanguageServer):
         info = self.issued.get(cid) if cid else None
         log.info("completion %s %s%s", cid or "?", kind, "" if info else " (unknown id)")
 
-    def stats(self) -> dict:
-        return {"version": __version__, "counters": self.counters.as_dict(),
+    def stats(self, recent: bool = False) -> dict:
+        extra = {"recent": list(self.recent)} if recent else {}
+        return {**extra,"version": __version__, "counters": self.counters.as_dict(),
                 "engine": self.engine.stats(), "index": self.index.stats() if self.index else None, "open_documents": len(self.workspace.text_documents),
                 "position_encoding": str(self.workspace.position_encoding or "utf-16")}
 
@@ -463,7 +472,8 @@ def create_server(engine, config: Config, repo: Path | None = None,
 
     @server.feature(STATS_REQUEST)
     def stats(ls: CodecompleteServer, params: Any):
-        return ls.stats()
+        p = plain(params)
+        return ls.stats(recent=bool(isinstance(p, dict) and p.get("recent")))
 
     @server.feature(RETRIEVE_REQUEST)
     async def retrieve(ls: CodecompleteServer, params: Any):

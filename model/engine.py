@@ -378,7 +378,9 @@ class Engine:
             self.lm = load_model(settings.model, settings.device, settings.dtype, settings.template)
             self.load_error = None
             self._vocab = None
-            self.store = KVStore(settings.kv_budget_mb * 2**20)
+            # self.settings, not the argument: configure() may have run while loading
+            self.store = KVStore(self.settings.kv_budget_mb * 2**20)
+            self.pool.inc_bound = self.settings.inc_bound
             for callback in list(self.on_load):
                 try:
                     callback(self.lm)

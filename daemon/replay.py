@@ -1,0 +1,456 @@
+"""``codecomplete-daemon replay``: play editing sessions through the real daemon.
+
+For each scheme a fresh daemon is spawned and driven over stdio by a real LSP client
+(pygls).  N users type at once, each with their own copies of the documents.  Timing is
+honoured (``--speed 1``), scaled (``--speed 4``: four times faster) or compressed
+(``--speed 0``: no waiting, but each request is awaited before typing on).  Per
+request: latency, whether it was answered, dropped as stale (the user typed on) or
+superseded, the reused prompt tokens (from the daemon's per-request records), and the
+completion; per session: acceptance (the completion is a prefix of what was typed next),
+exact match and edit similarity against the ground truth, and characters saved.
+
+Schemes map to engine settings: ``baseline`` = no KV reuse and no EFIM, ``fim`` = KV
+reuse with PSM prompts, ``efim`` = KV reuse with EFIM prompts.  With a prefix-only model
+``fim`` and ``efim`` build the same prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .sessions import Session, SessionError, apply_change, read_sessions, utf16_offset
+
+log = logging.getLogger(__name__)
+
+SCHEMES = {
+    "baseline": {"engine": {"kvBudgetMb": 0, "efim": False}},
+    "fim": {"engine": {"efim": False}},
+    "efim": {"engine": {"efim": True}},
+}
+
+
+@dataclass
+class RequestResult:
+    user: int
+    session: int
+    ordinal: int  # the request's number within its session (its "round")
+    uri: str
+    line: int
+    character: int
+    truth_line: str
+    truth_hunk: str
+    status: str = "pending"  # answered | empty | stale | superseded | error
+    latency_ms: float = 0.0
+    completion: str = ""
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prompt_kind: str = ""
+    accepted: bool = False
+    exact: bool = False
+    edit_similarity: float = 0.0
+    chars_saved: int = 0
+
+
+def levenshtein(a: str, b: str) -> int:
+    if len(a) < len(b):
+        a, b = b, a
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def edit_similarity(a: str, b: str) -> float:
+    if not a and not b:
+        return 1.0
+    return 1.0 - levenshtein(a, b) / max(len(a), len(b))
+
+
+def score(r: RequestResult) -> None:
+    """Acceptance, exact match, edit similarity and characters saved of one answer."""
+    comp = r.completion
+    if not comp.strip():
+        return
+    first = comp.split("\n")[0]
+    r.accepted = r.truth_hunk.startswith(comp.rstrip()) or ("\n" not in comp.rstrip()
+                                                           and r.truth_line.startswith(first.rstrip())
+                                                           and bool(first.strip()))
+    r.exact = first.strip() == r.truth_line.strip()
+    r.edit_similarity = edit_similarity(first.strip(), r.truth_line.strip())
+    r.chars_saved = len(comp.rstrip()) if r.truth_hunk.startswith(comp.rstrip()) else (
+        len(first.rstrip()) if r.accepted else 0)
+
+
+@dataclass
+class UserState:
+    docs: dict = field(default_factory=dict)  # uri -> text
+    versions: dict = field(default_factory=dict)  # uri -> version
+    last_request: dict = field(default_factory=dict)  # uri -> RequestResult in flight
+
+
+def remap(uri: str, header: dict, root: Path, user: int) -> str:
+    """A session's uri under the replay root, in the user's own folder (user 0: none)."""
+    base = Path(header.get("repo") or "/").as_uri() if header.get("repo") else ""
+    rel = uri[len(base):].lstrip("/") if base and uri.startswith(base) else uri.rsplit("/", 1)[-1]
+    return (root / (f"user{user}/" if user else "") / rel).as_uri()
+
+
+async def drive_user(client, user: int, sessions: list[Session], root: Path, speed: float,
+                     results: list, max_requests: int, tick) -> None:
+    from lsprotocol import types as T
+
+    st = UserState()
+    start = time.monotonic()
+    offset = 0.0
+    inflight: list = []
+    for si, session in enumerate(sessions):
+        ordinal = 0
+        last_t = 0.0
+        for e in session.events:
+            if speed > 0:
+                due = start + (offset + e["t"]) / 1000 / speed
+                delay = due - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            last_t = e["t"]
+            uri = remap(e["uri"], session.header, root, user)
+            kind = e["type"]
+            if kind == "open":
+                st.docs[uri] = e["text"]
+                st.versions[uri] = 1
+                client.text_document_did_open(T.DidOpenTextDocumentParams(T.TextDocumentItem(
+                    uri=uri, language_id=e.get("languageId") or "python", version=1, text=e["text"])))
+            elif kind == "change" and uri in st.docs:
+                st.versions[uri] += 1
+                changes = []
+                for ch in e["changes"]:
+                    st.docs[uri] = apply_change(st.docs[uri], ch)
+                    r = ch.get("range")
+                    if r is None:
+                        changes.append(T.TextDocumentContentChangeWholeDocument(text=ch["text"]))
+                    else:
+                        changes.append(T.TextDocumentContentChangePartial(range=T.Range(
+                            T.Position(r["start"]["line"], r["start"]["character"]),
+                            T.Position(r["end"]["line"], r["end"]["character"])), text=ch["text"]))
+                client.text_document_did_change(T.DidChangeTextDocumentParams(
+                    T.VersionedTextDocumentIdentifier(uri=uri, version=st.versions[uri]), changes))
+            elif kind == "request" and uri in st.docs and (not max_requests or ordinal < max_requests):
+                res = RequestResult(user, si, ordinal, uri, e["line"], e["character"],
+                                    e.get("truth_line", ""), e.get("truth_hunk", e.get("truth_line", "")))
+                ordinal += 1
+                results.append(res)
+                text = st.docs[uri]
+                off = utf16_offset(text, e["line"], e["character"])
+                typed = text[text.rfind("\n", 0, off) + 1:off]
+                trigger = (T.InlineCompletionTriggerKind.Invoked if e.get("trigger") == "invoked"
+                           else T.InlineCompletionTriggerKind.Automatic)
+                params = T.InlineCompletionParams(context=T.InlineCompletionContext(trigger_kind=trigger),
+                                                  text_document=T.TextDocumentIdentifier(uri=uri),
+                                                  position=T.Position(e["line"], e["character"]))
+                prev = st.last_request.get(uri)
+                if prev is not None and prev.status == "pending":
+                    prev.status = "superseded"
+                st.last_request[uri] = res
+                task = asyncio.create_task(_request(client, params, res, typed, st, uri, tick))
+                if speed > 0:
+                    inflight.append(task)
+                else:
+                    await task
+            elif kind == "close" and uri in st.docs:
+                client.text_document_did_close(T.DidCloseTextDocumentParams(T.TextDocumentIdentifier(uri=uri)))
+                del st.docs[uri]
+            elif kind == "save" and uri in st.docs:
+                client.text_document_did_save(T.DidSaveTextDocumentParams(T.TextDocumentIdentifier(uri=uri)))
+        offset += last_t + 1000
+    if inflight:
+        await asyncio.gather(*inflight)
+
+
+async def _request(client, params, res: RequestResult, typed: str, st: UserState, uri: str, tick) -> None:
+    version = st.versions.get(uri)
+    t0 = time.perf_counter()
+    try:
+        result = await client.text_document_inline_completion_async(params)
+    except Exception as exc:  # an error response: counted, the replay goes on
+        res.status, res.completion = "error", str(exc)[:200]
+        tick()
+        return
+    res.latency_ms = (time.perf_counter() - t0) * 1000
+    items = list(getattr(result, "items", None) or (result if isinstance(result, list) else []))
+    if items:
+        insert = items[0].insert_text if isinstance(items[0].insert_text, str) else items[0].insert_text.value
+        res.completion = insert[len(typed):] if insert.startswith(typed) else insert
+        res.status = "answered"
+        score(res)
+    elif res.status != "superseded":
+        res.status = "stale" if st.versions.get(uri) != version else "empty"
+    tick()
+
+
+async def replay_scheme(sessions: list[Session], root: Path, scheme: str, *, users: int, speed: float,
+                        model: str, dtype: str | None, max_requests: int, work: Path, tick,
+                        extra_settings: dict | None = None) -> dict:
+    from lsprotocol import types as T
+    from pygls.lsp.client import LanguageClient
+
+    settings = json.loads(json.dumps(SCHEMES[scheme]))
+    for k, v in (extra_settings or {}).items():
+        settings.setdefault(k, {}).update(v)
+    client = LanguageClient("codecomplete-replay", "1")
+    args = ["-m", "codecomplete.daemon", "--repo", str(root), "--model", model,
+            "--index-dir", str(work / f"index-{scheme}"), "--log-file", str(work / f"daemon-{scheme}.log")]
+    if dtype:
+        args += ["--dtype", dtype]
+    await client.start_io(sys.executable, *args)
+    await client.initialize_async(T.InitializeParams(
+        capabilities=T.ClientCapabilities(text_document=T.TextDocumentClientCapabilities(
+            inline_completion=T.InlineCompletionClientCapabilities())),
+        root_uri=root.as_uri(), initialization_options={"codecomplete": settings},
+        client_info=T.ClientInfo(name="codecomplete-replay")))
+    client.initialized(T.InitializedParams())
+    for _ in range(1200):  # the model loads (and the index scans) before the clock starts
+        stats = await client.protocol.send_request_async("codecomplete/stats", {})
+        eng = _plain(stats).get("engine") or {}
+        if eng.get("ready") or eng.get("load_error"):
+            break
+        await asyncio.sleep(0.1)
+    if eng.get("load_error"):
+        raise RuntimeError(f"the daemon could not load {model}: {eng['load_error']}")
+    results: list[RequestResult] = []
+    t0 = time.perf_counter()
+    await asyncio.gather(*(drive_user(client, u, sessions, root, speed, results, max_requests, tick)
+                           for u in range(users)))
+    wall = time.perf_counter() - t0
+    stats = _plain(await client.protocol.send_request_async("codecomplete/stats", {"recent": True}))
+    await client.shutdown_async(None)
+    client.exit(None)
+    await client.stop()
+    _join_recent(results, stats.get("recent") or [])
+    return {"scheme": scheme, "wall_seconds": round(wall, 2), "requests": [r.__dict__ for r in results],
+            "daemon": {"counters": stats.get("counters"), "engine": {k: v for k, v in (stats.get("engine") or {}).items()
+                                                                      if k not in ("kv_store",)}}}
+
+
+def _plain(value):
+    from codecomplete.lsp.server import plain
+
+    return plain(value)
+
+
+def _join_recent(results: list[RequestResult], recent: list[dict]) -> None:
+    """The daemon's per-request records (reused tokens, prompt kind), matched in order."""
+    queues: dict = {}
+    for rec in recent:
+        queues.setdefault((rec["uri"], rec["line"], rec["character"]), []).append(rec)
+    for r in results:
+        q = queues.get((r.uri, r.line, r.character))
+        if q:
+            rec = q.pop(0)
+            r.prompt_tokens, r.reused_tokens, r.prompt_kind = rec["prompt_tokens"], rec["reused_tokens"], rec["prompt_kind"]
+
+
+# -- report ----------------------------------------------------------------------------
+
+def pct(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return round(v[min(len(v) - 1, int(p * len(v)))], 1)
+
+
+def summarize(run: dict) -> dict:
+    reqs = run["requests"]
+    answered = [r for r in reqs if r["status"] == "answered"]
+    served = [r for r in reqs if r["status"] in ("answered", "empty")]
+    lat = [r["latency_ms"] for r in served]
+    prompt = sum(r["prompt_tokens"] for r in reqs)
+    reused = sum(r["reused_tokens"] for r in reqs)
+    by_round: dict = {}
+    for r in reqs:
+        if r["prompt_tokens"]:
+            b = by_round.setdefault(r["ordinal"], [0, 0])
+            b[0] += r["reused_tokens"]
+            b[1] += r["prompt_tokens"]
+    n = len(reqs) or 1
+    return {
+        "scheme": run["scheme"], "requests": len(reqs),
+        "status": {s: sum(r["status"] == s for r in reqs) for s in ("answered", "empty", "stale", "superseded", "error")},
+        "latency_ms": {"p50": pct(lat, 0.5), "p90": pct(lat, 0.9), "p99": pct(lat, 0.99),
+                       "mean": round(sum(lat) / len(lat), 1) if lat else None},
+        "acceptance": round(sum(r["accepted"] for r in reqs) / n, 4),
+        "acceptance_of_answered": round(sum(r["accepted"] for r in answered) / len(answered), 4) if answered else None,
+        "exact_match": round(sum(r["exact"] for r in reqs) / n, 4),
+        "edit_similarity": round(sum(r["edit_similarity"] for r in answered) / len(answered), 4) if answered else None,
+        "chars_saved": sum(r["chars_saved"] for r in reqs),
+        "chars_typed_after_requests": sum(len(r["truth_line"]) for r in reqs),
+        "reuse_rate": round(reused / prompt, 4) if prompt else None,
+        "reuse_by_round": {k: round(v[0] / v[1], 4) for k, v in sorted(by_round.items())},
+        "wall_seconds": run["wall_seconds"],
+    }
+
+
+def write_report(out: Path, runs: list[dict], meta: dict) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = [summarize(r) for r in runs]
+    report = {"meta": meta, "summary": summaries, "runs": runs}
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    plots = _plots(out, runs, summaries)
+    lines = [f"# Replay report\n", f"- sessions: {meta['sessions']} ({', '.join(meta['files'])}); "
+             f"users: {meta['users']}; speed: {meta['speed']}; model: {meta['model']}",
+             f"- command: `{meta['command']}`", f"- machine: {meta.get('machine', '')}\n",
+             "| scheme | requests | answered | stale | superseded | empty | latency p50 / p90 / p99 ms | "
+             "acceptance | exact match | edit sim. | chars saved | reuse |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        st, lat = s["status"], s["latency_ms"]
+        lines.append(f"| {s['scheme']} | {s['requests']} | {st['answered']} | {st['stale']} | {st['superseded']} | "
+                     f"{st['empty']} | {lat['p50']} / {lat['p90']} / {lat['p99']} | {s['acceptance']:.3f} | "
+                     f"{s['exact_match']:.3f} | {s['edit_similarity'] if s['edit_similarity'] is not None else '-'} | "
+                     f"{s['chars_saved']} of {s['chars_typed_after_requests']} | "
+                     f"{s['reuse_rate'] if s['reuse_rate'] is not None else '-'} |")
+    lines += ["", "Latency counts requests the daemon answered (with or without items); stale and "
+              "superseded requests were dropped because the user typed on.", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in plots]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    return report
+
+
+def _plots(out: Path, runs: list[dict], summaries: list[dict]) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no plots")
+        return []
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run in runs:
+        lat = sorted(r["latency_ms"] for r in run["requests"] if r["status"] in ("answered", "empty"))
+        if lat:
+            ax.step(lat, [(i + 1) / len(lat) for i in range(len(lat))], where="post", label=run["scheme"])
+    ax.set_xlabel("latency (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("Latency CDF per scheme")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "latency_cdf.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in summaries:
+        rounds = s["reuse_by_round"]
+        if rounds:
+            ax.plot(list(rounds), list(rounds.values()), marker=".", label=s["scheme"])
+    ax.set_xlabel("request number within the session")
+    ax.set_ylabel("prompt tokens reused")
+    ax.set_title("KV reuse per round")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "reuse_per_round.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def materialize(sessions: list[Session], work: Path) -> Path:
+    """The repository at the first session's parent commit (git archive), or an empty
+    folder when the sessions do not name a git repository."""
+    root = work / "repo"
+    root.mkdir(parents=True, exist_ok=True)
+    h = sessions[0].header
+    commit = h.get("parent") or h.get("commit")
+    if h.get("repo") and commit and Path(h["repo"]).is_dir():
+        archive = subprocess.run(["git", "-C", h["repo"], "archive", commit], capture_output=True)
+        if archive.returncode == 0:
+            subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
+    return root
+
+
+def replay(argv: list[str]) -> int:
+    from codecomplete.indexer.progress import Progress
+
+    p = argparse.ArgumentParser(prog="codecomplete-daemon replay",
+                                description="Play editing sessions through the real daemon and report.")
+    p.add_argument("sessions", nargs="+", type=Path, help="session files (JSONL, format v1)")
+    p.add_argument("--repo", type=Path, help="the repository the daemon indexes (default: the sessions' "
+                                             "repository at its parent commit)")
+    p.add_argument("--users", type=int, default=1, help="users typing at once")
+    p.add_argument("--speed", type=float, default=1.0, help="1 = recorded timing, 4 = four times faster, "
+                                                            "0 = compressed (await each request)")
+    p.add_argument("--scheme", default="efim", help="comma-separated: " + ", ".join(SCHEMES))
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-requests", type=int, default=0, help="per session (0: all)")
+    p.add_argument("--max-sessions", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("replay-report"))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    schemes = [s.strip() for s in args.scheme.split(",") if s.strip()]
+    bad = [s for s in schemes if s not in SCHEMES]
+    if bad or args.users < 1 or args.speed < 0:
+        print(f"codecomplete-daemon replay: unknown scheme {bad}" if bad else
+              "codecomplete-daemon replay: --users >= 1 and --speed >= 0", file=sys.stderr)
+        return 2
+    try:
+        sessions = [s for f in args.sessions for s in read_sessions(f)]
+    except (OSError, SessionError) as exc:
+        print(f"codecomplete-daemon replay: {exc}", file=sys.stderr)
+        return 2
+    if args.max_sessions:
+        sessions = sessions[:args.max_sessions]
+    work = Path(tempfile.mkdtemp(prefix="codecomplete-replay-"))
+    root = args.repo.resolve() if args.repo else materialize(sessions, work)
+    total = sum(min(len(s.requests), args.max_requests or 10**9) for s in sessions) * args.users * len(schemes)
+    runs = []
+    try:
+        with Progress("replay", enabled=sys.stderr.isatty(), unit="requests") as bar:
+            done = [0]
+
+            def tick():
+                done[0] += 1
+                bar.update(done[0], total)
+
+            for scheme in schemes:
+                runs.append(asyncio.run(replay_scheme(
+                    sessions, root, scheme, users=args.users, speed=args.speed, model=args.model,
+                    dtype=args.dtype, max_requests=args.max_requests, work=work, tick=tick)))
+    except RuntimeError as exc:
+        print(f"codecomplete-daemon replay: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        logs = args.out / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        for f in work.glob("daemon-*.log"):
+            shutil.copy(f, logs / f.name)
+        shutil.rmtree(work, ignore_errors=True)
+    import platform
+    meta = {"sessions": len(sessions), "files": [str(f) for f in args.sessions], "users": args.users,
+            "speed": args.speed, "model": args.model, "schemes": schemes,
+            "command": "codecomplete-daemon replay " + " ".join(argv),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"}
+    report = write_report(args.out, runs, meta)
+    for s in report["summary"]:
+        lat = s["latency_ms"]
+        print(f"{s['scheme']}: {s['requests']} requests, answered {s['status']['answered']}, "
+              f"p50 {lat['p50']} ms, p90 {lat['p90']} ms, acceptance {s['acceptance']:.3f}, reuse {s['reuse_rate']}")
+    print(f"report: {args.out / 'report.md'}")
+    return 0

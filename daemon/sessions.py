@@ -1,0 +1,330 @@
+"""Editing sessions: the v1 JSONL format, applying edits, and sessions from git history.
+
+A file holds one or more sessions; each starts with a header line and continues with
+events in time order (format documented in ``docs/sessions.md``):
+
+    {"type": "header", "format": "codecomplete-session", "version": 1, "repo": ..., "commit": ...,
+     "client": ..., "timing": "recorded" | "synthetic", "created": ...}
+    {"t": 0, "type": "open", "uri": "file:///...", "languageId": "python", "text": "..."}
+    {"t": 120, "type": "change", "uri": ..., "changes": [{"range": {...}, "text": "a"}]}
+    {"t": 480, "type": "request", "uri": ..., "line": 3, "character": 8, "trigger": "automatic",
+     "truth_line": "rest of the line typed next", "truth_hunk": "rest of the hunk"}
+    {"t": 900, "type": "accept" | "reject", "uri": ...}
+    {"t": 950, "type": "save" | "close", "uri": ...}
+
+Positions are LSP positions in UTF-16 code units (the LSP default), ranges as LSP
+``Range`` objects.  ``t`` is milliseconds from the session's start.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import random
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FORMAT = "codecomplete-session"
+VERSION = 1
+EVENT_TYPES = {"open", "change", "request", "accept", "reject", "save", "close"}
+
+
+class SessionError(ValueError):
+    pass
+
+
+@dataclass
+class Session:
+    header: dict
+    events: list[dict] = field(default_factory=list)
+
+    @property
+    def requests(self) -> list[dict]:
+        return [e for e in self.events if e["type"] == "request"]
+
+
+def make_header(repo: str = "", commit: str = "", client: str = "", timing: str = "synthetic", **extra) -> dict:
+    return {"type": "header", "format": FORMAT, "version": VERSION, "repo": repo, "commit": commit,
+            "client": client, "timing": timing, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **extra}
+
+
+def write_sessions(path: Path, sessions: list[Session]) -> None:
+    with Path(path).open("w", encoding="utf-8") as f:
+        for s in sessions:
+            f.write(json.dumps(s.header, ensure_ascii=False) + "\n")
+            for e in s.events:
+                f.write(json.dumps(e, ensure_ascii=False) + "\n")
+
+
+def read_sessions(path: Path) -> list[Session]:
+    """Parse and validate a session file; errors name the line."""
+    sessions: list[Session] = []
+    last_t = 0
+    with Path(path).open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SessionError(f"{path}:{n}: not JSON ({exc.msg})") from None
+            if not isinstance(obj, dict):
+                raise SessionError(f"{path}:{n}: expected an object")
+            if obj.get("type") == "header":
+                if obj.get("format") != FORMAT:
+                    raise SessionError(f"{path}:{n}: not a {FORMAT} header")
+                if obj.get("version") != VERSION:
+                    raise SessionError(f"{path}:{n}: format version {obj.get('version')} (this reads {VERSION})")
+                sessions.append(Session(obj))
+                last_t = 0
+                continue
+            if not sessions:
+                raise SessionError(f"{path}:{n}: event before any header")
+            kind = obj.get("type")
+            if kind not in EVENT_TYPES:
+                raise SessionError(f"{path}:{n}: unknown event type {kind!r}")
+            t = obj.get("t")
+            if not isinstance(t, (int, float)) or t < last_t:
+                raise SessionError(f"{path}:{n}: 't' must be a number of ms, not decreasing")
+            if not isinstance(obj.get("uri"), str):
+                raise SessionError(f"{path}:{n}: 'uri' missing")
+            if kind == "open" and not isinstance(obj.get("text"), str):
+                raise SessionError(f"{path}:{n}: open needs 'text'")
+            if kind == "change" and not isinstance(obj.get("changes"), list):
+                raise SessionError(f"{path}:{n}: change needs 'changes'")
+            if kind == "request" and not all(isinstance(obj.get(k), int) for k in ("line", "character")):
+                raise SessionError(f"{path}:{n}: request needs 'line' and 'character'")
+            last_t = t
+            sessions[-1].events.append(obj)
+    if not sessions:
+        raise SessionError(f"{path}: no session in it")
+    return sessions
+
+
+# -- applying edits ------------------------------------------------------------------------
+
+def utf16_offset(text: str, line: int, character: int) -> int:
+    """Offset in ``text`` of an LSP position (UTF-16 code units); clamped like editors do."""
+    start = 0
+    for _ in range(line):
+        nl = text.find("\n", start)
+        if nl < 0:
+            return len(text)
+        start = nl + 1
+    end = text.find("\n", start)
+    end = len(text) if end < 0 else end
+    units = 0
+    i = start
+    while i < end and units < character:
+        units += 2 if ord(text[i]) > 0xFFFF else 1
+        i += 1
+    return i
+
+
+def position_of(text: str, offset: int) -> tuple[int, int]:
+    """LSP position (UTF-16) of an offset."""
+    line = text.count("\n", 0, offset)
+    start = text.rfind("\n", 0, offset) + 1
+    return line, sum(2 if ord(c) > 0xFFFF else 1 for c in text[start:offset])
+
+
+def apply_change(text: str, change: dict) -> str:
+    rng = change.get("range")
+    if rng is None:
+        return change["text"]
+    a = utf16_offset(text, rng["start"]["line"], rng["start"]["character"])
+    b = utf16_offset(text, rng["end"]["line"], rng["end"]["character"])
+    return text[:a] + change["text"] + text[b:]
+
+
+def final_texts(session: Session) -> dict[str, str]:
+    """Every document's text after all the session's edits."""
+    docs: dict[str, str] = {}
+    for e in session.events:
+        if e["type"] == "open":
+            docs[e["uri"]] = e["text"]
+        elif e["type"] == "change":
+            for ch in e["changes"]:
+                docs[e["uri"]] = apply_change(docs.get(e["uri"], ""), ch)
+    return docs
+
+
+def fill_truth(session: Session) -> None:
+    """Derive ``truth_line`` for requests that lack it (recorded sessions): what the user
+    typed at the cursor afterwards, up to an edit elsewhere or a newline."""
+    docs: dict[str, str] = {}
+    pending: list[tuple[dict, int, str]] = []  # request, cursor offset, typed so far
+    for e in session.events:
+        uri = e.get("uri")
+        if e["type"] == "open":
+            docs[uri] = e["text"]
+        elif e["type"] == "request" and uri in docs:
+            if "truth_line" not in e:
+                pending.append((e, utf16_offset(docs[uri], e["line"], e["character"]), ""))
+        elif e["type"] == "change" and uri in docs:
+            for ch in e["changes"]:
+                text = docs[uri]
+                rng = ch.get("range")
+                keep = []
+                for req, cur, typed in pending:
+                    if req["uri"] != uri:
+                        keep.append((req, cur, typed))
+                        continue
+                    a = utf16_offset(text, rng["start"]["line"], rng["start"]["character"]) if rng else -1
+                    b = utf16_offset(text, rng["end"]["line"], rng["end"]["character"]) if rng else -1
+                    if a == b == cur + len(typed) and "\n" not in typed:
+                        keep.append((req, cur, typed + ch["text"]))  # typing on
+                    elif b == cur + len(typed) and a >= cur:
+                        keep.append((req, cur, typed[:a - cur] + ch["text"]))  # backspace
+                    else:
+                        req["truth_line"] = typed.split("\n")[0]
+                docs[uri] = apply_change(text, ch)
+                pending = keep
+    for req, _, typed in pending:
+        req["truth_line"] = typed.split("\n")[0]
+
+
+# -- sessions from git history -----------------------------------------------------------
+
+def git(repo: Path, *args: str) -> str:
+    out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SessionError(f"git {' '.join(args)}: {out.stderr.strip()}")
+    return out.stdout
+
+
+def _show(repo: Path, commit: str, path: str) -> str | None:
+    out = subprocess.run(["git", "-C", str(repo), "show", f"{commit}:{path}"], capture_output=True)
+    if out.returncode != 0:
+        return None
+    try:
+        return out.stdout.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+class Typist:
+    """Human-like keystroke timing: per-character delay, pauses at word and line
+    boundaries, occasional typos corrected with backspace."""
+
+    def __init__(self, rng: random.Random, typo_rate: float = 0.02, request_rate: float = 0.35):
+        self.rng = rng
+        self.typo_rate = typo_rate
+        self.request_rate = request_rate
+
+    def key_ms(self) -> float:
+        return self.rng.uniform(60, 140)
+
+    def pause_ms(self, boundary: str) -> float:
+        return self.rng.uniform(250, 700) if boundary == "word" else self.rng.uniform(500, 1500)
+
+
+def _change(text: str, a: int, b: int, new: str) -> dict:
+    sl, sc = position_of(text, a)
+    el, ec = position_of(text, b)
+    return {"range": {"start": {"line": sl, "character": sc}, "end": {"line": el, "character": ec}},
+            "text": new}
+
+
+def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
+              max_hunk_chars: int = 2000) -> tuple[list[dict], float]:
+    """Events that turn ``old`` into ``new`` hunk by hunk, typing the new lines."""
+    events: list[dict] = []
+    t = t0
+    text = old
+    a_lines = old.splitlines(keepends=True)
+    b_lines = new.splitlines(keepends=True)
+    sm = difflib.SequenceMatcher(a=a_lines, b=b_lines, autojunk=False)
+    shift = 0  # lines added minus removed so far
+    rng = typist.rng
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if tag == "equal":
+            continue
+        line = i1 + shift
+        start = sum(len(x) for x in text.splitlines(keepends=True)[:line])
+        removed = "".join(a_lines[i1:i2])
+        if removed:  # select the old lines and delete them
+            t += typist.pause_ms("line")
+            events.append({"t": round(t), "type": "change", "uri": uri,
+                           "changes": [_change(text, start, start + len(removed), "")]})
+            text = text[:start] + text[start + len(removed):]
+        added = "".join(b_lines[j1:j2])
+        if len(added) > max_hunk_chars:  # a pasted block: one change
+            t += typist.pause_ms("line")
+            events.append({"t": round(t), "type": "change", "uri": uri, "changes": [_change(text, start, start, added)]})
+            text = text[:start] + added + text[start:]
+        else:
+            pos = start
+            asked = False
+            for k, ch in enumerate(added):
+                prev = added[k - 1] if k else "\n"
+                boundary = "line" if prev == "\n" else "word" if (prev in " .(,:=" and ch not in " ") else None
+                if boundary and k:
+                    # The editor asks when the typing stops; the pause is the user's wait.
+                    if rng.random() < typist.request_rate or not asked:  # at least one per hunk
+                        asked = True
+                        rest = added[k:]
+                        events.append({"t": round(t + 30), "type": "request", "uri": uri,
+                                       **dict(zip(("line", "character"), position_of(text, pos))),
+                                       "trigger": "automatic", "truth_line": rest.split("\n")[0],
+                                       "truth_hunk": rest})
+                    t += typist.pause_ms(boundary)
+                if ch.isalpha() and rng.random() < typist.typo_rate:  # a typo, then backspace
+                    wrong = rng.choice("asdfghjkl")
+                    t += typist.key_ms()
+                    events.append({"t": round(t), "type": "change", "uri": uri, "changes": [_change(text, pos, pos, wrong)]})
+                    text = text[:pos] + wrong + text[pos:]
+                    t += typist.key_ms() * 2
+                    events.append({"t": round(t), "type": "change", "uri": uri, "changes": [_change(text, pos, pos + 1, "")]})
+                    text = text[:pos] + text[pos + 1:]
+                t += typist.key_ms()
+                events.append({"t": round(t), "type": "change", "uri": uri, "changes": [_change(text, pos, pos, ch)]})
+                text = text[:pos] + ch + text[pos:]
+                pos += 1
+        shift += (j2 - j1) - (i2 - i1)
+    return events, t
+
+
+def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: int = 3,
+                      suffixes: tuple[str, ...] = (".py",), max_file_bytes: int = 200_000,
+                      max_added_lines: int = 200, root_uri: str | None = None) -> list[Session]:
+    """One session per commit: its changed files, typed from the parent's text."""
+    repo = Path(repo).resolve()
+    rng = random.Random(seed)
+    typist = Typist(rng)
+    shas = git(repo, "log", "--no-merges", "--format=%H", "-n", str(commits * 5)).split()
+    base_uri = root_uri or repo.as_uri()
+    out: list[Session] = []
+    for sha in shas:
+        if len(out) >= commits:
+            break
+        parents = git(repo, "rev-list", "--parents", "-n", "1", sha).split()[1:]
+        if len(parents) != 1:
+            continue
+        parent = parents[0]
+        changed = [ln.split("\t") for ln in git(repo, "diff", "--numstat", parent, sha).splitlines()]
+        files = [(int(a), p) for a, d, p in changed
+                 if a.isdigit() and p.endswith(suffixes) and 0 < int(a) <= max_added_lines]
+        if not files:
+            continue
+        session = Session(make_header(str(repo), sha, "git-history", "synthetic", parent=parent,
+                                      subject=git(repo, "log", "-1", "--format=%s", sha).strip()))
+        t = 0.0
+        for _, path in files[:max_files]:
+            old, new = _show(repo, parent, path), _show(repo, sha, path)
+            if old is None or new is None or len(old) > max_file_bytes or len(new) > max_file_bytes:
+                continue
+            uri = f"{base_uri}/{path}"
+            session.events.append({"t": round(t), "type": "open", "uri": uri, "languageId": "python", "text": old})
+            events, t = type_file(uri, old, new, typist, t)
+            session.events += events
+            t += 1000
+            session.events.append({"t": round(t), "type": "save", "uri": uri})
+            session.events.append({"t": round(t), "type": "close", "uri": uri})
+        if session.requests:
+            session.header["files"] = [p for _, p in files[:max_files]]
+            out.append(session)
+    return out

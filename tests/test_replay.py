@@ -1,0 +1,163 @@
+"""The replay harness: the session format, sessions from git history, the recorder
+(an LSP proxy in front of the real daemon) and replay reports from the real daemon."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lsprotocol import types as T
+from pytest_lsp import make_test_lsp_client
+
+from codecomplete.daemon.replay import edit_similarity
+from codecomplete.daemon.sessions import (Session, SessionError, final_texts, make_header, read_sessions,
+                                          sessions_from_git, write_sessions)
+
+from .lsp_client import insert, open_doc
+
+
+def test_sessions_round_trip_and_bad_files_get_clear_errors(tmp_path: Path):
+    s = Session(make_header("/r", "abc", "test"), [
+        {"t": 0, "type": "open", "uri": "file:///r/a.py", "languageId": "python", "text": "x = 1\n"},
+        {"t": 10, "type": "change", "uri": "file:///r/a.py", "changes": [
+            {"range": {"start": {"line": 1, "character": 0}, "end": {"line": 1, "character": 0}}, "text": "y = 😀\n"}]},
+        {"t": 20, "type": "request", "uri": "file:///r/a.py", "line": 1, "character": 6, "trigger": "automatic",
+         "truth_line": "", "truth_hunk": ""},
+        {"t": 30, "type": "accept", "uri": "file:///r/a.py"}, {"t": 40, "type": "close", "uri": "file:///r/a.py"}])
+    path = tmp_path / "s.jsonl"
+    write_sessions(path, [s, s])
+    back = read_sessions(path)
+    assert len(back) == 2 and back[0].header == s.header and back[1].events == s.events
+    assert final_texts(back[0]) == {"file:///r/a.py": "x = 1\ny = 😀\n"}
+    for bad, why in (('{"t": 0, "type": "open"}', "before any header"),
+                     ('{"type": "header", "format": "codecomplete-session", "version": 9}', "version 9"),
+                     ("not json", "not JSON")):
+        (tmp_path / "bad.jsonl").write_text(bad + "\n")
+        with pytest.raises(SessionError, match=why):
+            read_sessions(tmp_path / "bad.jsonl")
+    lines = path.read_text().splitlines()
+    (tmp_path / "back.jsonl").write_text("\n".join(lines[:3] + [lines[1]]) + "\n")  # time goes back
+    with pytest.raises(SessionError, match="not decreasing"):
+        read_sessions(tmp_path / "back.jsonl")
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def history(tmp_path: Path) -> Path:
+    repo = tmp_path / "hist"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    git(repo, "config", "user.email", "t@example.com")
+    git(repo, "config", "user.name", "t")
+    versions = [
+        {"app.py": "import os\n\n\ndef main():\n    return 1\n", "util.py": "X = 1\n"},
+        {"app.py": "import os\nimport sys\n\n\ndef main():\n    print('héllo 😀', sys.argv)\n    return 2\n",
+         "util.py": "X = 1\n"},
+        {"app.py": "import sys\n\n\ndef main():\n    print('héllo 😀', sys.argv)\n    return 2\n\n\n"
+                   "def helper(values):\n    return [v * 2 for v in values]\n",
+         "util.py": "X = 2\nY = X + 1\n"},
+    ]
+    for i, files in enumerate(versions):
+        for name, text in files.items():
+            (repo / name).write_text(text)
+        git(repo, "add", "-A")
+        git(repo, "commit", "-qm", f"v{i}")
+    return repo
+
+
+def test_sessions_from_git_reproduce_each_commit_exactly(history: Path, tmp_path: Path):
+    sessions = sessions_from_git(history, commits=5, seed=3)
+    assert len(sessions) == 2  # the first commit has no parent
+    for s in sessions:
+        commit = s.header["commit"]
+        assert s.header["parent"] and s.header["timing"] == "synthetic" and s.requests
+        for uri, text in final_texts(s).items():
+            name = uri.rsplit("/", 1)[1]
+            assert text == git(history, "show", f"{commit}:{name}"), (commit, name)
+        times = [e["t"] for e in s.events]
+        assert times == sorted(times)
+        for r in s.requests:
+            assert r["truth_hunk"].startswith(r["truth_line"])
+    # the command line writes the same thing
+    out = tmp_path / "cli.jsonl"
+    done = subprocess.run([sys.executable, "-m", "codecomplete.daemon", "sessions", "from-git", str(history),
+                           "--commits", "5", "--seed", "3", "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert [x.events for x in read_sessions(out)] == [x.events for x in sessions]
+
+
+def test_edit_similarity():
+    assert edit_similarity("abc", "abc") == 1.0 and edit_similarity("", "") == 1.0
+    assert edit_similarity("abcd", "abxd") == 0.75 and edit_similarity("a", "") == 0.0
+
+
+def run_replay(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "codecomplete.daemon", "replay", *args],
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_replay_against_the_real_daemon_reports_every_field(history: Path, tiny_model: Path, tmp_path: Path):
+    sessions = tmp_path / "s.jsonl"
+    write_sessions(sessions, sessions_from_git(history, commits=2, seed=1))
+    out = tmp_path / "report"
+    done = run_replay(str(sessions), "--model", str(tiny_model), "--dtype", "float32", "--users", "2",
+                      "--speed", "0", "--scheme", "baseline,efim", "--max-requests", "4", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    by = {s["scheme"]: s for s in report["summary"]}
+    assert set(by) == {"baseline", "efim"}
+    for s in by.values():
+        assert s["requests"] == 2 * sum(min(4, len(x.requests)) for x in read_sessions(sessions))
+        assert s["status"]["answered"] + s["status"]["empty"] > 0 and s["latency_ms"]["p50"] > 0
+        for key in ("acceptance", "exact_match", "edit_similarity", "chars_saved", "reuse_rate", "reuse_by_round"):
+            assert key in s
+    assert by["baseline"]["reuse_rate"] == 0.0  # no KV reuse in the baseline
+    assert by["efim"]["reuse_rate"] > 0.3
+    req = report["runs"][1]["requests"][0]
+    for key in ("latency_ms", "status", "completion", "prompt_tokens", "reused_tokens", "accepted",
+                "exact", "edit_similarity", "chars_saved", "truth_line", "user"):
+        assert key in req
+    assert {r["user"] for r in report["runs"][0]["requests"]} == {0, 1}
+    assert (out / "report.md").read_text().count("| baseline |") == 1
+    assert (out / "latency_cdf.png").stat().st_size > 1000 and (out / "reuse_per_round.png").exists()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_recorder_passes_messages_through_and_writes_a_replayable_session(repo, tiny_model, tmp_path):
+    out = tmp_path / "recorded.jsonl"
+    client = make_test_lsp_client()
+    await client.start_io(sys.executable, "-m", "codecomplete.daemon", "--repo", str(repo),
+                          "--record", str(out), "--model", str(tiny_model), "--dtype", "float32",
+                          "--index-dir", str(tmp_path / "idx"))
+    await client.initialize_session(T.InitializeParams(
+        capabilities=T.ClientCapabilities(), root_uri=repo.as_uri(), client_info=T.ClientInfo(name="rec-test")))
+    uri = (repo / "new.py").as_uri()
+    open_doc(client, uri, "def add(a, b):\n")
+    text = "def add(a, b):\n"
+    for i, ch in enumerate("    return a + b"):
+        insert(client, uri, 2 + i, 1, i, ch)
+        text += ch
+        if ch == " " and i > 4:
+            params = T.InlineCompletionParams(
+                context=T.InlineCompletionContext(trigger_kind=T.InlineCompletionTriggerKind.Invoked),
+                text_document=T.TextDocumentIdentifier(uri=uri), position=T.Position(1, i + 1))
+            result = await client.text_document_inline_completion_async(params)
+            assert result is not None  # answered through the proxy
+    await client.shutdown_session()
+    await client.stop()
+    [session] = read_sessions(out)
+    assert session.header["timing"] == "recorded" and session.header["client"].startswith("rec-test")
+    assert final_texts(session) == {uri: text}
+    reqs = session.requests
+    assert reqs and reqs[0]["truth_line"] == "a + b"  # what was typed after the first request
+    done = run_replay(str(out), "--repo", str(repo), "--model", str(tiny_model), "--dtype", "float32",
+                      "--speed", "0", "--out", str(tmp_path / "rep"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["summary"][0]["requests"] == len(reqs)
