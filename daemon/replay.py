@@ -309,7 +309,7 @@ def write_report(out: Path, runs: list[dict], meta: dict) -> dict:
     report = {"meta": meta, "summary": summaries, "runs": runs}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     plots = _plots(out, runs, summaries)
-    lines = [f"# Replay report\n", f"- sessions: {meta['sessions']} ({', '.join(meta['files'])}); "
+    lines = ["# Replay report\n", f"- sessions: {meta['sessions']} ({', '.join(meta['files'])}); "
              f"users: {meta['users']}; speed: {meta['speed']}; model: {meta['model']}",
              f"- command: `{meta['command']}`", f"- machine: {meta.get('machine', '')}\n",
              "| scheme | requests | answered | stale | superseded | empty | latency p50 / p90 / p99 ms | "
