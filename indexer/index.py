@@ -186,6 +186,10 @@ class RepoIndex:
 
     # -- the worker ----------------------------------------------------------------------
     def _run(self) -> None:
+        try:  # background work: below the engine's priority (Linux nice is per thread)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
         try:
             self._open()
             self._full_scan()

@@ -1,0 +1,233 @@
+"""Teach a causal code model FIM the EFIM way (issue #3): ``python -m codecomplete.model.train``.
+
+    python -m codecomplete.model.train --out DIR [--base default] [--steps N] [--resume]
+
+Adds ``<fim_prefix>``, ``<fim_suffix>``, ``<fim_middle>`` to the tokenizer (new embedding
+rows start at the mean row and are the only embedding rows trained), builds samples with
+``fimdata`` (PSM, SPM, EFIM-shaped, fragment tokenization), and fine-tunes the upper
+layers (``--freeze-layers`` lower ones stay fixed) in bf16 autocast on CPU.  Seeded and
+resumable: ``DIR/state.pt`` holds the trainable weights, the optimizer, the step and the
+random state; ``--resume`` continues from it.  Validation loss every ``--eval-every``
+steps; ``DIR/model`` is a checkpoint the daemon loads (``--model DIR/model``) with a
+model card (data manifest, hyperparameters, tokens seen, losses, loss curve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import fimdata as fd
+
+FIM_TOKENS = ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]
+
+
+def load_base(spec: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .loader import resolve_checkpoint
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _, ckpt = resolve_checkpoint(spec)
+    tok = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True, dtype=torch.float32)
+    return tok, model, str(ckpt)
+
+
+def add_fim_tokens(tok, model) -> list[int]:
+    """Add the FIM tokens if missing; new embedding rows start at the mean row."""
+    vocab = tok.get_vocab()
+    missing = [t for t in FIM_TOKENS if t not in vocab]
+    if missing:
+        tok.add_special_tokens({"additional_special_tokens": missing})
+        old = model.get_input_embeddings().weight.shape[0]
+        model.resize_token_embeddings(len(tok), mean_resizing=False)
+        emb = model.get_input_embeddings().weight
+        with torch.no_grad():
+            emb[old:] = emb[:old].mean(0, keepdim=True)
+    return [tok.convert_tokens_to_ids(t) for t in FIM_TOKENS]
+
+
+def trainable(model, freeze_layers: int, new_ids: list[int]) -> list[torch.nn.Parameter]:
+    """Upper layers and the final norm train; of the (tied) embedding only new rows do."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    layers = model.model.layers
+    params = []
+    for layer in list(layers)[freeze_layers:]:
+        for p in layer.parameters():
+            p.requires_grad_(True)
+            params.append(p)
+    for p in model.model.norm.parameters():
+        p.requires_grad_(True)
+        params.append(p)
+    emb = model.get_input_embeddings().weight
+    emb.requires_grad_(True)
+    mask = torch.zeros(emb.shape[0], 1)
+    mask[new_ids] = 1.0
+    emb.register_hook(lambda g: g * mask.to(g.dtype))
+    params.append(emb)
+    return params
+
+
+def batches(texts: list[str], tok, special: dict, rng: random.Random, batch: int, seq: int):
+    """Endless batches of (ids, labels) with -100 where there is no loss."""
+    encode = lambda t: tok.encode(t, add_special_tokens=False) if t else []  # noqa: E731
+    while True:
+        ids_b, lab_b = [], []
+        while len(ids_b) < batch:
+            s = fd.make_sample(rng.choice(texts), rng, encode, special, max_chars=seq * 3)
+            ids = s.ids[:seq]
+            labels = [t if keep else -100 for t, keep in zip(s.ids, s.loss)][:seq]
+            if not any(x != -100 for x in labels[1:]):
+                continue
+            pad = seq - len(ids)
+            ids_b.append(ids + [special["eos"]] * pad)
+            lab_b.append(labels + [-100] * pad)
+        yield torch.tensor(ids_b), torch.tensor(lab_b)
+
+
+def evaluate(model, data, steps: int, dtype) -> float:
+    model.eval()
+    losses = []
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        for _ in range(steps):
+            ids, labels = next(data)
+            losses.append(model(input_ids=ids, labels=labels).loss.float().item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m codecomplete.model.train", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--base", default="default", help="the base model (as --model of the daemon)")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--freeze-layers", type=int, default=15)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-steps", type=int, default=8)
+    ap.add_argument("--save-every", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--corpus", choices=["local", "stdlib"], default="local",
+                    help="local: stdlib + permissive site-packages; stdlib: the standard library only")
+    ap.add_argument("--resume", action="store_true")
+    args = ap.parse_args(argv)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    dtype = getattr(torch, args.dtype)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    tok, model, base_path = load_base(args.base)
+    new_ids = add_fim_tokens(tok, model)
+    special = dict(zip(("prefix", "suffix", "middle"), new_ids), eos=tok.eos_token_id)
+    import site
+
+    sources = fd.collect_sources(None if args.corpus == "stdlib" else Path(site.getsitepackages()[0]))
+    splits, dropped = fd.load_corpus(sources)
+    train_texts = [t for _, t in splits["train"]]
+    val_texts = [t for _, t in splits["validation"]]
+    manifest = {"sources": len(sources), "dropped": dropped,
+                "split_files": {k: len(v) for k, v in splits.items()},
+                "licences": sorted({f"{s.package}: {s.licence}" for s in sources})}
+    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+    params = trainable(model, args.freeze_layers, new_ids)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / max(1, args.steps)))))
+    state_path = args.out / "state.pt"
+    step, tokens_seen, history = 0, 0, []
+    if args.resume and state_path.is_file():
+        st = torch.load(state_path, weights_only=False)
+        model.load_state_dict(st["trainable"], strict=False)
+        opt.load_state_dict(st["optimizer"])
+        sched.load_state_dict(st["scheduler"])
+        step, tokens_seen, history = st["step"], st["tokens_seen"], st["history"]
+        rng.setstate(st["rng"])
+        torch.set_rng_state(st["torch_rng"])
+        print(f"resumed at step {step}", file=sys.stderr)
+    train = batches(train_texts, tok, special, rng, args.batch, args.seq)
+    val = batches(val_texts, tok, special, random.Random(args.seed + 1), args.batch, args.seq)
+    model.train()
+    t0, last = time.perf_counter(), tokens_seen
+    while step < args.steps:
+        ids, labels = next(train)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += ids.numel()
+        entry = {"step": step, "loss": round(loss.item(), 4), "tokens": tokens_seen}
+        if step % args.eval_every == 0 or step == args.steps:
+            entry["val_loss"] = round(evaluate(model, val, args.eval_steps, dtype), 4)
+        history.append(entry)
+        rate = (tokens_seen - last) / max(1e-9, time.perf_counter() - t0)
+        sys.stderr.write(f"\rstep {step}/{args.steps} loss {entry['loss']:.3f} "
+                         f"{'val ' + str(entry['val_loss']) + ' ' if 'val_loss' in entry else ''}{rate:.0f} tok/s   ")
+        if step % args.save_every == 0 or step == args.steps:
+            trainable_state = {k: v for k, v in model.state_dict().items()
+                               if any(k.startswith(f"model.layers.{i}.") for i in
+                                      range(args.freeze_layers, len(model.model.layers)))
+                               or k.startswith(("model.norm", "model.embed_tokens"))}
+            torch.save({"trainable": trainable_state, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                        "step": step, "tokens_seen": tokens_seen, "history": history, "rng": rng.getstate(),
+                        "torch_rng": torch.get_rng_state(), "args": vars(args) | {"out": str(args.out)}},
+                       state_path)
+    sys.stderr.write("\n")
+    save_model(model, tok, args, base_path, history, tokens_seen, manifest)
+    return 0
+
+
+def save_model(model, tok, args, base_path: str, history: list, tokens_seen: int, manifest: dict) -> None:
+    out = args.out / "model"
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    vals = [h for h in history if "val_loss" in h]
+    card = ["# FIM fine-tune of " + base_path, "",
+            f"- steps: {history[-1]['step'] if history else 0}, tokens seen: {tokens_seen}",
+            f"- hyperparameters: {json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})}",
+            f"- validation loss: {vals[-1]['val_loss'] if vals else 'n/a'} (first {vals[0]['val_loss'] if vals else 'n/a'})",
+            f"- data: {manifest['split_files']} files by split; dropped {manifest['dropped']}; licences in manifest.json",
+            "- transformations: PSM, SPM, EFIM-shaped samples, fragment tokenization (codecomplete.model.fimdata)",
+            "", "![loss](loss.png)"]
+    (out / "README.md").write_text("\n".join(card) + "\n")
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    (out / "history.json").write_text(json.dumps(history))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([h["tokens"] for h in history], [h["loss"] for h in history], alpha=0.5, label="train")
+        ax.plot([h["tokens"] for h in vals], [h["val_loss"] for h in vals], marker="o", label="validation")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("loss")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "loss.png", dpi=100)
+        plt.close(fig)
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
