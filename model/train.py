@@ -57,25 +57,47 @@ def add_fim_tokens(tok, model) -> list[int]:
 
 
 def trainable(model, freeze_layers: int, new_ids: list[int]) -> list[torch.nn.Parameter]:
-    """Upper layers and the final norm train; of the (tied) embedding only new rows do."""
+    """Upper layers and the final norm train, plus the new tokens' input embeddings.
+
+    The embedding is tied to the output head in SmolLM2: letting it train would compute
+    the head's full gradient (tokens x 49152 x 576) every step, for three rows that are
+    only ever inputs.  So the matrix stays frozen and the new rows live in a small
+    parameter ``model.fim_rows`` that replaces their lookups (written back on save)."""
     for p in model.parameters():
         p.requires_grad_(False)
-    layers = model.model.layers
     params = []
-    for layer in list(layers)[freeze_layers:]:
+    for layer in list(model.model.layers)[freeze_layers:]:
         for p in layer.parameters():
             p.requires_grad_(True)
             params.append(p)
     for p in model.model.norm.parameters():
         p.requires_grad_(True)
         params.append(p)
-    emb = model.get_input_embeddings().weight
-    emb.requires_grad_(True)
-    mask = torch.zeros(emb.shape[0], 1)
-    mask[new_ids] = 1.0
-    emb.register_hook(lambda g: g * mask.to(g.dtype))
-    params.append(emb)
+    emb = model.get_input_embeddings()
+    rows = torch.nn.Parameter(emb.weight[new_ids].detach().clone())
+    model.fim_rows = rows
+    lookup = torch.full((emb.weight.shape[0],), -1, dtype=torch.long)
+    lookup[new_ids] = torch.arange(len(new_ids))
+    base_forward = emb.forward
+
+    def forward(ids):
+        out = base_forward(ids)
+        sel = lookup[ids]
+        hit = sel >= 0
+        if hit.any():
+            out = out.clone()
+            out[hit] = rows[sel[hit]].to(out.dtype)
+        return out
+
+    emb.forward = forward
+    model.fim_ids = list(new_ids)
+    params.append(rows)
     return params
+
+
+def write_back_rows(model) -> None:
+    with torch.no_grad():
+        model.get_input_embeddings().weight[model.fim_ids] = model.fim_rows.detach()
 
 
 def batches(texts: list[str], tok, special: dict, rng: random.Random, batch: int, seq: int):
@@ -95,13 +117,24 @@ def batches(texts: list[str], tok, special: dict, rng: random.Random, batch: int
         yield torch.tensor(ids_b), torch.tensor(lab_b)
 
 
+def fim_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token loss where labels are set, with the output head applied only there:
+    the head (576 x 49152 for SmolLM2) is most of a step, and the loss covers only the
+    middle of FIM samples."""
+    hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
+    target = labels[:, 1:]
+    keep = target != -100
+    logits = model.lm_head(hidden[keep])
+    return torch.nn.functional.cross_entropy(logits.float(), target[keep])
+
+
 def evaluate(model, data, steps: int, dtype) -> float:
     model.eval()
     losses = []
     with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         for _ in range(steps):
             ids, labels = next(data)
-            losses.append(model(input_ids=ids, labels=labels).loss.float().item())
+            losses.append(fim_loss(model, ids, labels).item())
     model.train()
     return sum(losses) / len(losses)
 
@@ -152,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     step, tokens_seen, history = 0, 0, []
     if args.resume and state_path.is_file():
         st = torch.load(state_path, weights_only=False)
+        rows = st["trainable"].pop("fim_rows")
         model.load_state_dict(st["trainable"], strict=False)
+        with torch.no_grad():
+            model.fim_rows.copy_(rows)
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
         step, tokens_seen, history = st["step"], st["tokens_seen"], st["history"]
@@ -166,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     while step < args.steps:
         ids, labels = next(train)
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            loss = model(input_ids=ids, labels=labels).loss
+            loss = fim_loss(model, ids, labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -185,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             trainable_state = {k: v for k, v in model.state_dict().items()
                                if any(k.startswith(f"model.layers.{i}.") for i in
                                       range(args.freeze_layers, len(model.model.layers)))
-                               or k.startswith(("model.norm", "model.embed_tokens"))}
+                               or k.startswith("model.norm")}
+            trainable_state["fim_rows"] = model.fim_rows.detach().clone()
             torch.save({"trainable": trainable_state, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                         "step": step, "tokens_seen": tokens_seen, "history": history, "rng": rng.getstate(),
                         "torch_rng": torch.get_rng_state(), "args": vars(args) | {"out": str(args.out)}},
@@ -197,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def save_model(model, tok, args, base_path: str, history: list, tokens_seen: int, manifest: dict) -> None:
     out = args.out / "model"
+    write_back_rows(model)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     vals = [h for h in history if "val_loss" in h]

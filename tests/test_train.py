@@ -34,3 +34,11 @@ def test_train_saves_a_loadable_checkpoint_and_resumes(tiny_model: Path, tmp_pat
 
     lm = load_model(str(out / "model"), dtype="float32")
     assert lm.template.name == "starcoder"
+    from safetensors.torch import load_file
+
+    fim = [lm.tokenizer.convert_tokens_to_ids(t) for t in ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")]
+    key = "model.embed_tokens.weight"
+    before, after = load_file(tiny_model / "model.safetensors")[key], load_file(out / "model" / "model.safetensors")[key]
+    assert not (before[fim] == after[fim]).all()  # the FIM rows trained
+    other = [i for i in range(before.shape[0]) if i not in fim]
+    assert (before[other] == after[other]).all()  # the rest of the matrix did not
