@@ -100,13 +100,14 @@ def write_back_rows(model) -> None:
         model.get_input_embeddings().weight[model.fim_ids] = model.fim_rows.detach()
 
 
-def batches(texts: list[str], tok, special: dict, rng: random.Random, batch: int, seq: int):
+def batches(texts: list[str], tok, special: dict, rng: random.Random, batch: int, seq: int,
+            fragments: bool = True):
     """Endless batches of (ids, labels) with -100 where there is no loss."""
     encode = lambda t: tok.encode(t, add_special_tokens=False) if t else []  # noqa: E731
     while True:
         ids_b, lab_b = [], []
         while len(ids_b) < batch:
-            s = fd.make_sample(rng.choice(texts), rng, encode, special, max_chars=seq * 3)
+            s = fd.make_sample(rng.choice(texts), rng, encode, special, max_chars=seq * 3, fragments=fragments)
             ids = s.ids[:seq]
             labels = [t if keep else -100 for t, keep in zip(s.ids, s.loss)][:seq]
             if not any(x != -100 for x in labels[1:]):
@@ -156,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--corpus", choices=["local", "stdlib"], default="local",
                     help="local: stdlib + permissive site-packages; stdlib: the standard library only")
+    ap.add_argument("--no-fragments", action="store_true",
+                    help="the oLLM variant: FIM without fragment tokenization (for the comparison)")
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
@@ -195,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         rng.setstate(st["rng"])
         torch.set_rng_state(st["torch_rng"])
         print(f"resumed at step {step}", file=sys.stderr)
-    train = batches(train_texts, tok, special, rng, args.batch, args.seq)
-    val = batches(val_texts, tok, special, random.Random(args.seed + 1), args.batch, args.seq)
+    train = batches(train_texts, tok, special, rng, args.batch, args.seq, not args.no_fragments)
+    val = batches(val_texts, tok, special, random.Random(args.seed + 1), args.batch, args.seq, not args.no_fragments)
     model.train()
     t0, last = time.perf_counter(), tokens_seen
     while step < args.steps:

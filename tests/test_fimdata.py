@@ -113,3 +113,13 @@ def test_splits_filters_and_licences(tmp_path: Path):
                       ("goodpkg", "core.py"): "MIT"}
     splits, dropped = fd.load_corpus(sources)
     assert sum(len(v) for v in splits.values()) == 2 and dropped["duplicate"] == 1
+
+
+def test_without_fragments_the_pieces_are_tokenized_whole(tok):
+    sp = specials(tok)
+    e = enc(tok)
+    for seed in range(40):
+        s = fd.make_sample(TEXT, random.Random(seed), e, sp, fragments=False, fim_rate=1.0, efim_rate=0.0, spm_rate=0.0)
+        m = s.ids.index(sp["middle"])
+        middle = tok.decode(s.ids[m + 1:-1])
+        assert s.ids[m + 1:-1] == e(middle)  # the oLLM variant: one piece, one tokenization
