@@ -1,0 +1,130 @@
+"""HumanEval-Infilling through the engine: pass@1 (executed), exact match, edit similarity.
+
+    python bench/infill.py [--model default] [--sets single,light] [--limit 150] [--format fim,efim]
+
+Sets: single (SingleLineInfilling), multi (MultiLineInfilling), light
+(RandomSpanInfillingLight); ``--limit`` takes a fixed, evenly spaced sample of a set.
+Prompt formats (EFIM §4.1): ``fim`` = PSM with the whole prefix; ``efim`` = the prefix is
+split at a random character into prefix1 + prefix2, a session is opened with prefix1 and
+the measured request is the EFIM continuation ``<P>prefix1<S>suffix<M>prefix2``.  A
+prefix-only model (no FIM tokens, like SmolLM2-135M) ignores the suffix: its row is the
+"prefix-only" baseline of issue #3.  Greedy decoding; the program (prompt + completion +
+suffix + test) runs in a subprocess with a timeout.  Writes bench/results/infill.md/.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, header  # noqa: E402
+
+from codecomplete.daemon.replay import edit_similarity  # noqa: E402
+from codecomplete.model.api import CompletionRequest, EngineSettings  # noqa: E402
+from codecomplete.model.engine import Engine  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "human-eval-infilling"
+SETS = {"single": ("HumanEval-SingleLineInfilling.jsonl.gz", "single"),
+        "multi": ("HumanEval-MultiLineInfilling.jsonl.gz", "multi"),
+        "light": ("HumanEval-RandomSpanInfillingLight.jsonl.gz", "multi")}
+
+
+def load(name: str, limit: int) -> list[dict]:
+    rows = [json.loads(line) for line in gzip.open(DATA / SETS[name][0])]
+    if limit and limit < len(rows):
+        step = len(rows) / limit
+        rows = [rows[int(i * step)] for i in range(limit)]
+    return rows
+
+
+def passes(task: dict, middle: str, timeout: float = 5.0) -> bool:
+    program = (task["prompt"] + middle + task["suffix"] + "\n\n" + task["test"]
+               + f"\n\ncheck({task['entry_point']})\n")
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(program)
+    try:
+        done = subprocess.run([sys.executable, f.name], capture_output=True, timeout=timeout)
+        return done.returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+    finally:
+        Path(f.name).unlink(missing_ok=True)
+
+
+def run(engine: Engine, tasks: list[dict], mode: str, fmt: str, seed: int) -> dict:
+    rng = random.Random(seed)
+    out = {"n": len(tasks), "pass": 0, "em": 0, "es": 0.0, "ms": 0.0, "kinds": {}}
+    for i, t in enumerate(tasks):
+        prefix, suffix = t["prompt"], t["suffix"]
+        key = None
+        if fmt == "efim" and len(prefix) > 1:
+            key = f"{t['task_id']}-{i}"
+            cut = rng.randrange(1, len(prefix))
+            engine.complete(CompletionRequest(prefix[:cut], suffix, request_id="open", session_key=key,
+                                              max_tokens=1, mode=mode))
+        t0 = time.perf_counter()
+        c = engine.complete(CompletionRequest(prefix, suffix, request_id=t["task_id"], session_key=key,
+                                              mode=mode, max_tokens=128, max_lines=40, time_budget_ms=60000))
+        out["ms"] += (time.perf_counter() - t0) * 1000
+        out["kinds"][c.prompt_kind] = out["kinds"].get(c.prompt_kind, 0) + 1
+        middle = c.text
+        if not middle.endswith("\n"):  # the canonical middles end their last line; stop rules cut it
+            middle += "\n"
+        truth = t["canonical_solution"]
+        out["pass"] += passes(t, middle)
+        out["em"] += middle.strip() == truth.strip()
+        out["es"] += 100 * edit_similarity(middle.strip(), truth.strip())
+        sys.stderr.write(f"\r{fmt} {i + 1}/{len(tasks)} pass {out['pass']}")
+    sys.stderr.write("\n")
+    n = max(1, out["n"])
+    return {"n": out["n"], "pass@1": round(100 * out["pass"] / n, 1), "em": round(100 * out["em"] / n, 1),
+            "es": round(out["es"] / n, 1), "mean_ms": round(out["ms"] / n, 1), "prompt_kinds": out["kinds"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--sets", default="single,light")
+    ap.add_argument("--limit", type=int, default=150)
+    ap.add_argument("--format", default="fim,efim")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(RESULTS / "infill"))
+    args = ap.parse_args()
+    engine = Engine(EngineSettings(model=args.model, dtype=args.dtype, inc_bound=100000)).start()
+    engine.ready.wait()
+    st = engine.stats()
+    if st["load_error"]:
+        raise SystemExit(st["load_error"])
+    results = {}
+    for name in args.sets.split(","):
+        tasks = load(name, args.limit)
+        for fmt in args.format.split(","):
+            results[f"{name}/{fmt}"] = run(engine, tasks, SETS[name][1], fmt, args.seed)
+    engine.close()
+    out = Path(args.out)
+    res = {"model": st["model"], "template": st["template"], "dtype": st["dtype"], "results": results}
+    out.with_suffix(".json").write_text(json.dumps(res, indent=2))
+    lines = [header("HumanEval-Infilling"),
+             f"Model: {st['model']} (template {st['template']}, {st['dtype']}); greedy; "
+             f"fixed evenly spaced samples of at most {args.limit} tasks per set.", "",
+             "| set / prompt format | tasks | pass@1 | EM | ES | mean ms | prompt kinds |", "|---|---|---|---|---|---|---|"]
+    for k, r in results.items():
+        lines.append(f"| {k} | {r['n']} | {r['pass@1']} | {r['em']} | {r['es']} | {r['mean_ms']} | {r['prompt_kinds']} |")
+    if st["template"] == "prefix-only":
+        lines += ["", "A prefix-only model ignores the suffix: fim and efim rows are the same prompt "
+                  "(the prefix-only baseline of issue #3)."]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
