@@ -344,31 +344,29 @@ def _plots(out: Path, runs: list[dict], summaries: list[dict]) -> list[Path]:
         lat = sorted(r["latency_ms"] for r in run["requests"] if r["status"] in ("answered", "empty"))
         if lat:
             ax.step(lat, [(i + 1) / len(lat) for i in range(len(lat))], where="post", label=run["scheme"])
-    ax.set_xlabel("latency (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("Latency CDF per scheme")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    paths.append(out / "latency_cdf.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    paths.append(_save(plt, fig, ax, out / "latency_cdf.png", "latency (ms)", "fraction of requests",
+                       "Latency CDF per scheme"))
     fig, ax = plt.subplots(figsize=(6, 4))
     for s in summaries:
         rounds = s["reuse_by_round"]
         if rounds:
             ax.plot(list(rounds), list(rounds.values()), marker=".", label=s["scheme"])
-    ax.set_xlabel("request number within the session")
-    ax.set_ylabel("prompt tokens reused")
-    ax.set_title("KV reuse per round")
     ax.set_ylim(0, 1)
+    paths.append(_save(plt, fig, ax, out / "reuse_per_round.png", "request number within the session",
+                       "prompt tokens reused", "KV reuse per round"))
+    return paths
+
+
+def _save(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    paths.append(out / "reuse_per_round.png")
-    fig.savefig(paths[-1], dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return paths
+    return path
 
 
 def materialize(sessions: list[Session], work: Path) -> Path:

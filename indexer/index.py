@@ -31,6 +31,7 @@ from . import snippets as snip
 from .files import SourceError, decode_source, language_of
 from .scan import DEFAULT_MAX_FILE_BYTES, Entry, Rules, walk
 from .store import CHUNK_BITS, Store, connect, open_store
+from .store import counts as store_counts
 from .suffix import DraftIndex, Match, Segment, lookup, width_for
 from .tokens import TokenizerInfo, blob_to_ids, ids_to_blob
 
@@ -717,9 +718,7 @@ class RepoIndex:
         """Row counts from a fresh read-only connection (safe from any thread)."""
         conn = connect(self.db_path, readonly=True)
         try:
-            s = Store.__new__(Store)
-            s.conn = conn
-            return Store.counts(s)
+            return store_counts(conn)
         finally:
             conn.close()
 

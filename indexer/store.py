@@ -227,15 +227,19 @@ class Store:
             "WHERE t.tokenizer = ?", (tokenizer,))
 
     def counts(self) -> dict:
-        c = self.conn
-        files, size = c.execute("SELECT count(*), coalesce(sum(size), 0) FROM files").fetchone()
-        tokens = c.execute("SELECT coalesce(sum(length(ids)) / 4, 0) FROM tokens").fetchone()[0]
-        return {"files": files, "bytes": size, "tokens": tokens,
-                "chunks": c.execute("SELECT count(*) FROM chunks").fetchone()[0],
-                "definitions": c.execute("SELECT count(*) FROM defs").fetchone()[0]}
+        return counts(self.conn)
 
     def close(self) -> None:
         try:
             self.conn.close()
         except sqlite3.Error:
             pass
+
+
+def counts(c: sqlite3.Connection) -> dict:
+    """Rows and sizes of an index, through any connection (a read-only one included)."""
+    files, size = c.execute("SELECT count(*), coalesce(sum(size), 0) FROM files").fetchone()
+    tokens = c.execute("SELECT coalesce(sum(length(ids)) / 4, 0) FROM tokens").fetchone()[0]
+    return {"files": files, "bytes": size, "tokens": tokens,
+            "chunks": c.execute("SELECT count(*) FROM chunks").fetchone()[0],
+            "definitions": c.execute("SELECT count(*) FROM defs").fetchone()[0]}
