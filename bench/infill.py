@@ -97,9 +97,12 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=150)
     ap.add_argument("--format", default="fim,efim")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-healing", action="store_true",
+                    help="turn token healing at the cursor off (issue #3 part 9 measures the difference)")
     ap.add_argument("--out", default=str(RESULTS / "infill"))
     args = ap.parse_args()
-    engine = Engine(EngineSettings(model=args.model, dtype=args.dtype, inc_bound=100000)).start()
+    engine = Engine(EngineSettings(model=args.model, dtype=args.dtype, inc_bound=100000,
+                                   token_healing=not args.no_healing)).start()
     engine.ready.wait()
     st = engine.stats()
     if st["load_error"]:
@@ -115,7 +118,8 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(res, indent=2))
     lines = [header("HumanEval-Infilling"),
              f"Model: {st['model']} (template {st['template']}, {st['dtype']}); greedy; "
-             f"fixed evenly spaced samples of at most {args.limit} tasks per set.", "",
+             f"fixed evenly spaced samples of at most {args.limit} tasks per set; "
+             f"token healing {'off' if args.no_healing else 'on'}.", "",
              "| set / prompt format | tasks | pass@1 | EM | ES | mean ms | prompt kinds |", "|---|---|---|---|---|---|---|"]
     for k, r in results.items():
         lines.append(f"| {k} | {r['n']} | {r['pass@1']} | {r['em']} | {r['es']} | {r['mean_ms']} | {r['prompt_kinds']} |")

