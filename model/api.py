@@ -38,10 +38,34 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)  # generated ids, healing included
     reused_tokens: int = 0  # prompt tokens whose KV came from the KV store
     prompt_kind: str = ""  # prefix | psm | efim
+    spec_steps: int = 0  # verification passes (retrieval speculation)
+    accepted_tokens: int = 0  # drafted tokens the model accepted
 
     @property
     def cancelled(self) -> bool:
         return self.stop_reason == "cancelled"
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """Retrieval speculation (``codecomplete.model.speculate``); this project's tuned defaults."""
+
+    enabled: bool = True
+    max_nodes: int = 64  # draft tokens verified per step (the tree's size)
+    depth: int = 8  # longest draft sequence
+    top_k: int = 8  # continuations taken per source
+    alpha: float = 1.0  # repository weight
+    beta: float = 0.5  # common datastore weight
+    gamma: float = 1.5  # verified cache weight
+    tau: int = 32  # the cache is consulted first once it holds more than tau sequences
+    p: float = 0.5  # retrieval probability at a skip token
+    min_match: int = 2  # shortest context suffix a datastore match may have
+    cache_sequences: int = 4096  # the verified cache's size (sequences, LRU)
+    use_repository: bool = True
+    use_common: bool = True
+    use_cache: bool = True
+    skip_tokens: bool = True
+    missing_table: bool = True
 
 
 @dataclass
@@ -58,3 +82,4 @@ class EngineSettings:
     efim: bool = True  # EFIM prompts while the prefix grows (FIM models)
     inc_bound: int = 64  # tokens of EFIM's inc before a rebase to PSM
     max_batch: int = 16  # requests decoded together per iteration
+    speculation: SpecSettings = field(default_factory=SpecSettings)  # retrieval drafts, verified exactly

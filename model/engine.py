@@ -29,6 +29,7 @@ from .api import Completion, CompletionRequest, EngineSettings
 from .kvstore import KVStore, Node
 from .loader import LoadedModel, ModelLoadError, load_model
 from .prompts import PromptPlan, SessionPool, Tokens
+from .speculate import Drafter, Tree, verify
 from .stops import CompletionShape, StopRules
 from .transformer import SeqKV
 
@@ -77,6 +78,8 @@ class Live:
     text: str = ""
     timings: dict = field(default_factory=dict)
     result: Completion | None = None
+    spec_steps: int = 0
+    accepted: int = 0
 
 
 # -- the algorithm ---------------------------------------------------------------------
@@ -162,6 +165,45 @@ def step(lm: LoadedModel, lives: list[Live]) -> None:
         lv.logits = row
 
 
+def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Vocab | None") -> list[Live]:
+    """``step`` with retrieval speculation: each request's last token and its draft tree
+    run in one pass; the accepted tokens go through ``advance`` one by one (stop rules,
+    budget) exactly as if decoded one at a time.  Returns the requests still going."""
+    trees = []
+    for lv in lives:
+        room = lv.budget - len(lv.generated)
+        if lv.pending or room <= 0 or lv.request.cancel.is_set():
+            trees.append(Tree())  # healing constrains the choice: plain greedy steps
+        else:
+            trees.append(drafter.draft(lv.fed + [lv.generated[-1]], limit=room))
+    if not any(len(t) for t in trees):
+        step(lm, lives)
+        return lives
+    roots = [lv.generated[-1] for lv in lives]
+    going = []
+    for lv, root, tree, (acc, logits) in zip(lives, roots, trees,
+                                              verify(lm.model, roots, trees, [lv.cache for lv in lives])):
+        context = lv.fed[-4:] + [root]
+        lv.fed.append(root)
+        lv.fed.extend(acc)
+        if len(tree):
+            lv.spec_steps += 1
+            lv.accepted += len(acc)
+        alive = True
+        for j, tok in enumerate(acc):
+            lv.logits = logits[j]
+            if not advance(lm, lv, vocab):
+                alive = False
+                break
+            if lv.generated[-1] != tok:  # cannot happen with greedy picks; never emit a wrong token
+                raise RuntimeError(f"speculation desynchronised: {lv.generated[-1]} != {tok}")
+        drafter.learn(context, acc)
+        if alive:
+            lv.logits = logits[len(acc)]
+            going.append(lv)
+    return going
+
+
 def _finish(live: Live, text: str, reason: str) -> bool:
     n = len(live.generated)
     t = live.timings
@@ -169,7 +211,8 @@ def _finish(live: Live, text: str, reason: str) -> bool:
     t["total_ms"] = (time.perf_counter() - live.t0) * 1000
     live.result = Completion(text if reason != "cancelled" else "", reason, len(live.plan.ids), n, t,
                              multiline=live.rules.shape.multiline, token_ids=list(live.generated),
-                             reused_tokens=live.reused, prompt_kind=live.plan.kind)
+                             reused_tokens=live.reused, prompt_kind=live.plan.kind,
+                             spec_steps=live.spec_steps, accepted_tokens=live.accepted)
     return False
 
 
@@ -187,14 +230,20 @@ def release(live: Live, store: KVStore | None) -> None:
 
 def generate(lm: LoadedModel, request: CompletionRequest, settings: EngineSettings,
              vocab: "_Vocab | None" = None, store: KVStore | None = None,
-             pool: SessionPool | None = None) -> Completion:
+             pool: SessionPool | None = None, drafter: Drafter | None = None) -> Completion:
     """One request alone, start to finish (the unbatched path, used by tests and tools)."""
     plan = plan_prompt(lm, request, settings, vocab, pool)
     if request.cancel.is_set():
         return Completion("", "cancelled", len(plan.ids), prompt_kind=plan.kind)
     live = start(lm, request, plan, store)
     while advance(lm, live, vocab):
-        step(lm, [live])
+        if drafter is not None:
+            if not spec_step(lm, [live], drafter, vocab):
+                break
+        else:
+            step(lm, [live])
+    if drafter is not None:
+        drafter.learn_output(live.plan.ids, live.generated)
     release(live, store)
     return live.result
 
@@ -216,9 +265,12 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stats_lock = threading.Lock()
         self.on_load: list = []  # callables given the LoadedModel after each successful load
+        self.drafter: Drafter | None = None
+        self._retriever = None  # RepoIndex.lookup, given by the daemon (set_retriever)
         self._stats = {"completions": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
                        "reused_tokens": 0, "generated_tokens": 0, "prefill_ms": 0.0, "decode_ms": 0.0,
-                       "iterations": 0, "batched_tokens": 0, "max_batch_seen": 0}
+                       "iterations": 0, "batched_tokens": 0, "max_batch_seen": 0,
+                       "spec_steps": 0, "accepted_tokens": 0}
 
     # -- public API (any thread) -------------------------------------------------------
     def start(self) -> "Engine":
@@ -246,6 +298,13 @@ class Engine:
             if self.store is not None:
                 self.store.budget = settings.kv_budget_mb * 2**20
 
+    def set_retriever(self, retriever) -> None:
+        """Where drafts come from besides the verified cache: ``RepoIndex.lookup`` (the
+        repository with open buffers, and the common datastore)."""
+        self._retriever = retriever
+        if self.drafter is not None:
+            self.drafter.retriever = retriever
+
     def close(self, timeout: float = 5.0) -> None:
         self._jobs.put(None)
         if self._thread.is_alive():
@@ -268,6 +327,12 @@ class Engine:
                                     if s["decode_ms"] else None)
         s["reuse_rate"] = round(s["reused_tokens"] / s["prompt_tokens"], 4) if s["prompt_tokens"] else None
         s["mean_batch"] = round(s["batched_tokens"] / s["iterations"], 2) if s["iterations"] else None
+        # tokens per verification pass: the accepted drafts plus the token every pass yields
+        s["mean_acceptance_length"] = (round(1 + s["accepted_tokens"] / s["spec_steps"], 3)
+                                       if s["spec_steps"] else None)
+        s["speculation"] = self.settings.speculation.enabled
+        if self.drafter is not None:
+            s["drafter"] = dict(self.drafter.stats, cache_sequences=self.drafter.cache.sequences)
         s["kv_store"] = self.store.snapshot() if self.store else None
         s["prompts"] = dict(self.pool.counts)
         return s
@@ -334,25 +399,33 @@ class Engine:
     def _iterate(self, live: list[Live]) -> None:
         """Advance every live request by one token; retire the finished ones."""
         vocab = self._healing_vocab()
+        batch = 0
         try:
             with torch.inference_mode():
                 going = [lv for lv in live if advance(self.lm, lv, vocab)]
+                batch = len(going)
                 if going:
-                    step(self.lm, going)
+                    drafter = self._drafter()
+                    if drafter is not None:
+                        going = spec_step(self.lm, going, drafter, vocab)
+                    else:
+                        step(self.lm, going)
         except Exception as exc:
             log.exception("decode step failed for %d requests", len(live))
             for lv in live:
                 if lv.result is None:
                     lv.result = Completion("", "error", error=f"{type(exc).__name__}: {exc}")
             going = []
-        self._count(iterations=1 if going else 0, batched_tokens=len(going))
+        self._count(iterations=1 if batch else 0, batched_tokens=batch)
         with self._stats_lock:
-            self._stats["max_batch_seen"] = max(self._stats["max_batch_seen"], len(going))
+            self._stats["max_batch_seen"] = max(self._stats["max_batch_seen"], batch)
         for lv in [lv for lv in live if lv not in going]:
             live.remove(lv)
             self._retire(lv)
 
     def _retire(self, lv: Live) -> None:
+        if self.drafter is not None and lv.result is not None and lv.result.stop_reason != "error":
+            self.drafter.learn_output(lv.plan.ids, lv.generated)
         try:
             release(lv, self.store)
         except Exception:
@@ -361,7 +434,8 @@ class Engine:
         self._count(completions=1, cancelled=int(r.cancelled), failed=int(r.stop_reason == "error"),
                     prompt_tokens=r.prompt_tokens, reused_tokens=r.reused_tokens,
                     generated_tokens=r.generated_tokens, prefill_ms=r.timings.get("prefill_ms", 0.0),
-                    decode_ms=r.timings.get("decode_ms", 0.0))
+                    decode_ms=r.timings.get("decode_ms", 0.0), spec_steps=r.spec_steps,
+                    accepted_tokens=r.accepted_tokens)
         log.info("[%s] %s prompt %d (%d reused) + %d generated, prefill %.0f ms, decode %.0f ms, stop %s",
                  lv.request.request_id, r.prompt_kind, r.prompt_tokens, r.reused_tokens, r.generated_tokens,
                  r.timings.get("prefill_ms", 0), r.timings.get("decode_ms", 0), r.stop_reason)
@@ -378,6 +452,7 @@ class Engine:
             self.lm = load_model(settings.model, settings.device, settings.dtype, settings.template)
             self.load_error = None
             self._vocab = None
+            self.drafter = None  # its cache holds the old tokenizer's ids
             # self.settings, not the argument: configure() may have run while loading
             self.store = KVStore(self.settings.kv_budget_mb * 2**20)
             self.pool.inc_bound = self.settings.inc_bound
@@ -394,6 +469,19 @@ class Engine:
             log.exception("model failed to load")
         finally:
             self.ready.set()
+
+    def _drafter(self) -> Drafter | None:
+        spec = self.settings.speculation
+        if not spec.enabled or self.lm is None:
+            return None
+        if self.drafter is None or self.drafter.settings != spec:
+            old = self.drafter
+            if self._vocab is None:
+                self._vocab = _Vocab(self.lm.tokenizer)
+            self.drafter = Drafter(spec, self._retriever, self._vocab.texts)
+            if old is not None:  # new settings keep what was learnt
+                self.drafter.cache = old.cache
+        return self.drafter
 
     def _healing_vocab(self) -> "_Vocab | None":
         if not self.settings.token_healing or self.lm is None:

@@ -1,0 +1,284 @@
+"""Retrieval speculative decoding (FastCoder / REST) with tree-attention verification (issue #8).
+
+Per decode step of a request whose last picked token is ``t0``:
+
+1. **Draft**: continuations of the context's suffix from the sources, queried together:
+   the verified cache (consulted first once it holds more than ``tau`` sequences), the
+   repository datastore (open buffers included) and the common datastore (both through
+   the retriever the daemon gives the engine: ``RepoIndex.lookup``).  At a *skip token*
+   (the first non-whitespace token of a line, where code is least predictable) the
+   datastores are asked only with probability ``p``; a *missing table* remembers context
+   suffixes that returned nothing and skips them.
+2. **Trie**: every continuation is inserted; a node's weight adds ``alpha`` x its
+   repository share, ``beta`` x its common share and ``gamma`` x its cache share (each
+   source's counts normalised to 1).  The best ``max_nodes`` nodes are kept best-first,
+   so every kept node's parent is kept.
+3. **Verify**: ``t0`` and the nodes run in one forward pass: node i sits at position
+   ``L + depth(i)`` and attends the cache and its own ancestors (a tree mask).  The
+   longest path whose every token equals the greedy choice at its parent is accepted;
+   its KV is compacted into place and the rest dropped.  The output is the greedy
+   output token for token: a drafted token is kept only if greedy decoding picks it.
+4. **Learn**: the accepted tokens with their context go into the verified cache, and
+   the model's outputs are added in pieces of 20 tokens when a request finishes.
+
+The engine calls ``Drafter.draft`` and ``verify``; nothing here knows about LSP.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .api import SpecSettings
+
+# What a retriever returns per source: objects with .source ("repository" | "common"),
+# .length (matched context tokens) and .continuations [(tokens, count)] (indexer.suffix.Match).
+Retriever = Callable[..., list]
+
+
+@dataclass
+class Tree:
+    """Draft nodes in breadth-first order (a parent before its children)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # -1: a child of the root (t0)
+    depths: list[int] = field(default_factory=list)  # 1 for the root's children
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self) -> list[dict[int, int]]:
+        """Per node (index 0 = the root, i + 1 = node i): token -> child node index + 1."""
+        out: list[dict[int, int]] = [{} for _ in range(len(self.tokens) + 1)]
+        for i, (tok, par) in enumerate(zip(self.tokens, self.parents)):
+            out[par + 1].setdefault(tok, i + 1)
+        return out
+
+
+def build_tree(weighted: list[tuple[tuple[int, ...], float]], max_nodes: int, max_depth: int) -> Tree:
+    """The best ``max_nodes`` nodes of the trie of ``weighted`` sequences, best-first."""
+    trie: dict = {}  # token -> [weight, children]
+    for seq, w in weighted:
+        level = trie
+        for tok in seq[:max_depth]:
+            node = level.setdefault(tok, [0.0, {}])
+            node[0] += w
+            level = node[1]
+    tree = Tree()
+    heap = [(-node[0], i, tok, -1, 1, node[1]) for i, (tok, node) in enumerate(trie.items())]
+    heapq.heapify(heap)
+    order = len(heap)
+    while heap and len(tree) < max_nodes:
+        _, _, tok, parent, depth, kids = heapq.heappop(heap)
+        idx = len(tree)
+        tree.tokens.append(tok)
+        tree.parents.append(parent)
+        tree.depths.append(depth)
+        for ctok, cnode in kids.items():
+            order += 1
+            heapq.heappush(heap, (-cnode[0], order, ctok, idx, depth + 1, cnode[1]))
+    # breadth-first order is not guaranteed by best-first popping; a parent always comes
+    # before its child, which is all the mask and the walk need.
+    return tree
+
+
+def validate_tree(tree: Tree) -> None:
+    """Raise ``ValueError`` unless every parent precedes its child one level up."""
+    for i, (par, d) in enumerate(zip(tree.parents, tree.depths)):
+        if par >= i or (par < 0 and d != 1) or (par >= 0 and d != tree.depths[par] + 1):
+            raise ValueError(f"node {i}: parent {par}, depth {d}")
+
+
+def tree_mask(tree: Tree, cached: int, width: int, device) -> torch.Tensor:
+    """Boolean [width, cached + width]: row 0 is the root t0, row i + 1 node i; each sees
+    the cache, the root and its ancestors; rows past the tree (batch padding) see the
+    cache and themselves."""
+    n = len(tree)
+    block = torch.zeros(width, width, dtype=torch.bool)
+    block[0, 0] = True
+    for i, par in enumerate(tree.parents):
+        row = block[par + 1].clone() if par >= 0 else block[0].clone()
+        row[i + 1] = True
+        block[i + 1] = row
+    for j in range(n + 1, width):
+        block[j, j] = True
+    mask = torch.ones(width, cached + width, dtype=torch.bool)
+    mask[:, cached:] = block
+    return mask.to(device)
+
+
+def accept(tree: Tree, greedy: list[int]) -> list[int]:
+    """Rows (1-based node indices) of the longest accepted path; ``greedy[r]`` is the
+    greedy token after row r (0 = the root)."""
+    kids = tree.children()
+    path, row = [], 0
+    while True:
+        nxt = kids[row].get(greedy[row])
+        if nxt is None:
+            return path
+        path.append(nxt)
+        row = nxt
+
+
+class VerifiedCache:
+    """Token sequences the model verified, indexed by their last 1-4 context tokens:
+    FastCoder's context- and LLM-preference-aware cache.  ``lookup`` returns the
+    continuations of the longest indexed context suffix, with counts."""
+
+    KEYS = (4, 3, 2)
+
+    def __init__(self, capacity: int = 4096, depth: int = 8):
+        self.capacity, self.depth = capacity, depth
+        self.table: OrderedDict[tuple, Counter] = OrderedDict()
+        self.sequences = 0
+
+    def add(self, context: list[int], tokens: list[int]) -> None:
+        if not tokens:
+            return
+        seq = list(context[-max(self.KEYS):]) + list(tokens)
+        start = len(seq) - len(tokens)
+        for i in range(max(1, start), len(seq)):
+            cont = tuple(seq[i:i + self.depth])
+            for k in self.KEYS:
+                if i - k < 0:
+                    continue
+                key = tuple(seq[i - k:i])
+                c = self.table.get(key)
+                if c is None:
+                    c = self.table[key] = Counter()
+                else:
+                    self.table.move_to_end(key)
+                c[cont] += 1
+        self.sequences += 1
+        while len(self.table) > self.capacity * 8:
+            self.table.popitem(last=False)
+
+    def lookup(self, context: list[int], top_k: int) -> list[tuple[tuple[int, ...], int]]:
+        for k in self.KEYS:
+            if len(context) < k:
+                continue
+            c = self.table.get(tuple(context[-k:]))
+            if c:
+                self.table.move_to_end(tuple(context[-k:]))
+                return c.most_common(top_k)
+        return []
+
+
+class Drafter:
+    """Draft trees for one engine (one model/tokenizer); keeps the verified cache."""
+
+    def __init__(self, settings: SpecSettings, retriever: Retriever | None = None,
+                 token_texts: list[str] | None = None, seed: int = 0):
+        self.settings = settings
+        self.retriever = retriever
+        self.texts = token_texts
+        self.cache = VerifiedCache(settings.cache_sequences, settings.depth)
+        self.missing: OrderedDict[tuple, None] = OrderedDict()
+        self.rng = random.Random(seed)
+        self.stats = Counter()
+
+    def _is_skip_token(self, context: list[int]) -> bool:
+        """The last token is the first non-whitespace token of its line."""
+        if self.texts is None or len(context) < 2:
+            return False
+        cur, prev = self.texts[context[-1]], self.texts[context[-2]]
+        if not cur.strip() or "\n" in cur:
+            return False
+        head = cur[: len(cur) - len(cur.lstrip())]
+        return not head.strip() and prev.rstrip(" \t").endswith("\n")
+
+    def draft(self, context: list[int], limit: int | None = None) -> Tree:
+        """A draft tree for what follows ``context`` (the last token is t0)."""
+        s = self.settings
+        depth = max(1, min(s.depth, limit if limit is not None else s.depth))
+        weighted: list[tuple[tuple[int, ...], float]] = []
+        from_cache = s.use_cache and self.cache.lookup(context, s.top_k)
+        if from_cache:
+            total = sum(n for _, n in from_cache)
+            weighted += [(seq, s.gamma * n / total) for seq, n in from_cache]
+        consult = not (from_cache and self.cache.sequences > s.tau)  # the cache first, once it is full enough
+        if consult and self.retriever is not None and (s.use_repository or s.use_common):
+            if s.skip_tokens and self._is_skip_token(context) and self.rng.random() >= s.p:
+                consult = False
+                self.stats["skipped_at_skip_token"] += 1
+            key = tuple(context[-4:])
+            if consult and s.missing_table and key in self.missing:
+                consult = False
+                self.stats["skipped_missing"] += 1
+            if consult:
+                self.stats["retrievals"] += 1
+                found = False
+                for m in self.retriever(context, draft_len=depth, top_k=s.top_k, min_len=s.min_match):
+                    weight = s.alpha if m.source == "repository" else s.beta
+                    if (m.source == "repository" and not s.use_repository) or (
+                            m.source == "common" and not s.use_common):
+                        continue
+                    total = sum(c.count for c in m.continuations) or 1
+                    for c in m.continuations:
+                        weighted.append((tuple(c.tokens), weight * c.count / total))
+                        found = True
+                if not found and s.missing_table:
+                    self.missing[key] = None
+                    if len(self.missing) > 65536:
+                        self.missing.popitem(last=False)
+        if not weighted:
+            return Tree()
+        return build_tree(weighted, s.max_nodes, depth)
+
+    def learn(self, context: list[int], accepted: list[int]) -> None:
+        if self.settings.use_cache and accepted:
+            self.cache.add(context, accepted)
+
+    def learn_output(self, context: list[int], output: list[int], piece: int = 20) -> None:
+        """A finished request's output, in pieces of ``piece`` tokens."""
+        if not self.settings.use_cache:
+            return
+        ctx = list(context)
+        for i in range(0, len(output), piece):
+            self.cache.add(ctx, output[i:i + piece])
+            ctx = ctx + output[i:i + piece]
+        self.missing.clear()  # new text: suffixes that found nothing may find something
+
+
+def compact(cache, start: int, rows: list[int]) -> None:
+    """Keep the root (at ``start``) and the accepted rows, contiguously after it."""
+    if rows:
+        idx = torch.tensor([start + r for r in rows], device=cache.k.device)
+        cache.k[:, :, start + 1:start + 1 + len(rows)] = cache.k[:, :, idx]
+        cache.v[:, :, start + 1:start + 1 + len(rows)] = cache.v[:, :, idx]
+    cache.length = start + 1 + len(rows)
+
+
+def verify(model, roots: list[int], trees: list[Tree], caches: list) -> list[tuple[list[int], torch.Tensor]]:
+    """One forward pass over each sequence's root token and draft tree.
+
+    Returns per sequence (accepted tokens, logits [1 + accepted, V] at the root and
+    along the accepted path); each cache then holds the root and the accepted tokens."""
+    width = 1 + max(len(t) for t in trees)
+    dev = model.device
+    tokens = torch.zeros(len(trees), width, dtype=torch.long)
+    positions = torch.zeros(len(trees), width, dtype=torch.long)
+    masks = []
+    for b, (root, tree, cache) in enumerate(zip(roots, trees, caches)):
+        n = len(tree)
+        tokens[b, 0] = root
+        tokens[b, 1:n + 1] = torch.tensor(tree.tokens, dtype=torch.long)
+        tokens[b, n + 1:] = root
+        positions[b] = cache.length
+        positions[b, 1:n + 1] += torch.tensor(tree.depths, dtype=torch.long)
+        masks.append(tree_mask(tree, cache.length, width, dev))
+    starts = [c.length for c in caches]
+    logits = model(tokens.to(dev), caches, positions.to(dev), masks, logits_for="all").float()
+    out = []
+    for b, (tree, cache) in enumerate(zip(trees, caches)):
+        greedy = logits[b, : len(tree) + 1].argmax(-1).tolist()
+        rows = accept(tree, greedy)
+        compact(cache, starts[b], rows)
+        keep = [0] + rows
+        out.append(([tree.tokens[r - 1] for r in rows], logits[b, keep]))
+    return out

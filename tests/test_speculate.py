@@ -1,0 +1,198 @@
+"""Retrieval speculation (#8): the draft trie, the tree mask, the verified cache, and the
+property that matters: output identical to greedy decoding, with FIM and EFIM prompts,
+with a real suffix-array datastore, alone and batched."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from codecomplete.indexer.suffix import DraftIndex, width_for
+from codecomplete.model.api import CompletionRequest, EngineSettings, SpecSettings
+from codecomplete.model.engine import Engine, _Vocab, advance, generate, plan_prompt, spec_step, start, step
+from codecomplete.model.loader import load_model
+from codecomplete.model.prompts import SessionPool, Tokens
+from codecomplete.model.speculate import (Drafter, Tree, VerifiedCache, accept, build_tree, validate_tree,
+                                          tree_mask)
+
+NO_HEAL = EngineSettings(token_healing=False)
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model):
+    return load_model(str(tiny_model), device="cpu", dtype="float32")
+
+
+def test_tree_keeps_the_heaviest_nodes_and_parents_first():
+    seqs = [((1, 2, 3, 4), 5.0), ((1, 2, 9), 3.0), ((7, 8), 1.0), ((1, 5), 0.5)]
+    tree = build_tree(seqs, max_nodes=5, max_depth=8)
+    assert len(tree) == 5
+    validate_tree(tree)
+    paths = set()
+    for i in range(len(tree)):
+        path, j = [], i
+        while j >= 0:
+            path.append(tree.tokens[j])
+            j = tree.parents[j]
+        paths.add(tuple(reversed(path)))
+    # weights: 1 -> 8.5, 1,2 -> 8, 1,2,3 -> 5, 1,2,3,4 -> 5, 1,2,9 -> 3, 7 -> 1
+    assert paths == {(1,), (1, 2), (1, 2, 3), (1, 2, 3, 4), (1, 2, 9)}
+    shallow = build_tree(seqs, max_nodes=64, max_depth=2)
+    validate_tree(shallow)
+    assert max(shallow.depths) == 2 and len(shallow) == 5  # 1, 7, (1,2), (1,5), (7,8)
+
+
+def test_tree_mask_sees_cache_root_and_ancestors_only():
+    tree = Tree(tokens=[10, 11, 12, 13], parents=[-1, 0, -1, 1], depths=[1, 2, 1, 3])
+    m = tree_mask(tree, cached=3, width=6, device="cpu")
+    assert m.shape == (6, 9) and m[:, :3].all()
+    block = m[:, 3:].int().tolist()
+    assert block[0] == [1, 0, 0, 0, 0, 0]  # root
+    assert block[1] == [1, 1, 0, 0, 0, 0]  # node 0
+    assert block[2] == [1, 1, 1, 0, 0, 0]  # node 1 under node 0
+    assert block[3] == [1, 0, 0, 1, 0, 0]  # node 2 under the root
+    assert block[4] == [1, 1, 1, 0, 1, 0]  # node 3 under node 1
+    assert block[5] == [0, 0, 0, 0, 0, 1]  # batch padding sees itself
+
+
+def test_accept_walks_the_longest_greedy_path():
+    tree = Tree(tokens=[10, 11, 20, 12], parents=[-1, 0, -1, 1], depths=[1, 2, 1, 3])
+    # rows: 0 root, 1 node0(10), 2 node1(11), 3 node2(20), 4 node3(12)
+    assert accept(tree, [10, 11, 12, 0, 5]) == [1, 2, 4]
+    assert accept(tree, [20, 0, 0, 7, 0]) == [3]
+    assert accept(tree, [99, 0, 0, 0, 0]) == []
+
+
+def test_verified_cache_answers_the_longest_known_context():
+    cache = VerifiedCache(depth=4)
+    cache.add([1, 2, 3], [4, 5, 6, 7])
+    cache.add([9, 2, 3], [8, 8])
+    assert cache.lookup([1, 2, 3], 4)[0][0] == (4, 5, 6, 7)  # the 3-gram (1, 2, 3)
+    got = dict(cache.lookup([7, 2, 3], 4))
+    assert (4, 5, 6, 7) in got and (8, 8) in got  # the 2-gram (2, 3) is shared
+    assert cache.lookup([0, 0], 4) == []
+
+
+def greedy_plain(lm, request, plan, vocab):
+    live = start(lm, request, plan, None)
+    while advance(lm, live, vocab):
+        step(lm, [live])
+    return live.result
+
+
+def random_datastore(lm, rng: random.Random, outputs: list[list[int]]) -> DraftIndex:
+    """True continuations (so drafts get accepted), corrupted copies and noise."""
+    vocab = len(lm.tokenizer)
+    docs = []
+    for i, out in enumerate(outputs):
+        docs.append((f"true{i}", np.array(out, dtype=np.int64)))
+        bad = list(out)
+        for j in rng.sample(range(len(bad)), k=max(1, len(bad) // 4)):
+            bad[j] = rng.randrange(vocab)
+        docs.append((f"bad{i}", np.array(bad, dtype=np.int64)))
+    for i in range(5):
+        docs.append((f"noise{i}", np.array([rng.randrange(vocab) for _ in range(200)], dtype=np.int64)))
+    return DraftIndex.from_documents(docs, width_for(vocab))
+
+
+def retriever_of(index: DraftIndex):
+    def lookup(context, **kw):
+        m = index.lookup(context, **kw)
+        return [m] if m else []
+    return lookup
+
+
+PROMPTS = [("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return ", "\n"),
+           ("for i in range(10):\n    print(i)\nfor j in range(", ""),
+           ("class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.", "\n\np = Point(1, 2)\n"),
+           ("import os\nimport sys\n\n\ndef main(argv):\n    ", "\n\nif __name__ == '__main__':\n    main(sys.argv)\n")]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_speculation_equals_greedy_with_fim_and_efim_prompts(lm, seed):
+    rng = random.Random(seed)
+    vocab = _Vocab(lm.tokenizer)
+    settings = EngineSettings(token_healing=True)
+    outputs, cases = [], []
+    with torch.inference_mode():
+        for prefix, suffix in PROMPTS:
+            pool = SessionPool(inc_bound=64)
+            cut = rng.randrange(1, len(prefix))
+            pool.plan("doc", prefix[:cut], suffix, lm.template.template, Tokens(lm.tokenizer, vocab), 1024, 256)
+            for session in (None, "doc"):  # a PSM prompt, then the EFIM continuation
+                request = CompletionRequest(prefix, suffix, mode="multi", max_tokens=24, max_lines=200,
+                                            session_key=session)
+                plan = plan_prompt(lm, request, settings, vocab, pool if session else None)
+                slow = greedy_plain(lm, request, plan, vocab)
+                cases.append((request, plan, slow))
+                outputs.append(plan.ids[-8:] + slow.token_ids)
+        index = random_datastore(lm, rng, outputs)
+        accepted = 0
+        for spec in (SpecSettings(), SpecSettings(max_nodes=5, depth=3, use_cache=False),
+                     SpecSettings(skip_tokens=False, tau=0)):
+            drafter = Drafter(spec, retriever_of(index), vocab.texts, seed=seed)
+            for request, plan, slow in cases:
+                live = start(lm, request, plan, None)
+                while advance(lm, live, vocab):
+                    if not spec_step(lm, [live], drafter, vocab):
+                        break
+                fast = live.result
+                assert fast.token_ids == slow.token_ids and fast.text == slow.text
+                assert live.cache.length == len(live.fed)
+                accepted += fast.accepted_tokens
+                if plan.kind == "efim":
+                    assert fast.prompt_kind == "efim"
+        assert accepted > 0
+
+
+def test_speculative_kv_equals_recomputed_kv(lm):
+    """Compaction leaves exactly the accepted tokens' KV at their positions."""
+    vocab = _Vocab(lm.tokenizer)
+    prefix, suffix = PROMPTS[0]
+    request = CompletionRequest(prefix, suffix, mode="multi", max_tokens=20, max_lines=200, ignore_eos=True)
+    with torch.inference_mode():
+        plan = plan_prompt(lm, request, NO_HEAL, None, None)
+        slow = greedy_plain(lm, request, plan, None)
+        index = random_datastore(lm, random.Random(5), [plan.ids[-6:] + slow.token_ids])
+        live = start(lm, request, plan, None)
+        drafter = Drafter(SpecSettings(use_cache=False), retriever_of(index), vocab.texts)
+        while advance(lm, live, None):
+            if not spec_step(lm, [live], drafter, None):
+                break
+        assert live.result.token_ids == slow.token_ids and live.accepted > 0
+        fresh = lm.model.new_cache(len(live.fed))
+        lm.model(torch.tensor([live.fed]), [fresh])
+        n = live.cache.length
+        assert n == len(live.fed) == fresh.length
+        torch.testing.assert_close(live.cache.k[:, :, :n], fresh.k[:, :, :n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(live.cache.v[:, :, :n], fresh.v[:, :, :n], atol=1e-4, rtol=1e-4)
+
+
+def test_batched_speculation_equals_unbatched_greedy(tiny_model, lm):
+    prompts = PROMPTS + [(p + "x", s) for p, s in PROMPTS]
+    with torch.inference_mode():
+        alone = [generate(lm, CompletionRequest(p, s, mode="multi", max_tokens=16, max_lines=200), NO_HEAL)
+                 for p, s in prompts]
+    vocab = len(lm.tokenizer)
+    rng = random.Random(1)
+    docs = [(f"d{i}", np.array(c.token_ids + [rng.randrange(vocab) for _ in range(5)], dtype=np.int64))
+            for i, c in enumerate(alone)]
+    index = DraftIndex.from_documents(docs, width_for(vocab))
+    engine = Engine(EngineSettings(model=str(tiny_model), dtype="float32", token_healing=False,
+                                   kv_budget_mb=0, speculation=SpecSettings(use_cache=False)))
+    engine.set_retriever(retriever_of(index))
+    engine.start()
+    try:
+        engine.ready.wait(60)
+        futures = [engine.submit(CompletionRequest(p, s, mode="multi", max_tokens=16, max_lines=200))
+                   for p, s in prompts]
+        together = [f.result(timeout=60) for f in futures]
+        assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+        stats = engine.stats()
+        assert stats["max_batch_seen"] > 1 and stats["spec_steps"] > 0 and stats["accepted_tokens"] > 0
+        assert stats["mean_acceptance_length"] > 1
+    finally:
+        engine.close()
