@@ -79,11 +79,29 @@ class IndexConfig:
 
 
 @dataclass
+class SpeculationConfig:
+    """Retrieval speculation (issue #8): drafts from the repository, the common datastore
+    and a cache of verified outputs, checked by the model in one pass; the output is
+    the greedy output either way.  Defaults tuned by bench/speculation.py."""
+
+    enabled: bool = True
+    max_nodes: int = field(default=64, metadata=_range(1, 512))  # draft tokens verified per step
+    depth: int = field(default=8, metadata=_range(1, 32))  # longest draft
+    top_k: int = field(default=8, metadata=_range(1, 64))  # continuations per source
+    alpha: float = field(default=1.0, metadata=_range(0, None))  # repository weight
+    beta: float = field(default=0.5, metadata=_range(0, None))  # common datastore weight
+    gamma: float = field(default=1.5, metadata=_range(0, None))  # verified cache weight
+    tau: int = field(default=32, metadata=_range(0, None))  # cache first once it holds more sequences
+    p: float = field(default=0.5, metadata=_range(0, 1))  # retrieval probability at a line's first token
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     completion: CompletionConfig = field(default_factory=CompletionConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     index_dir: str = ""  # "" -> the user cache directory keyed by the repository path
     log_level: str = field(default="info", metadata=_choice("debug", "info", "warning", "error"))
 
@@ -105,6 +123,19 @@ def _coerce(value: Any, typ: type, meta: dict) -> Any:
             num = None
         if num is None:
             raise ValueError(f"expected an integer, got {value!r}")
+        lo, hi = meta.get("min"), meta.get("max")
+        if (lo is not None and num < lo) or (hi is not None and num > hi):
+            raise ValueError(f"{num} is outside [{lo}, {hi if hi is not None else '∞'}]")
+        return num
+    if typ is float:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
+        try:
+            num = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a number, got {value!r}") from None
+        if num != num:
+            raise ValueError("expected a number, got NaN")
         lo, hi = meta.get("min"), meta.get("max")
         if (lo is not None and num < lo) or (hi is not None and num > hi):
             raise ValueError(f"{num} is outside [{lo}, {hi if hi is not None else '∞'}]")
@@ -198,11 +229,14 @@ def as_dict(cfg: Config) -> dict:
 
 def engine_settings(cfg: Config):
     """The engine's view of the configuration (a torch-free value)."""
-    from codecomplete.model.api import EngineSettings
+    from codecomplete.model.api import EngineSettings, SpecSettings
 
-    m, c, e = cfg.model, cfg.completion, cfg.engine
+    m, c, e, sp = cfg.model, cfg.completion, cfg.engine, cfg.speculation
     return EngineSettings(model=m.name, device=m.device, dtype=m.dtype, template=m.template,
                           threads=m.threads, max_prefix_tokens=c.max_prefix_tokens,
                           max_suffix_tokens=c.max_suffix_tokens, token_healing=c.token_healing,
                           kv_budget_mb=e.kv_budget_mb, efim=e.efim, inc_bound=e.inc_bound,
-                          max_batch=e.max_batch)
+                          max_batch=e.max_batch,
+                          speculation=SpecSettings(enabled=sp.enabled, max_nodes=sp.max_nodes, depth=sp.depth,
+                                                   top_k=sp.top_k, alpha=sp.alpha, beta=sp.beta, gamma=sp.gamma,
+                                                   tau=sp.tau, p=sp.p))

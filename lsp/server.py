@@ -120,6 +120,8 @@ class CodecompleteServer(LanguageServer):
         self.index = RepoIndex(Path(self.repo), index_dir, max_file_bytes=cfg.max_file_bytes,
                                watch=cfg.watch, debounce_ms=cfg.debounce_ms, want_common=cfg.common).start()
         log.info("indexing %s into %s", self.repo, self.index.db_path)
+        if hasattr(self.engine, "set_retriever"):  # drafts for retrieval speculation
+            self.engine.set_retriever(self.index.lookup)
         listeners = getattr(self.engine, "on_load", None)
         if listeners is not None:
             listeners.append(self._tokenizer_loaded)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from codecomplete.daemon.config import CompletionConfig, IndexConfig, ModelConfig
+from codecomplete.daemon.config import CompletionConfig, IndexConfig, SpeculationConfig, ModelConfig
 
 EXT = Path(__file__).resolve().parents[1] / "editors" / "vscode"
 
@@ -24,7 +24,8 @@ def snake(name: str) -> str:
 
 def test_every_daemon_setting_the_extension_offers_exists_with_its_default():
     props = json.loads((EXT / "package.json").read_text())["contributes"]["configuration"]["properties"]
-    sections = {"model": ModelConfig(), "completion": CompletionConfig(), "index": IndexConfig()}
+    sections = {"model": ModelConfig(), "completion": CompletionConfig(), "index": IndexConfig(),
+                "speculation": SpeculationConfig()}
     offered = 0
     for key, spec in props.items():
         _, section, *rest = key.split(".")

@@ -26,7 +26,10 @@ interface DaemonStats {
 /** The settings the daemon understands, in the shape of its config file. */
 export function daemonSettings(): Record<string, unknown> {
   const c = vscode.workspace.getConfiguration('codecomplete');
-  return { model: c.get('model') ?? {}, completion: c.get('completion') ?? {}, index: c.get('index') ?? {} };
+  return {
+    model: c.get('model') ?? {}, completion: c.get('completion') ?? {}, index: c.get('index') ?? {},
+    speculation: c.get('speculation') ?? {},
+  };
 }
 
 function serverOptions(): ServerOptions {
