@@ -40,6 +40,7 @@ class Completion:
     prompt_kind: str = ""  # prefix | psm | efim
     spec_steps: int = 0  # verification passes (retrieval speculation)
     accepted_tokens: int = 0  # drafted tokens the model accepted
+    forward_passes: int = 0  # decode passes (generated_tokens / forward_passes: tokens per pass)
 
     @property
     def cancelled(self) -> bool:

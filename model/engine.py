@@ -80,6 +80,7 @@ class Live:
     result: Completion | None = None
     spec_steps: int = 0
     accepted: int = 0
+    passes: int = 0  # decode forward passes
 
 
 # -- the algorithm ---------------------------------------------------------------------
@@ -163,6 +164,7 @@ def step(lm: LoadedModel, lives: list[Live]) -> None:
     for lv, row in zip(lives, logits):
         lv.fed.append(lv.generated[-1])
         lv.logits = row
+        lv.passes += 1
 
 
 def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Vocab | None") -> list[Live]:
@@ -184,6 +186,7 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
     for lv, root, tree, (acc, logits) in zip(lives, roots, trees,
                                               verify(lm.model, roots, trees, [lv.cache for lv in lives])):
         context = lv.fed[-4:] + [root]
+        lv.passes += 1
         lv.fed.append(root)
         lv.fed.extend(acc)
         if len(tree):
@@ -212,7 +215,8 @@ def _finish(live: Live, text: str, reason: str) -> bool:
     live.result = Completion(text if reason != "cancelled" else "", reason, len(live.plan.ids), n, t,
                              multiline=live.rules.shape.multiline, token_ids=list(live.generated),
                              reused_tokens=live.reused, prompt_kind=live.plan.kind,
-                             spec_steps=live.spec_steps, accepted_tokens=live.accepted)
+                             spec_steps=live.spec_steps, accepted_tokens=live.accepted,
+                             forward_passes=live.passes)
     return False
 
 

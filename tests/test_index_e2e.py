@@ -138,3 +138,45 @@ def test_index_command_prints_stats(repo, tiny_model, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "codecomplete.daemon", "index", "--repo",
                               str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "not a directory" in missing.stderr
+
+
+@ASYNC
+async def test_completions_use_retrieval_speculation_with_the_same_text(repo, tiny_model, tmp_path):
+    """Guards #8 part 5: inline completions draft from the repository and the verified
+    cache and still return what greedy decoding returns (speculation off)."""
+    from lsprotocol import types as T
+
+    from .lsp_client import complete
+
+    c = await start_daemon(repo, tiny_model, extra_args=("--index-dir", str(tmp_path / "index")),
+                           init_options={"completion": {"mode": "multi", "maxTokens": 24, "maxLines": 50},
+                                         "speculation": {"enabled": False}})
+    try:
+        await until(lambda: _ready(c))
+        greedy = ""
+        for i, prefix in enumerate(["import os\n\n\ndef main(", "import os\n\nx = os.path.",
+                                    "import os\n\n\nfor i in range(", "def f(path):\n    return path."]):
+            line, col = prefix.count("\n"), len(prefix.rsplit("\n", 1)[-1])
+            uri = (repo / f"a{i}.py").as_uri()
+            open_doc(c, uri, prefix)
+            plain_items = await complete(c, uri, line, col)
+            greedy = plain_items[0].insert_text if plain_items else ""  # from the line's start
+            if len(greedy) > len(prefix.rsplit("\n", 1)[-1]) + 8:
+                break
+        assert greedy, "the tiny model completes none of the candidate prompts"
+        # the greedy text lands in the repository: a saved file the watcher indexes
+        (repo / "saved.py").write_text(prefix[:prefix.rfind("\n") + 1] + greedy + "\n")
+        c.workspace_did_change_configuration(T.DidChangeConfigurationParams(
+            settings={"codecomplete": {"speculation": {"enabled": True}}}))
+        for name in ("b.py", "c.py"):
+            uri = (repo / name).as_uri()
+            open_doc(c, uri, prefix)
+            items = await complete(c, uri, line, col)
+            assert (items[0].insert_text if items else "") == greedy
+        data = await stats(c)
+        assert data["engine"]["speculation"] is True and data["engine"]["spec_steps"] > 0
+        assert data["engine"]["drafter"]["retrievals"] > 0
+        assert data["engine"]["accepted_tokens"] > 0
+    finally:
+        await c.shutdown_session()
+        await c.stop()

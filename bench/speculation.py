@@ -1,0 +1,359 @@
+"""Retrieval speculation (issue #8) in FastCoder's repository-level setup.
+
+    python bench/speculation.py --repos DIR[,DIR...] [--model smollm2-135m] [--functions 10]
+                                [--max-new 64] [--tune] [--out bench/results/speculation]
+
+Each ``--repos`` entry is a git directory (``fetch`` brings them to /work/.mirror; the
+code is never committed): its HEAD is extracted, Python functions are held out (a
+fixed hash order; a *tune* split and a disjoint *test* split), and for each:
+
+* context = the file up to the function's first body statement (signature and
+  docstring included), at most 2,048 tokens; the body is generated greedily for
+  ``--max-new`` tokens (end-of-text ignored, so every method makes the same tokens);
+* datastore = every Python file of the repository with *all* held-out bodies cut out
+  (suffix arrays, ``indexer.suffix``), plus the common datastore (the standard library);
+* the verified cache lives for one repository's run, as in the daemon.
+
+Methods: autoregressive greedy (our engine), FastCoder as built here (all sources),
+ablations (one source at a time, no cache, no retrieval timing), a REST-style baseline
+(common datastore only, no cache), and transformers' prompt-lookup decoding next to
+transformers' own greedy decoding.  Reports decode ms/token, speedup over our
+autoregressive decoding, tokens per forward pass (average acceptance length), and
+whether every output equals the autoregressive one.  ``--tune`` runs the parameter
+grid on the tune split instead and writes ``..._tuning.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import itertools
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, header  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from codecomplete.indexer.common import build_common, common_dir, load_common  # noqa: E402
+from codecomplete.indexer.suffix import DraftIndex, Match, lookup, width_for  # noqa: E402
+from codecomplete.indexer.tokens import TokenizerInfo  # noqa: E402
+from codecomplete.model.api import CompletionRequest, EngineSettings, SpecSettings  # noqa: E402
+from codecomplete.model.engine import _Vocab, generate  # noqa: E402
+from codecomplete.model.loader import load_model  # noqa: E402
+from codecomplete.model.speculate import Drafter  # noqa: E402
+
+WORK = Path(__file__).resolve().parent / ".work" / "speculation"
+
+
+def checkout(git_dir: Path) -> tuple[str, Path]:
+    name = git_dir.parent.name if git_dir.name == "repo" else git_dir.name
+    out = WORK / name
+    if not out.is_dir():
+        out.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(git_dir), "archive", "HEAD"], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return name, out
+
+
+def held_out(root: Path, n_test: int, n_tune: int) -> tuple[dict[str, str], list[dict], list[dict]]:
+    """Files (path -> text) and two disjoint samples of functions to generate."""
+    files, funcs = {}, []
+    for path in sorted(root.rglob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(text) > 500_000:
+            continue
+        rel = path.relative_to(root).as_posix()
+        files[rel] = text
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines(keepends=True)
+        starts = np.cumsum([0] + [len(x) for x in lines])
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body
+            if (isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                body = body[1:]  # the docstring stays in the context
+            if not body:
+                continue
+            first, last = body[0].lineno, node.end_lineno
+            if not 3 <= last - first + 1 <= 40:
+                continue
+            a, b = int(starts[first - 1]), int(starts[last])
+            key = hashlib.sha256(f"{rel}:{node.name}:{first}".encode()).hexdigest()
+            funcs.append({"path": rel, "name": node.name, "start": a, "end": b, "key": key})
+    funcs.sort(key=lambda f: f["key"])
+    chosen, used = [], set()
+    for f in funcs:  # at most one function per file, so removals never overlap
+        if f["path"] not in used:
+            chosen.append(f)
+            used.add(f["path"])
+    return files, chosen[:n_test], chosen[n_test:n_test + n_tune]
+
+
+class Datastore:
+    """The repository without the held-out bodies, and the common datastore."""
+
+    def __init__(self, files: dict[str, str], removed: list[dict], tok: TokenizerInfo):
+        cut = {f["path"]: f for f in removed}
+        docs = []
+        for rel, text in files.items():
+            if rel in cut:
+                f = cut[rel]
+                text = text[:f["start"]] + text[f["end"]:]
+            docs.append((rel, text))
+        ids = tok.encode_batch([t for _, t in docs])
+        self.repo = DraftIndex.from_documents([(r, i) for (r, _), i in zip(docs, ids)], width_for(tok.vocab_size))
+        self.tokens = int(sum(len(i) for i in ids))
+        folder = common_dir(tok)
+        if load_common(tok, folder) is None:
+            build_common(tok, folder)
+        self.common = load_common(tok, folder)
+
+    def retrieve(self, context: list[int], **kw) -> list[Match]:
+        out = []
+        m = self.repo.lookup(context, **kw)
+        if m:
+            out.append(m)
+        if self.common is not None:
+            m = lookup([self.common], context, **kw)
+            if m:
+                out.append(Match(m.length, m.occurrences, m.continuations, "common"))
+        return out
+
+
+def methods(best: SpecSettings) -> dict[str, SpecSettings | None]:
+    return {
+        "autoregressive": None,
+        "FastCoder (ours: repository + common + cache)": best,
+        "repository only": replace(best, use_common=False, use_cache=False),
+        "common only, no cache (REST-style)": replace(best, use_repository=False, use_cache=False),
+        "repository + common, no cache": replace(best, use_cache=False),
+        "cache only": replace(best, use_repository=False, use_common=False),
+        "no retrieval timing (skip tokens, missing table off)": replace(best, skip_tokens=False, missing_table=False),
+    }
+
+
+def run_engine(lm, settings: EngineSettings, tasks: list[dict], store: Datastore | None,
+               spec: SpecSettings | None, vocab, max_new: int) -> list[dict]:
+    drafter = Drafter(spec, store.retrieve if store else None, vocab.texts) if spec else None
+    out = []
+    for t in tasks:
+        req = CompletionRequest(t["context"], "", mode="multi", max_tokens=max_new, max_lines=100000,
+                                time_budget_ms=600000, ignore_eos=True)
+        with torch.inference_mode():
+            c = generate(lm, req, settings, vocab, None, None, drafter)
+        out.append({"ids": c.token_ids, "decode_ms": c.timings.get("decode_ms", 0.0), "n": c.generated_tokens,
+                    "passes": c.forward_passes, "spec_steps": c.spec_steps, "accepted": c.accepted_tokens})
+    return out
+
+
+def summarize(rows: list[dict], reference: list[dict] | None) -> dict:
+    n = sum(r["n"] for r in rows)
+    ms = sum(r["decode_ms"] for r in rows)
+    passes = sum(r["passes"] for r in rows)
+    steps = sum(r["spec_steps"] for r in rows)
+    res = {"tokens": n, "ms_per_token": round(ms / max(1, n), 2),
+           "tokens_per_pass": round(n / max(1, passes), 3),
+           "acceptance_length": round(1 + sum(r["accepted"] for r in rows) / steps, 3) if steps else None}
+    if reference is not None:
+        res["identical"] = sum(a["ids"] == b["ids"] for a, b in zip(rows, reference))
+        res["tasks"] = len(rows)
+    return res
+
+
+def hf_peers(lm, tasks: list[dict], max_new: int, dtype) -> dict:
+    """transformers' greedy decoding and its prompt-lookup decoding, same prompts."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(lm.path, dtype=dtype, local_files_only=True).eval()
+    res = {}
+    for name, extra in (("transformers greedy", {}), ("transformers prompt lookup (10)", {"prompt_lookup_num_tokens": 10})):
+        ms, n, outs = 0.0, 0, []
+        for t in tasks:
+            ids = torch.tensor([t["prompt_ids"]])
+            kw = dict(do_sample=False, pad_token_id=lm.tokenizer.eos_token_id, **extra)
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+                t1 = time.perf_counter()
+                gen = hf.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, **kw)
+                t2 = time.perf_counter()
+            ms += ((t2 - t1) - (t1 - t0)) * 1000  # minus a prefill + one token
+            n += gen.shape[1] - ids.shape[1] - 1
+            outs.append(gen[0, ids.shape[1]:].tolist())
+        res[name] = {"tokens": n, "ms_per_token": round(ms / max(1, n), 2), "outputs": outs}
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repos", required=True, help="comma-separated git directories")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--functions", type=int, default=10, help="test functions per repository")
+    ap.add_argument("--tune-functions", type=int, default=4, help="tune functions per repository")
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--tune", action="store_true", help="run the parameter grid on the tune split")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--no-fp32-check", action="store_true", help="skip the fp32 run that checks identical outputs")
+    ap.add_argument("--out", default=str(RESULTS / "speculation"))
+    args = ap.parse_args()
+    lm = load_model(args.model, dtype=args.dtype)
+    settings = EngineSettings(model=args.model, max_prefix_tokens=2048)
+    vocab = _Vocab(lm.tokenizer)
+    tok = TokenizerInfo(lm.tokenizer, lm.name)
+    repos = []
+    for g in args.repos.split(","):
+        name, root = checkout(Path(g))
+        files, test, tune = held_out(root, args.functions, args.tune_functions)
+        store = Datastore(files, test + tune, tok)
+        for f in test + tune:
+            text = files[f["path"]]
+            ctx_ids = lm.tokenizer.encode(text[:f["start"]], add_special_tokens=False)[-2048:]
+            f["context"] = lm.tokenizer.decode(ctx_ids)
+        repos.append({"name": name, "files": len(files), "tokens": store.tokens, "test": test, "tune": tune,
+                      "store": store})
+        print(f"{name}: {len(files)} files, {store.tokens} datastore tokens, {len(test)} test + {len(tune)} tune "
+              "functions", file=sys.stderr)
+    out = Path(args.out)
+    if args.tune:
+        tune_grid(lm, settings, repos, vocab, args, out)
+        return
+    results: dict[str, dict] = {}
+    per_repo: dict[str, dict] = {}
+    best = SpecSettings()
+    reference: dict[str, list] = {}
+    warm = repos[0]["test"][:1]  # first calls build kernels and the token texts: not timed
+    run_engine(lm, settings, warm, repos[0]["store"], None, vocab, 8)
+    run_engine(lm, settings, warm, repos[0]["store"], best, vocab, 8)
+    for label, spec in methods(best).items():
+        rows_all = []
+        for r in repos:
+            rows = run_engine(lm, settings, r["test"], r["store"], spec, vocab, args.max_new)
+            if spec is None:
+                reference[r["name"]] = rows
+            per_repo.setdefault(label, {})[r["name"]] = summarize(rows, reference.get(r["name"]))
+            rows_all += rows
+            print(f"{label} / {r['name']}: {per_repo[label][r['name']]}", file=sys.stderr)
+        ref_all = [x for r in repos for x in reference[r["name"]]]
+        results[label] = summarize(rows_all, ref_all)
+    base = results["autoregressive"]["ms_per_token"]
+    for res in results.values():
+        res["speedup"] = round(base / res["ms_per_token"], 3) if res["ms_per_token"] else None
+    peers = {}
+    if not args.no_peers:
+        tasks = [dict(t, prompt_ids=_prompt_ids(lm, settings, t)) for r in repos for t in r["test"]]
+        peers = hf_peers(lm, tasks, args.max_new, lm.dtype)
+        hf_base = peers["transformers greedy"]["ms_per_token"]
+        ref_all = [x["ids"] for r in repos for x in reference[r["name"]]]
+        for name, p in peers.items():
+            p["speedup_vs_own_greedy"] = round(hf_base / p["ms_per_token"], 3)
+            p["speedup_vs_our_autoregressive"] = round(base / p["ms_per_token"], 3)
+            p["identical_to_ours"] = sum(a == b for a, b in zip(p.pop("outputs"), ref_all))
+    exact = None
+    if not args.no_fp32_check and lm.dtype != torch.float32:
+        # bf16 logits tie often (a step of 0.125 near 20): a tree pass and a one-token pass
+        # may break a tie differently.  In fp32 the outputs must be identical.
+        lm32 = load_model(args.model, dtype="float32")
+        v32 = _Vocab(lm32.tokenizer)
+        same = total = 0
+        for r in repos:
+            a = run_engine(lm32, settings, r["test"], r["store"], None, v32, args.max_new)
+            b = run_engine(lm32, settings, r["test"], r["store"], best, v32, args.max_new)
+            same += sum(x["ids"] == y["ids"] for x, y in zip(a, b))
+            total += len(a)
+        exact = (same, total)
+    write(out, args, lm, repos, results, per_repo, peers, best, exact)
+
+
+def _prompt_ids(lm, settings, task) -> list[int]:
+    from codecomplete.model.engine import plan_prompt
+
+    req = CompletionRequest(task["context"], "", mode="multi")
+    return plan_prompt(lm, req, replace(settings, token_healing=False), None, None).ids
+
+
+def tune_grid(lm, settings, repos, vocab, args, out: Path) -> None:
+    grid = {"max_nodes": [32, 64], "top_k": [4, 8], "ab": [(1.0, 0.5), (1.0, 0.1)], "p": [0.5, 1.0],
+            "tau": [8, 64]}
+    ref = {r["name"]: run_engine(lm, settings, r["tune"], r["store"], None, vocab, args.max_new) for r in repos}
+    base = summarize([x for v in ref.values() for x in v], None)["ms_per_token"]
+    rows = []
+    for nodes, k, (a, b), p, tau in itertools.product(*grid.values()):
+        spec = SpecSettings(max_nodes=nodes, top_k=k, alpha=a, beta=b, p=p, tau=tau)
+        got = []
+        for r in repos:
+            got += run_engine(lm, settings, r["tune"], r["store"], spec, vocab, args.max_new)
+        s = summarize(got, [x for r in repos for x in ref[r["name"]]])
+        s["speedup"] = round(base / s["ms_per_token"], 3)
+        rows.append(({"max_nodes": nodes, "top_k": k, "alpha": a, "beta": b, "p": p, "tau": tau}, s))
+        print(rows[-1], file=sys.stderr)
+    rows.sort(key=lambda x: -x[1]["speedup"])
+    lines = [header("Retrieval speculation: parameter grid on the tune split"),
+             f"Model {lm.name} ({str(lm.dtype).removeprefix('torch.')}); tune functions: "
+             f"{sum(len(r['tune']) for r in repos)} from {', '.join(r['name'] for r in repos)}; "
+             f"{args.max_new} tokens each; autoregressive {base} ms/token.", "",
+             "| max_nodes | top_k | alpha | beta | p | tau | ms/token | speedup | tokens/pass | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for cfg, s in rows:
+        lines.append(f"| {cfg['max_nodes']} | {cfg['top_k']} | {cfg['alpha']} | {cfg['beta']} | {cfg['p']} | "
+                     f"{cfg['tau']} | {s['ms_per_token']} | {s['speedup']} | {s['tokens_per_pass']} | "
+                     f"{s['identical']}/{s['tasks']} |")
+    Path(str(out) + "_tuning.md").write_text("\n".join(lines) + "\n")
+    Path(str(out) + "_tuning.json").write_text(json.dumps(rows, indent=1))
+    print("\n".join(lines))
+
+
+def write(out: Path, args, lm, repos, results, per_repo, peers, best: SpecSettings, exact) -> None:
+    lines = [header("Retrieval speculation (FastCoder setup)"),
+             f"Model {lm.name} ({str(lm.dtype).removeprefix('torch.')}), greedy, {args.max_new} tokens per held-out "
+             "function (end-of-text ignored), batch 1.",
+             "Repositories (HEAD, code not committed): " + "; ".join(
+                 f"{r['name']} ({r['files']} files, {r['tokens']:,} datastore tokens, {len(r['test'])} test functions)"
+                 for r in repos) + ".",
+             f"Settings (tuned on a disjoint split, speculation_tuning.md): {best}.", "",
+             "| method | ms/token | speedup | tokens/pass | acceptance length | identical to greedy |",
+             "|---|---|---|---|---|---|"]
+    for label, r in results.items():
+        lines.append(f"| {label} | {r['ms_per_token']} | {r['speedup']} | {r['tokens_per_pass']} | "
+                     f"{r['acceptance_length'] if r['acceptance_length'] is not None else '-'} | "
+                     f"{r['identical']}/{r['tasks']} |")
+    if exact:
+        lines += ["", f"Lossless check in float32 (same tasks, FastCoder vs autoregressive): {exact[0]}/{exact[1]} "
+                  "outputs identical.  In bfloat16 a differing output comes from a tie of bf16 logits broken "
+                  "differently by a tree pass and a one-token pass (both are greedy decodings of the bf16 model)."]
+    if peers:
+        lines += ["", "Peers, same prompts and model (transformers' own forward, bf16/fp32 as the engine):", "",
+                  "| method | ms/token | speedup vs its own greedy | speedup vs our autoregressive | identical to ours |",
+                  "|---|---|---|---|---|"]
+        for name, p in peers.items():
+            lines.append(f"| {name} | {p['ms_per_token']} | {p['speedup_vs_own_greedy']} | "
+                         f"{p['speedup_vs_our_autoregressive']} | {p['identical_to_ours']}/{p.get('tasks', '') or sum(len(r['test']) for r in repos)} |")
+    lines += ["", "Per repository (ms/token, tokens/pass):", "", "| method | " + " | ".join(r["name"] for r in repos) + " |",
+              "|---|" + "---|" * len(repos)]
+    for label, d in per_repo.items():
+        lines.append(f"| {label} | " + " | ".join(f"{d[r['name']]['ms_per_token']}, {d[r['name']]['tokens_per_pass']}"
+                                                 for r in repos) + " |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"results": results, "per_repo": per_repo, "peers": peers,
+                                                    "settings": str(best), "fp32_identical": exact}, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
