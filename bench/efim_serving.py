@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header  # noqa: E402
 
-from codecomplete.model.api import CompletionRequest, EngineSettings  # noqa: E402
+from codecomplete.model.api import SpecSettings, CompletionRequest, EngineSettings  # noqa: E402
 from codecomplete.model.engine import Engine  # noqa: E402
 from codecomplete.model.fim import TEMPLATES, FimTemplate  # noqa: E402
 
@@ -117,7 +117,8 @@ def closed_loop(users: list[list[tuple[str, str]]], serve) -> tuple[list[dict], 
 def run_engine(scheme: str, users, out_len: int, budget_mb: int, max_tokens: int) -> dict:
     settings = EngineSettings(model="default", template=BENCH_TEMPLATE.name, max_prefix_tokens=max_tokens,
                               max_suffix_tokens=max_tokens, token_healing=False, inc_bound=max_tokens,
-                              kv_budget_mb=budget_mb, max_batch=64)
+                              kv_budget_mb=budget_mb, max_batch=64,
+                              speculation=SpecSettings(enabled=False))  # the paper's schemes: reuse only
     for k, v in SCHEMES[scheme].items():
         setattr(settings, k, v)
     engine = Engine(settings).start()
