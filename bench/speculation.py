@@ -153,12 +153,14 @@ def run_engine(lm, settings: EngineSettings, tasks: list[dict], store: Datastore
     drafter = Drafter(spec, store.retrieve if store else None, vocab.texts) if spec else None
     out = []
     for t in tasks:
+        before = drafter.stats["draft_ms"] if drafter else 0.0
         req = CompletionRequest(t["context"], "", mode="multi", max_tokens=max_new, max_lines=100000,
                                 time_budget_ms=600000, ignore_eos=True)
         with torch.inference_mode():
             c = generate(lm, req, settings, vocab, None, None, drafter)
         out.append({"ids": c.token_ids, "decode_ms": c.timings.get("decode_ms", 0.0), "n": c.generated_tokens,
-                    "passes": c.forward_passes, "spec_steps": c.spec_steps, "accepted": c.accepted_tokens})
+                    "passes": c.forward_passes, "spec_steps": c.spec_steps, "accepted": c.accepted_tokens,
+                    "draft_ms": (drafter.stats["draft_ms"] - before) if drafter else 0.0})
     return out
 
 
@@ -168,6 +170,7 @@ def summarize(rows: list[dict], reference: list[dict] | None) -> dict:
     passes = sum(r["passes"] for r in rows)
     steps = sum(r["spec_steps"] for r in rows)
     res = {"tokens": n, "ms_per_token": round(ms / max(1, n), 2),
+           "draft_share": round(sum(r["draft_ms"] for r in rows) / max(1e-9, ms), 3),
            "tokens_per_pass": round(n / max(1, passes), 3),
            "acceptance_length": round(1 + sum(r["accepted"] for r in rows) / steps, 3) if steps else None}
     if reference is not None:
@@ -327,11 +330,12 @@ def write(out: Path, args, lm, repos, results, per_repo, peers, best: SpecSettin
                  f"{r['name']} ({r['files']} files, {r['tokens']:,} datastore tokens, {len(r['test'])} test functions)"
                  for r in repos) + ".",
              f"Settings (tuned on a disjoint split, speculation_tuning.md): {best}.", "",
-             "| method | ms/token | speedup | tokens/pass | acceptance length | identical to greedy |",
-             "|---|---|---|---|---|---|"]
+             "| method | ms/token | speedup | tokens/pass | acceptance length | drafting share of decode | identical to greedy |",
+             "|---|---|---|---|---|---|---|"]
     for label, r in results.items():
         lines.append(f"| {label} | {r['ms_per_token']} | {r['speedup']} | {r['tokens_per_pass']} | "
                      f"{r['acceptance_length'] if r['acceptance_length'] is not None else '-'} | "
+                     f"{r['draft_share']:.1%} | "
                      f"{r['identical']}/{r['tasks']} |")
     if exact:
         lines += ["", f"Lossless check in float32 (same tasks, FastCoder vs autoregressive): {exact[0]}/{exact[1]} "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import random
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -194,6 +195,14 @@ class Drafter:
 
     def draft(self, context: list[int], limit: int | None = None) -> Tree:
         """A draft tree for what follows ``context`` (the last token is t0)."""
+        t0 = time.perf_counter()
+        try:
+            return self._draft(context, limit)
+        finally:
+            self.stats["drafts"] += 1
+            self.stats["draft_ms"] += (time.perf_counter() - t0) * 1000
+
+    def _draft(self, context: list[int], limit: int | None) -> Tree:
         s = self.settings
         depth = max(1, min(s.depth, limit if limit is not None else s.depth))
         weighted: list[tuple[tuple[int, ...], float]] = []
