@@ -312,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         entry = {"step": step, "loss": round(loss.item(), 4), "tokens": tokens_seen}
         if step % args.eval_every == 0 or step == args.steps:
             entry.update(evaluate(model, val, args.eval_steps, dtype, exits))
-        history.append(entry)
         rate = (tokens_seen - last) / max(1e-9, time.perf_counter() - t0)
+        entry["tok_per_s"] = round(rate, 1)  # this process's mean so far (validation included)
+        history.append(entry)
         sys.stderr.write(f"\rstep {step}/{args.steps} loss {entry['loss']:.3f} "
                          f"{'val ' + str(entry['val_loss']) + ' ' if 'val_loss' in entry else ''}{rate:.0f} tok/s   ")
         if step % args.save_every == 0 or step == args.steps:
