@@ -52,14 +52,14 @@ class SpecSettings:
     """Retrieval speculation (``codecomplete.model.speculate``); this project's tuned defaults."""
 
     enabled: bool = True
-    max_nodes: int = 64  # draft tokens verified per step (the tree's size)
+    max_nodes: int = 8  # draft tokens verified per step (the tree's size)
     depth: int = 8  # longest draft sequence
-    top_k: int = 8  # continuations taken per source
+    top_k: int = 4  # continuations taken per source
     alpha: float = 1.0  # repository weight
-    beta: float = 0.5  # common datastore weight
+    beta: float = 0.1  # common datastore weight
     gamma: float = 1.5  # verified cache weight
-    tau: int = 32  # the cache is consulted first once it holds more than tau sequences
-    p: float = 0.5  # retrieval probability at a skip token
+    tau: int = 8  # the cache is consulted first once it holds more than tau sequences
+    p: float = 1.0  # retrieval probability at a skip token
     min_match: int = 2  # shortest context suffix a datastore match may have
     cache_sequences: int = 4096  # the verified cache's size (sequences, LRU)
     use_repository: bool = True

@@ -70,3 +70,26 @@ def test_gguf_is_converted_once_and_serves(tmp_path, monkeypatch):
     assert result.text.strip().startswith("+ b")
     again = load_model(str(gguf), device="cpu", dtype="bfloat16")
     assert again.path == str(converted[0]) and again.load_seconds < lm.load_seconds
+
+
+def test_the_default_model_is_smollm2_with_the_shipped_fim_adapter():
+    """Guards #3 part 6: "default" = the base GGUF + the package's adapter, merged once
+    into the cache; it has the FIM tokens and the StarCoder template, the base does not."""
+    import json
+
+    from codecomplete.model.adapter import SHIPPED
+
+    meta = json.loads((SHIPPED / "adapter.json").read_text())
+    size = sum(f.stat().st_size for f in SHIPPED.iterdir())
+    assert meta["base"] == "smollm2-135m" and meta["fragments"] is True and size <= 40 * 2**20
+    name, merged = resolve_checkpoint("default")
+    assert "EFIM" in name and (merged / "config.json").is_file()
+    assert resolve_checkpoint("default")[1] == merged  # cached: merged once
+    from transformers import AutoTokenizer
+
+    from codecomplete.model.fim import detect_template
+
+    tok = AutoTokenizer.from_pretrained(merged)
+    assert detect_template(tok.get_vocab(), "auto").name == "starcoder"
+    base = AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m")[1])
+    assert detect_template(base.get_vocab(), "auto").name == "prefix-only"
