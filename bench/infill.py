@@ -6,7 +6,9 @@ Sets: single (SingleLineInfilling), multi (MultiLineInfilling), light
 (RandomSpanInfillingLight); ``--limit`` takes a fixed, evenly spaced sample of a set.
 Prompt formats (EFIM §4.1): ``fim`` = PSM with the whole prefix; ``efim`` = the prefix is
 split at a random character into prefix1 + prefix2, a session is opened with prefix1 and
-the measured request is the EFIM continuation ``<P>prefix1<S>suffix<M>prefix2``.  A
+the measured request is the EFIM continuation ``<P>prefix1<S>suffix<M>prefix2``;
+``headK`` = the daemon's first request of a new session with ``engine.head_lines = K``
+(prefix0 ends K lines before the cursor, those lines go after ``<M>``).  A
 prefix-only model (no FIM tokens, like SmolLM2-135M) ignores the suffix: its row is the
 "prefix-only" baseline of issue #3.  Greedy decoding; the program (prompt + completion +
 suffix + test) runs in a subprocess with a timeout.  Writes bench/results/infill.md/.json.
@@ -92,6 +94,9 @@ def run(engine: Engine, tasks: list[dict], mode: str, fmt: str, seed: int) -> di
     for i, t in enumerate(tasks):
         prefix, suffix = t["prompt"], t["suffix"]
         key = None
+        engine.pool.head_lines = int(fmt[4:]) if fmt.startswith("head") else 0
+        if fmt.startswith("head"):  # the daemon's first request of a session: its last K lines after <M>
+            key = f"{t['task_id']}-{i}-{fmt}"
         if fmt == "efim" and len(prefix) > 1:
             key = f"{t['task_id']}-{i}"
             cut = rng.randrange(1, len(prefix))
@@ -129,7 +134,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "infill"))
     args = ap.parse_args()
     engine = Engine(EngineSettings(model=args.model, dtype=args.dtype, inc_bound=100000,
-                                   token_healing=not args.no_healing,
+                                   token_healing=not args.no_healing, head_lines=0,
                                    speculation=SpecSettings(enabled=False))).start()  # plain greedy decoding
     engine.ready.wait()
     st = engine.stats()

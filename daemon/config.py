@@ -65,6 +65,7 @@ class EngineConfig:
     kv_budget_mb: int = field(default=512, metadata=_range(0, 1 << 20))  # 0: no reuse across requests
     efim: bool = True  # EFIM prompts while the prefix grows (FIM models)
     inc_bound: int = field(default=64, metadata=_range(0, 4096))  # EFIM inc tokens before a rebase
+    head_lines: int = field(default=0, metadata=_range(0, 64))  # lines after <M> in a new session's prompt
     max_batch: int = field(default=16, metadata=_range(1, 256))  # requests decoded together
 
 
@@ -96,12 +97,32 @@ class SpeculationConfig:
 
 
 @dataclass
+class EarlyExitConfig:
+    """Early exit (issue #9): confident tokens leave the layer stack early.  Off by
+    default (it changes outputs unless lossless); needs exit heads (the default model
+    ships them; others: python -m codecomplete.model.exit_train)."""
+
+    enabled: bool = False
+    measure: str = field(default="classifier", metadata=_choice("softmax", "cosine", "classifier"))
+    threshold: float = field(default=0.0, metadata=_range(0, None))  # >0: one threshold everywhere; 0: calibrated
+    bound: float = field(default=0.02, metadata=_range(0, 1))  # calibrated for this token disagreement
+    layers: str = ""  # exit points to use, e.g. "16,24"; "": every calibrated exit
+    batch_rule: str = field(default="each", metadata=_choice("each", "all"))
+    decay: float = field(default=0.0, metadata=_range(0, None))  # CALM's schedule; 0: constant thresholds
+    lossless: bool = False  # self-speculation: exact output of the full model
+    draft_layer: int = field(default=0, metadata=_range(0, 512))  # lossless: the drafting exit (0: middle one)
+    draft_tokens: int = field(default=4, metadata=_range(1, 32))
+    path: str = ""  # exit heads folder; "": the ones stored with the model
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     completion: CompletionConfig = field(default_factory=CompletionConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
     index_dir: str = ""  # "" -> the user cache directory keyed by the repository path
     log_level: str = field(default="info", metadata=_choice("debug", "info", "warning", "error"))
 
@@ -229,14 +250,15 @@ def as_dict(cfg: Config) -> dict:
 
 def engine_settings(cfg: Config):
     """The engine's view of the configuration (a torch-free value)."""
-    from codecomplete.model.api import EngineSettings, SpecSettings
+    from codecomplete.model.api import EngineSettings, ExitSettings, SpecSettings
 
     m, c, e, sp = cfg.model, cfg.completion, cfg.engine, cfg.speculation
     return EngineSettings(model=m.name, device=m.device, dtype=m.dtype, template=m.template,
                           threads=m.threads, max_prefix_tokens=c.max_prefix_tokens,
                           max_suffix_tokens=c.max_suffix_tokens, token_healing=c.token_healing,
-                          kv_budget_mb=e.kv_budget_mb, efim=e.efim, inc_bound=e.inc_bound,
+                          kv_budget_mb=e.kv_budget_mb, efim=e.efim, inc_bound=e.inc_bound, head_lines=e.head_lines,
                           max_batch=e.max_batch,
                           speculation=SpecSettings(enabled=sp.enabled, max_nodes=sp.max_nodes, depth=sp.depth,
                                                    top_k=sp.top_k, alpha=sp.alpha, beta=sp.beta, gamma=sp.gamma,
-                                                   tau=sp.tau, p=sp.p))
+                                                   tau=sp.tau, p=sp.p),
+                          early_exit=ExitSettings(**dataclasses.asdict(cfg.early_exit)))

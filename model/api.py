@@ -41,6 +41,7 @@ class Completion:
     spec_steps: int = 0  # verification passes (retrieval speculation)
     accepted_tokens: int = 0  # drafted tokens the model accepted
     forward_passes: int = 0  # decode passes (generated_tokens / forward_passes: tokens per pass)
+    layers_run: int = 0  # transformer layers run for the generated tokens (early exit: fewer than tokens x layers)
 
     @property
     def cancelled(self) -> bool:
@@ -70,6 +71,24 @@ class SpecSettings:
 
 
 @dataclass
+class ExitSettings:
+    """Early exit (issue #9).  Off by default: it trades output quality for speed
+    unless ``lossless``."""
+
+    enabled: bool = False
+    measure: str = "classifier"  # softmax | cosine | classifier
+    threshold: float = 0.0  # >0: one threshold at every exit; 0: the calibrated ones
+    bound: float = 0.02  # which calibrated thresholds: the token disagreement they allow
+    layers: str = ""  # exit points to use ("12,20"); "": every calibrated exit
+    batch_rule: str = "each"  # each: sequences leave alone; all: an iteration exits only when all are confident
+    decay: float = 0.0  # CALM's schedule (strict first, relaxing along the output); 0: constant thresholds
+    lossless: bool = False  # self-speculation: the early layers draft, the full model verifies (exact output)
+    draft_layer: int = 0  # lossless: the exit that drafts (0: the middle exit point)
+    draft_tokens: int = 4  # lossless: drafts per verification
+    path: str = ""  # exit heads (exit_train's output); "": the ones stored with the model
+
+
+@dataclass
 class EngineSettings:
     model: str = "default"
     device: str = "auto"
@@ -82,5 +101,7 @@ class EngineSettings:
     kv_budget_mb: int = 512  # the KV store's budget; 0 disables reuse across requests
     efim: bool = True  # EFIM prompts while the prefix grows (FIM models)
     inc_bound: int = 64  # tokens of EFIM's inc before a rebase to PSM
+    head_lines: int = 0  # >0: a new session's last lines go after <M> (EFIM at once); measured worse, off
     max_batch: int = 16  # requests decoded together per iteration
     speculation: SpecSettings = field(default_factory=SpecSettings)  # retrieval drafts, verified exactly
+    early_exit: ExitSettings = field(default_factory=ExitSettings)  # replaces retrieval speculation when on

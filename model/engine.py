@@ -22,10 +22,12 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
-from .api import Completion, CompletionRequest, EngineSettings
+from .api import Completion, CompletionRequest, EngineSettings, ExitSettings
+from .early_exit import Exits, ExitPolicy, ExitsError, exit_forward, load_exits, self_spec
 from .kvstore import KVStore, Node
 from .loader import LoadedModel, ModelLoadError, load_model
 from .prompts import PromptPlan, SessionPool, Tokens
@@ -81,6 +83,7 @@ class Live:
     spec_steps: int = 0
     accepted: int = 0
     passes: int = 0  # decode forward passes
+    layers: int = 0  # transformer layers run by decode steps
 
 
 # -- the algorithm ---------------------------------------------------------------------
@@ -165,6 +168,95 @@ def step(lm: LoadedModel, lives: list[Live]) -> None:
         lv.fed.append(lv.generated[-1])
         lv.logits = row
         lv.passes += 1
+        lv.layers += lm.model.args.n_layers
+
+
+@dataclass
+class ExitRuntime:
+    """Loaded exits and how to use them (``ExitSettings`` resolved)."""
+
+    exits: Exits
+    policy: ExitPolicy
+    lossless: bool = False
+    draft_layer: int = 0
+    draft_tokens: int = 4
+
+    @classmethod
+    def build(cls, exits: Exits, s: ExitSettings, n_layers: int) -> "ExitRuntime":
+        layers = [int(x) for x in s.layers.split(",") if x.strip()] or list(exits.layers)
+        unknown = [n for n in layers if n not in exits.layers]
+        if unknown:
+            raise ExitsError(f"exit layers {unknown} are not among the trained ones {exits.layers}")
+        if s.measure == "classifier" and not exits.trained:
+            raise ExitsError("the classifier measure needs trained exits (python -m codecomplete.model.exit_train)")
+        if s.threshold > 0:
+            thresholds = {n: s.threshold for n in layers}
+        else:
+            key = f"{s.measure}@{s.bound:g}"
+            if key not in exits.thresholds:
+                have = sorted(k for k in exits.thresholds if k.startswith(s.measure + "@"))
+                raise ExitsError(f"no thresholds calibrated for {key} (have: {', '.join(have) or 'none'}); "
+                                 "recalibrate with python -m codecomplete.model.exit_train --bounds ...")
+            stored = exits.thresholds[key]
+            thresholds = {n: stored[n] for n in layers if n in stored}
+        draft = s.draft_layer or exits.layers[len(exits.layers) // 2]
+        if s.lossless and not 0 < draft < n_layers:
+            raise ExitsError(f"draft_layer {draft} outside 1..{n_layers - 1}")
+        return cls(exits, ExitPolicy(s.measure, thresholds, s.batch_rule, s.decay), s.lossless, draft,
+                   max(1, s.draft_tokens))
+
+
+def exit_step(lm: LoadedModel, lives: list[Live], rt: ExitRuntime) -> None:
+    """``step`` with early exit: confident tokens leave the layer stack early; the KV of
+    the layers they skip is filled from their exit state.  Healing steps run every layer."""
+    rt.policy.max_len = max(lv.budget for lv in lives)
+    logits, ran = exit_forward(lm.model, rt.exits, rt.policy, [lv.generated[-1] for lv in lives],
+                               [lv.cache for lv in lives], [len(lv.generated) for lv in lives],
+                               allow=[not lv.pending for lv in lives])
+    for lv, row, n in zip(lives, logits, ran):
+        lv.fed.append(lv.generated[-1])
+        lv.logits = row
+        lv.passes += 1
+        lv.layers += n
+
+
+def self_spec_step(lm: LoadedModel, lives: list[Live], rt: ExitRuntime, vocab: "_Vocab | None") -> list[Live]:
+    """Lossless early exit: per request, the early layers draft and the full model
+    verifies (LayerSkip's self-speculation); exactly greedy decoding's output."""
+    going = []
+    n_layers = lm.model.args.n_layers
+    for lv in lives:
+        room = lv.budget - len(lv.generated)
+        if lv.pending or room <= 1:
+            step(lm, [lv])
+            going.append(lv)
+            continue
+        root = lv.generated[-1]
+        acc, logits, drafted = self_spec(lm.model, rt.exits, rt.draft_layer, root, lv.cache,
+                                         min(rt.draft_tokens, room - 1), lm.stop_ids)
+        lv.layers += (drafted + 1) * rt.draft_layer + n_layers - rt.draft_layer
+        lv.spec_steps += 1
+        lv.accepted += len(acc)
+        if _take(lm, lv, root, acc, logits, vocab):
+            going.append(lv)
+    return going
+
+
+def _take(lm: LoadedModel, lv: Live, root: int, acc: list[int], logits: torch.Tensor,
+          vocab: "_Vocab | None") -> bool:
+    """Verified tokens through ``advance`` one by one (stop rules, budget), as if decoded
+    one at a time; False when the request finished."""
+    lv.passes += 1
+    lv.fed.append(root)
+    lv.fed.extend(acc)
+    for j, tok in enumerate(acc):
+        lv.logits = logits[j]
+        if not advance(lm, lv, vocab):
+            return False
+        if lv.generated[-1] != tok:  # cannot happen with greedy picks; never emit a wrong token
+            raise RuntimeError(f"speculation desynchronised: {lv.generated[-1]} != {tok}")
+    lv.logits = logits[len(acc)]
+    return True
 
 
 def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Vocab | None") -> list[Live]:
@@ -186,23 +278,13 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
     for lv, root, tree, (acc, logits) in zip(lives, roots, trees,
                                               verify(lm.model, roots, trees, [lv.cache for lv in lives])):
         context = lv.fed[-4:] + [root]
-        lv.passes += 1
-        lv.fed.append(root)
-        lv.fed.extend(acc)
+        lv.layers += lm.model.args.n_layers
         if len(tree):
             lv.spec_steps += 1
             lv.accepted += len(acc)
-        alive = True
-        for j, tok in enumerate(acc):
-            lv.logits = logits[j]
-            if not advance(lm, lv, vocab):
-                alive = False
-                break
-            if lv.generated[-1] != tok:  # cannot happen with greedy picks; never emit a wrong token
-                raise RuntimeError(f"speculation desynchronised: {lv.generated[-1]} != {tok}")
+        alive = _take(lm, lv, root, acc, logits, vocab)
         drafter.learn(context, acc)
         if alive:
-            lv.logits = logits[len(acc)]
             going.append(lv)
     return going
 
@@ -216,7 +298,7 @@ def _finish(live: Live, text: str, reason: str) -> bool:
                              multiline=live.rules.shape.multiline, token_ids=list(live.generated),
                              reused_tokens=live.reused, prompt_kind=live.plan.kind,
                              spec_steps=live.spec_steps, accepted_tokens=live.accepted,
-                             forward_passes=live.passes)
+                             forward_passes=live.passes, layers_run=live.layers)
     return False
 
 
@@ -234,14 +316,20 @@ def release(live: Live, store: KVStore | None) -> None:
 
 def generate(lm: LoadedModel, request: CompletionRequest, settings: EngineSettings,
              vocab: "_Vocab | None" = None, store: KVStore | None = None,
-             pool: SessionPool | None = None, drafter: Drafter | None = None) -> Completion:
+             pool: SessionPool | None = None, drafter: Drafter | None = None,
+             exits: ExitRuntime | None = None) -> Completion:
     """One request alone, start to finish (the unbatched path, used by tests and tools)."""
     plan = plan_prompt(lm, request, settings, vocab, pool)
     if request.cancel.is_set():
         return Completion("", "cancelled", len(plan.ids), prompt_kind=plan.kind)
     live = start(lm, request, plan, store)
     while advance(lm, live, vocab):
-        if drafter is not None:
+        if exits is not None and exits.lossless:
+            if not self_spec_step(lm, [live], exits, vocab):
+                break
+        elif exits is not None:
+            exit_step(lm, [live], exits)
+        elif drafter is not None:
             if not spec_step(lm, [live], drafter, vocab):
                 break
         else:
@@ -250,6 +338,18 @@ def generate(lm: LoadedModel, request: CompletionRequest, settings: EngineSettin
         drafter.learn_output(live.plan.ids, live.generated)
     release(live, store)
     return live.result
+
+
+def default_exits_path(lm: LoadedModel):
+    """Exit heads stored with the model: the shipped default's package data, or an
+    ``exits/`` folder inside the model's own directory."""
+    from .adapter import SHIPPED
+
+    if lm.name.startswith("SmolLM2-135M + EFIM") or "EFIM fine-tune" in lm.name:
+        folder = SHIPPED / "exits"
+    else:
+        folder = Path(lm.path) / "exits" if lm.path else None
+    return folder if folder is not None and (folder / "exits.json").is_file() else None
 
 
 # -- the engine thread -----------------------------------------------------------------
@@ -263,18 +363,21 @@ class Engine:
         self.load_error: str | None = None
         self.ready = threading.Event()
         self.store: KVStore | None = None
-        self.pool = SessionPool(inc_bound=settings.inc_bound)
+        self.pool = SessionPool(inc_bound=settings.inc_bound, head_lines=settings.head_lines)
         self._vocab: _Vocab | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stats_lock = threading.Lock()
         self.on_load: list = []  # callables given the LoadedModel after each successful load
         self.drafter: Drafter | None = None
+        self._exit_rt: tuple[ExitSettings, ExitRuntime | None] | None = None
+        self._loaded_exits: tuple[str, Exits] | None = None
+        self.exit_error: str | None = None
         self._retriever = None  # RepoIndex.lookup, given by the daemon (set_retriever)
         self._stats = {"completions": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
                        "reused_tokens": 0, "generated_tokens": 0, "prefill_ms": 0.0, "decode_ms": 0.0,
                        "iterations": 0, "batched_tokens": 0, "max_batch_seen": 0,
-                       "spec_steps": 0, "accepted_tokens": 0}
+                       "spec_steps": 0, "accepted_tokens": 0, "layers_run": 0}
 
     # -- public API (any thread) -------------------------------------------------------
     def start(self) -> "Engine":
@@ -299,6 +402,7 @@ class Engine:
         else:
             self.settings = settings
             self.pool.inc_bound = settings.inc_bound
+            self.pool.head_lines = settings.head_lines
             if self.store is not None:
                 self.store.budget = settings.kv_budget_mb * 2**20
 
@@ -335,6 +439,9 @@ class Engine:
         s["mean_acceptance_length"] = (round(1 + s["accepted_tokens"] / s["spec_steps"], 3)
                                        if s["spec_steps"] else None)
         s["speculation"] = self.settings.speculation.enabled
+        s["early_exit"] = {"enabled": self.settings.early_exit.enabled, "error": self.exit_error,
+                           "mean_layers": (round(s["layers_run"] / s["generated_tokens"], 2)
+                                           if s["generated_tokens"] else None)}
         if self.drafter is not None:
             s["drafter"] = dict(self.drafter.stats, cache_sequences=self.drafter.cache.sequences)
         s["kv_store"] = self.store.snapshot() if self.store else None
@@ -409,8 +516,13 @@ class Engine:
                 going = [lv for lv in live if advance(self.lm, lv, vocab)]
                 batch = len(going)
                 if going:
-                    drafter = self._drafter()
-                    if drafter is not None:
+                    rt = self._exits()
+                    drafter = self._drafter() if rt is None else None
+                    if rt is not None and rt.lossless:
+                        going = self_spec_step(self.lm, going, rt, vocab)
+                    elif rt is not None:
+                        exit_step(self.lm, going, rt)
+                    elif drafter is not None:
                         going = spec_step(self.lm, going, drafter, vocab)
                     else:
                         step(self.lm, going)
@@ -439,7 +551,7 @@ class Engine:
                     prompt_tokens=r.prompt_tokens, reused_tokens=r.reused_tokens,
                     generated_tokens=r.generated_tokens, prefill_ms=r.timings.get("prefill_ms", 0.0),
                     decode_ms=r.timings.get("decode_ms", 0.0), spec_steps=r.spec_steps,
-                    accepted_tokens=r.accepted_tokens)
+                    accepted_tokens=r.accepted_tokens, layers_run=r.layers_run)
         log.info("[%s] %s prompt %d (%d reused) + %d generated, prefill %.0f ms, decode %.0f ms, stop %s",
                  lv.request.request_id, r.prompt_kind, r.prompt_tokens, r.reused_tokens, r.generated_tokens,
                  r.timings.get("prefill_ms", 0), r.timings.get("decode_ms", 0), r.stop_reason)
@@ -449,7 +561,7 @@ class Engine:
     def _load(self, settings: EngineSettings) -> None:
         self.ready.clear()
         self.settings = settings
-        self.pool = SessionPool(inc_bound=settings.inc_bound)
+        self.pool = SessionPool(inc_bound=settings.inc_bound, head_lines=settings.head_lines)
         if settings.threads > 0:
             torch.set_num_threads(settings.threads)
         try:
@@ -457,9 +569,11 @@ class Engine:
             self.load_error = None
             self._vocab = None
             self.drafter = None  # its cache holds the old tokenizer's ids
+            self._exit_rt, self._loaded_exits = None, None
             # self.settings, not the argument: configure() may have run while loading
             self.store = KVStore(self.settings.kv_budget_mb * 2**20)
             self.pool.inc_bound = self.settings.inc_bound
+            self.pool.head_lines = self.settings.head_lines
             for callback in list(self.on_load):
                 try:
                     callback(self.lm)
@@ -486,6 +600,30 @@ class Engine:
             if old is not None:  # new settings keep what was learnt
                 self.drafter.cache = old.cache
         return self.drafter
+
+    def _exits(self) -> ExitRuntime | None:
+        """The early-exit runtime for the current settings; None when off or unusable
+        (the reason is in ``exit_error`` and the stats; completions go on without)."""
+        s = self.settings.early_exit
+        if not s.enabled or self.lm is None:
+            return None
+        if self._exit_rt is not None and self._exit_rt[0] == s:
+            return self._exit_rt[1]
+        rt = None
+        try:
+            path = s.path or default_exits_path(self.lm)
+            if path is None:
+                raise ExitsError(f"no exit heads for model {self.lm.name}: train them with "
+                                 "python -m codecomplete.model.exit_train and set early_exit.path")
+            if self._loaded_exits is None or self._loaded_exits[0] != str(path):
+                self._loaded_exits = (str(path), load_exits(path, self.lm.model))
+            rt = ExitRuntime.build(self._loaded_exits[1], s, self.lm.model.args.n_layers)
+            self.exit_error = None
+        except ExitsError as exc:
+            self.exit_error = str(exc)
+            log.error("early exit off: %s", exc)
+        self._exit_rt = (s, rt)
+        return rt
 
     def _healing_vocab(self) -> "_Vocab | None":
         if not self.settings.token_healing or self.lm is None:

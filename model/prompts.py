@@ -64,6 +64,21 @@ def suffix_window(suffix: str, max_tokens: int) -> str:
     return suffix[: cut + 1] if cut > 0 else suffix[:budget]
 
 
+def head_cut(prefix: str, start: int, lines: int) -> int:
+    """Where a new session's prefix0 ends: at the start of the line ``lines`` lines
+    before the cursor's (0: the cursor; the cursor's own partial line always goes after
+    ``<M>`` then), never before the window's start."""
+    if lines <= 0:
+        return len(prefix)
+    cut = len(prefix)
+    for _ in range(lines):
+        nl = prefix.rfind("\n", start, cut - 1) if cut > start else -1
+        if nl < start:
+            return len(prefix)  # the window holds no earlier line: a plain PSM head
+        cut = nl + 1
+    return cut
+
+
 class Tokens:
     """Tokenizing by segments, and token healing of the last one."""
 
@@ -96,10 +111,11 @@ class Tokens:
 class SessionPool:
     """EFIM sessions per key (client and document), least recently used dropped."""
 
-    def __init__(self, max_sessions: int = 256, inc_bound: int = 64):
+    def __init__(self, max_sessions: int = 256, inc_bound: int = 64, head_lines: int = 0):
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self.max_sessions = max_sessions
         self.inc_bound = inc_bound
+        self.head_lines = head_lines  # a new session's prefix0 ends this many lines back
         self._lock = threading.Lock()
         self.counts = {"psm": 0, "efim": 0, "prefix": 0, "rebase": 0}
 
@@ -131,19 +147,25 @@ class SessionPool:
         elif session is not None and prefix == session.prefix0 and suffix.endswith(session.suffix):
             reason = "suffix grew"
         start = window_start(prefix, max_prefix_tokens)
-        prefix_ids, healed = toks.heal(toks.prefix_ids(prefix[start:]))
+        cut = head_cut(prefix, start, self.head_lines) if key and efim else len(prefix)
+        head_prefix = prefix[:cut]
+        prefix_ids, healed = toks.heal(toks.prefix_ids(head_prefix[start:]))
         ids = (bos + [toks.special(template.prefix)] + toks.encode(template.prefix_pad) + context_ids + prefix_ids
                + [toks.special(template.suffix)]
                + toks.encode(suffix_window(suffix, max_suffix_tokens))[:max_suffix_tokens]
                + [toks.special(template.middle)] + toks.encode(template.middle_pad))
         if key and efim:
             with self._lock:
-                self.sessions[key] = Session(prefix, suffix, ids, healed)
+                self.sessions[key] = Session(head_prefix, suffix, ids, healed)
                 self.sessions.move_to_end(key)
                 while len(self.sessions) > self.max_sessions:
                     self.sessions.popitem(last=False)
             if reason != "new session":
                 self._count("rebase")
+            if cut < len(prefix):  # the last lines go after <M>: EFIM from the first request
+                inc_ids, healed = toks.heal(toks.encode(healed + prefix[cut:]))
+                self._count("efim")
+                return PromptPlan(ids + inc_ids, healed, "efim", reason)
         self._count("psm")
         return PromptPlan(ids, healed, "psm", reason)
 

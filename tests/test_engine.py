@@ -85,12 +85,12 @@ def run_plan(lm, request, plan, vocab, store):
     return live.result
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_reuse_never_changes_the_output(lm, seed):
+@pytest.mark.parametrize("seed,head_lines", [(0, 0), (1, 0), (2, 1), (3, 2)])
+def test_reuse_never_changes_the_output(lm, seed, head_lines):
     """Guards KV reuse and EFIM sessions: the same plan with a store = without one."""
     vocab = _Vocab(lm.tokenizer)
     settings = EngineSettings(token_healing=True)
-    store, pool = KVStore(64 * 2**20), SessionPool(inc_bound=16)
+    store, pool = KVStore(64 * 2**20), SessionPool(inc_bound=16, head_lines=head_lines)
     reused, kinds = 0, set()
     with torch.inference_mode():
         for prefix, suffix in edits(seed):
@@ -102,7 +102,7 @@ def test_reuse_never_changes_the_output(lm, seed):
             assert fast.token_ids == slow.token_ids and fast.text == slow.text
             reused += fast.reused_tokens
             kinds.add(plan.kind)
-    assert reused > 0 and kinds == {"psm", "efim"}
+    assert reused > 0 and kinds == ({"psm", "efim"} if head_lines == 0 else {"efim"}) | (kinds & {"psm"})
 
 
 def test_efim_prompt_is_built_token_for_token(lm):
@@ -121,6 +121,29 @@ def test_efim_prompt_is_built_token_for_token(lm):
     assert moved.kind == "psm" and moved.reason == "rebase"
     other = pool.plan( "other-doc", prefix0, suffix, t, toks, 1024, 256)
     assert other.kind == "psm" and other.reason == "new session"
+
+
+def test_head_lines_put_the_last_lines_after_middle_from_the_first_request(lm):
+    """Guards head_lines: a new session's prefix0 ends K lines before the cursor, the
+    rest is EFIM's inc at once; typing on extends the same head."""
+    toks, t = Tokens(lm.tokenizer), lm.template.template
+    suffix = "\n\nprint(area(2))\n"
+    prefix = "import math\n\ndef area(r):\n    return math.pi * r"
+    for lines, cut in [(1, prefix.index("    return")), (2, prefix.index("def area")),
+                       (9, 0)]:
+        pool = SessionPool(inc_bound=64, head_lines=lines)
+        first = pool.plan("doc", prefix, suffix, t, toks, 1024, 256)
+        if cut == 0:  # no line that far back: a plain PSM head
+            assert first.kind == "psm" and first.ids == SessionPool().plan(None, prefix, suffix, t, toks, 1024, 256).ids
+            continue
+        head = SessionPool().plan(None, prefix[:cut], suffix, t, toks, 1024, 256).ids
+        assert first.kind == "efim" and first.ids[:len(head)] == head
+        assert first.ids[len(head):] == toks.encode(prefix[cut:])
+        grown = pool.plan("doc", prefix + " * r", suffix, t, toks, 1024, 256)
+        assert grown.kind == "efim" and grown.ids == head + toks.encode(prefix[cut:] + " * r")
+    at_line_start = SessionPool(inc_bound=64, head_lines=1).plan("d", prefix + "\n", suffix, t, toks, 1024, 256)
+    assert at_line_start.kind == "efim" and at_line_start.ids[-len(toks.encode(prefix[cut:])):] != []
+    assert SessionPool(head_lines=1).plan(None, prefix, suffix, t, toks, 1024, 256).kind == "psm"  # no session
 
 
 def test_context_opens_the_prefix_and_stays_through_efim(lm):

@@ -1,0 +1,214 @@
+"""Early exit against the full model: decode speed, exit rates, output quality.
+
+    python bench/early_exit.py [--model default] [--exits DIR] [--tasks 40] [--tokens 48]
+        [--configs full,softmax@0.02,classifier@0.05,lossless@24] [--out bench/results/early_exit]
+
+Configs: ``full``; ``MEASURE@BOUND`` (softmax, cosine or classifier confidence with the
+thresholds calibrated for that token-disagreement bound); ``lossless@LAYER``
+(self-speculation drafting from that exit).
+
+Speed: greedy decoding of ``--tokens`` tokens (EOS ignored) from HumanEval-Infilling
+prompts, at batch 1 (8 prompts one after another) and batch 16 (one batch), through the
+engine's own decode functions (``step``, ``exit_step``, ``self_spec_step``); decode
+tokens/s, per-token latency, mean layers run per token and the exit rate per layer.
+Quality: HumanEval single-line infilling through the engine (EFIM prompts for FIM
+models, as bench/infill.py), pass@1, EM and ES against the truth, and how often the
+output is identical to the full model's (with ES between the two).  The exits are the
+calibrated ones stored with the model (``--exits`` overrides); ``batch_rule`` "each" and
+"all" are both measured at batch 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import infill  # noqa: E402
+from common import RESULTS, header  # noqa: E402
+
+import torch  # noqa: E402
+
+from codecomplete.daemon.replay import edit_similarity  # noqa: E402
+from codecomplete.model.api import CompletionRequest, EngineSettings, ExitSettings, SpecSettings  # noqa: E402
+from codecomplete.model.early_exit import ExitsError, load_exits  # noqa: E402
+from codecomplete.model.engine import (Engine, ExitRuntime, advance, default_exits_path, exit_step,  # noqa: E402
+                                       plan_prompt, self_spec_step, start, step)
+from codecomplete.model.loader import load_model  # noqa: E402
+
+def settings_for(name: str, path: str) -> ExitSettings | None:
+    """``full``; ``MEASURE@BOUND`` (lossy early exit with thresholds calibrated for that
+    token disagreement); ``lossless@LAYER`` (self-speculation drafting at that exit)."""
+    if name == "full":
+        return None
+    kind, _, arg = name.partition("@")
+    if kind == "lossless":
+        return ExitSettings(enabled=True, lossless=True, draft_layer=int(arg or 0), path=path)
+    return ExitSettings(enabled=True, measure=kind, bound=float(arg or 0.02), path=path)
+
+
+def decode(lm, rt: ExitRuntime | None, prompts: list[tuple[str, str]], tokens: int, batch: int) -> dict:
+    """Time decoding only (prefill excluded); layers per token and exit layers."""
+    settings = EngineSettings(token_healing=False)
+    done, secs, layers, passes = 0, 0.0, 0, 0
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    ran_hist: dict[int, int] = {}
+    with torch.inference_mode():
+        for group in groups:
+            lives = []
+            for prefix, suffix in group:
+                req = CompletionRequest(prefix, suffix, mode="multi", max_tokens=tokens, max_lines=1000,
+                                        ignore_eos=True, time_budget_ms=10**9)
+                lives.append(start(lm, req, plan_prompt(lm, req, settings, None, None), None))
+            t0 = time.perf_counter()
+            going = [lv for lv in lives if advance(lm, lv, None)]
+            while going:
+                if rt is not None and rt.lossless:
+                    going = self_spec_step(lm, going, rt, None)
+                elif rt is not None:
+                    before = [lv.layers for lv in going]
+                    exit_step(lm, going, rt)
+                    for lv, b in zip(going, before):
+                        ran_hist[lv.layers - b] = ran_hist.get(lv.layers - b, 0) + 1
+                else:
+                    step(lm, going)
+                going = [lv for lv in going if advance(lm, lv, None)]
+            secs += time.perf_counter() - t0
+            done += sum(len(lv.generated) for lv in lives)
+            layers += sum(lv.layers for lv in lives)
+            passes += sum(lv.passes for lv in lives)
+    steps = sum(ran_hist.values())
+    decoded = done - len(prompts)  # each request's first token comes from the prefill
+    return {"tokens": decoded, "seconds": round(secs, 3), "tokens_per_s": round(decoded / secs, 2),
+            "ms_per_token": round(1000 * secs / decoded * min(batch, len(prompts)), 2),
+            "mean_layers": round(layers / max(1, passes), 2), "tokens_per_pass": round(decoded / max(1, passes), 3),
+            "exit_rate": {str(k): round(v / steps, 3) for k, v in sorted(ran_hist.items())} if steps else {}}
+
+
+def quality(model: str, dtype: str, es: ExitSettings | None, tasks: list[dict], fmt: str, seed: int) -> tuple[dict, list[str]]:
+    settings = EngineSettings(model=model, dtype=dtype, inc_bound=100000, head_lines=0,
+                              speculation=SpecSettings(enabled=False),
+                              early_exit=es or ExitSettings())
+    engine = Engine(settings).start()
+    engine.ready.wait()
+    outs: list[str] = []
+    orig = engine.complete
+
+    def complete(req):
+        c = orig(req)
+        if req.request_id != "open":
+            outs.append(c.text)
+        return c
+
+    engine.complete = complete
+    try:
+        res = infill.run(engine, tasks, "single", fmt, seed)
+        st = engine.stats()
+        if st["early_exit"]["error"]:
+            raise SystemExit(st["early_exit"]["error"])
+        res["mean_layers"] = st["early_exit"]["mean_layers"]
+    finally:
+        engine.close()
+    return res, outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--exits", default="", help="exit heads folder (default: stored with the model)")
+    ap.add_argument("--configs", default="full,softmax@0.02,cosine@0.02,classifier@0.02,classifier@0.05,"
+                    "classifier@0.1,lossless@24")
+    ap.add_argument("--tasks", type=int, default=40)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(RESULTS / "early_exit"))
+    args = ap.parse_args()
+    lm = load_model(args.model, dtype=args.dtype)
+    path = args.exits or default_exits_path(lm)
+    if path is None:
+        raise SystemExit("no exit heads: pass --exits (python -m codecomplete.model.exit_train)")
+    exits = load_exits(path, lm.model)
+    fmt = "efim" if lm.template.template is not None else "fim"
+    tasks = infill.load("single", args.tasks)
+    rng = random.Random(args.seed)
+    prompts = []
+    for t in infill.load("multi", 16):
+        prompts.append((t["prompt"][-2000:], t["suffix"][:600]))
+    rng.shuffle(prompts)
+    configs = args.configs.split(",")
+    speed, qual = {}, {}
+    full_outs: list[str] = []
+    for name in configs:
+        es = settings_for(name, str(path))
+        try:
+            rt = None if es is None else ExitRuntime.build(exits, es, lm.model.args.n_layers)
+        except ExitsError as exc:
+            print(f"{name}: {exc}; skipped", file=sys.stderr)
+            continue
+        if rt is not None and not rt.lossless and not rt.policy.thresholds:
+            print(f"{name}: no calibrated threshold at any exit; skipped", file=sys.stderr)
+            continue
+        speed[f"{name}/b1"] = decode(lm, rt, prompts[:8], args.tokens, 1)
+        speed[f"{name}/b16"] = decode(lm, rt, prompts, args.tokens, 16)
+        if rt is not None and not rt.lossless:
+            rt_all = ExitRuntime.build(exits, ExitSettings(**{**es.__dict__, "batch_rule": "all"}),
+                                       lm.model.args.n_layers)
+            speed[f"{name}/b16-all"] = decode(lm, rt_all, prompts, args.tokens, 16)
+        print(name, json.dumps({k: v for k, v in speed.items() if k.startswith(name)}), file=sys.stderr)
+        res, outs = quality(args.model, args.dtype, es, tasks, fmt, args.seed)
+        if name == "full":
+            full_outs = outs
+        elif full_outs:
+            res["identical_to_full"] = round(100 * sum(a == b for a, b in zip(outs, full_outs)) / len(outs), 1)
+            res["es_to_full"] = round(sum(100 * edit_similarity(a, b) for a, b in zip(outs, full_outs)) / len(outs), 1)
+        qual[name] = res
+        print(name, json.dumps(res), file=sys.stderr)
+    meta = json.loads((Path(path) / "exits.json").read_text())
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps({"model": lm.name, "exits": str(path), "speed": speed,
+                                                    "quality": qual, "exits_meta": meta}, indent=1))
+    base = speed.get("full/b1", {}).get("tokens_per_s")
+    base16 = speed.get("full/b16", {}).get("tokens_per_s")
+    lines = [header("Early exit"),
+             f"Model: {lm.name} ({str(lm.dtype).removeprefix('torch.')}), {lm.model.args.n_layers} layers; "
+             f"exits at layers {exits.layers} ({'trained adapters + classifiers' if exits.trained else 'untrained: logit lens'}), "
+             f"vocabulary subset {len(exits.subset)}; thresholds calibrated for token disagreement bounds "
+             f"{meta.get('bounds', '?')} on {meta.get('positions_val', '?')} validation positions "
+             f"(`{meta.get('command', '')}`).",
+             "", "## Decode speed (EOS ignored, prefill excluded)", "",
+             "| config | batch | tokens/s | ms/token (per sequence) | speed-up | layers/pass | tokens/pass | layers run (share of steps) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, r in speed.items():
+        name, b = key.rsplit("/", 1)
+        ref = base if b == "b1" else base16
+        lines.append(f"| {name} | {b[1:]} | {r['tokens_per_s']} | {r['ms_per_token']} | "
+                     f"{round(r['tokens_per_s'] / ref, 2) if ref else '-'}x | {r['mean_layers']} | {r['tokens_per_pass']} | "
+                     f"{r['exit_rate'] or '-'} |")
+    lines += ["", f"## Quality: HumanEval single-line infilling ({len(tasks)} tasks, {fmt} prompts, greedy)", "",
+              "| config | pass@1 | EM | ES | identical to full | ES to full | mean layers/token |", "|---|---|---|---|---|---|---|"]
+    for name, r in qual.items():
+        lines.append(f"| {name} | {r['pass@1']} | {r['em']} | {r['es']} | {r.get('identical_to_full', '-')} | "
+                     f"{r.get('es_to_full', '-')} | {r.get('mean_layers')} |")
+    bounds = meta.get("bounds", [])
+    lines += ["", "Calibration on validation positions: per exit, how often its top token is the full "
+              "model's, and per bound the threshold and the share of tokens that would exit there "
+              "(exits taking less than min_rate are not used):", "",
+              "| measure/exit | agree | " + " | ".join(f"threshold, exit rate @{b:g}" for b in bounds) + " |",
+              "|---|---|" + "---|" * len(bounds)]
+    for k, v in meta.get("calibration", {}).items():
+        cells = []
+        for b in bounds:
+            c = v.get(f"@{b:g}", {})
+            cells.append(f"{c.get('threshold')}, {c.get('exit_rate')}{'' if c.get('used') else ' (unused)'}")
+        lines.append(f"| {k} | {v['agree']} | " + " | ".join(cells) + " |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

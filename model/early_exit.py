@@ -1,0 +1,297 @@
+"""Early exit: tokens leave the layer stack when an exit point is confident.
+
+An ``Exits`` object holds, for a model, the exit points (after how many layers a token
+may leave), a small trained adapter per exit (``h + A h`` before the shared final norm
+and head; zero = the plain "logit lens"), a small classifier per exit that predicts
+whether the exit's top token equals the full model's, a vocabulary subset for cheap
+heads, and calibrated thresholds per confidence measure.  Stored as ``exits.json`` +
+``exits.safetensors`` (``python -m codecomplete.model.exits``).
+
+Decoding (``exit_forward``): layer by layer; at each exit point the chosen measure gives
+every sequence a confidence:
+
+* ``softmax``: top-1 minus top-2 probability of the exit head (on the vocabulary subset
+  when there is one: the full head costs about eight of SmolLM2's layers);
+* ``cosine``: cosine similarity of the hidden states before and after the last layer;
+* ``classifier``: the trained classifier's probability (cheapest).
+
+A sequence exits when its confidence reaches the layer's threshold (optionally CALM's
+schedule, which starts strict and relaxes along the output).  Its token comes from the
+exit head (over the subset, which the adapters are trained on); the KV of the layers it skipped is filled from the exit hidden state (CALM's
+state propagation: each skipped layer's K and V projections of that state), so every
+layer's cache keeps the same length and positions.  ``batch_rule="all"`` exits an
+iteration only when every sequence is confident (CALM's rule); ``"each"`` lets each
+sequence leave on its own and continues with the rest.
+
+Lossless mode (``self_spec``): the early layers draft a few tokens through the exit head
+(LayerSkip's self-speculation), the remaining layers verify them in one pass starting
+from the drafts' exit hidden states; the early layers' KV is shared.  The output equals
+greedy decoding of the full model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .transformer import SeqKV, Transformer, apply_rope, causal_mask
+
+FORMAT = "codecomplete-exits/1"
+MEASURES = ("softmax", "cosine", "classifier")
+
+
+class Exits(nn.Module):
+    """Exit points of one model: adapters, classifiers, vocabulary subset, thresholds."""
+
+    def __init__(self, dim: int, layers: list[int], subset: torch.Tensor | None = None, hidden: int = 64):
+        super().__init__()
+        self.layers = sorted(layers)
+        self.adapters = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in self.layers)
+        for a in self.adapters:
+            nn.init.zeros_(a.weight)
+        self.classifiers = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, 1)) for _ in self.layers)
+        self.register_buffer("subset", subset if subset is not None else torch.zeros(0, dtype=torch.long))
+        self.thresholds: dict[str, dict[int, float]] = {}  # "measure@bound" -> exit layer -> threshold
+        self.trained = False  # adapters and classifiers learned (not the zero "logit lens")
+        self._subset_w: torch.Tensor | None = None  # the head's rows of the subset
+        self.meta: dict = {}
+
+    def index(self, layer: int) -> int:
+        return self.layers.index(layer)
+
+    def state(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """The exit hidden state: h + A h (A = 0 before training)."""
+        return h + self.adapters[self.index(layer)](h) if self.trained else h
+
+    def logits(self, model: Transformer, layer: int, h: torch.Tensor, subset: bool = False) -> torch.Tensor:
+        """Exit logits [.., V] (or [.., |subset|] over the subset) of hidden states h [.., D]."""
+        x = model.norm(self.state(layer, h) if layer < model.args.n_layers else h)
+        if subset and len(self.subset):
+            w = self._subset_w
+            if w is None or w.dtype != x.dtype or w.device != x.device:  # gathered once, not per token
+                w = self._subset_w = model.head.weight.detach()[self.subset].to(x.dtype)
+            return F.linear(x, w)
+        return model.head(x)
+
+    def tokens(self, logits: torch.Tensor, subset: bool) -> torch.Tensor:
+        top = logits.argmax(-1)
+        return self.subset[top] if subset and len(self.subset) else top
+
+    def confidence(self, model: Transformer, measure: str, layer: int, h: torch.Tensor, before: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Confidence [B] of hidden states h [B, D] at an exit (``before``: the state
+        entering the last layer), and the exit logits when the measure computed them."""
+        if measure == "softmax":
+            logits = self.logits(model, layer, h, subset=True).float()
+            top2 = torch.softmax(logits, -1).topk(2, dim=-1).values
+            return top2[:, 0] - top2[:, 1], logits
+        if measure == "cosine":
+            return F.cosine_similarity(h.float(), before.float(), dim=-1), None
+        if measure == "classifier":
+            x = model.norm(self.state(layer, h))
+            return torch.sigmoid(self.classifiers[self.index(layer)](x.to(self.adapters[0].weight.dtype)).float()[:, 0]), None
+        raise ValueError(f"unknown confidence measure {measure!r} (one of {', '.join(MEASURES)})")
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "layers": self.layers, "trained": self.trained,
+                "thresholds": {m: {str(k): v for k, v in t.items()} for m, t in self.thresholds.items()},
+                "subset_size": int(len(self.subset)), **self.meta}
+
+    def save(self, folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+                   for k, v in self.state_dict().items()}
+        save_file(tensors, str(folder / "exits.safetensors"))
+        (folder / "exits.json").write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+class ExitsError(RuntimeError):
+    """Exit heads that cannot be loaded."""
+
+
+def load_exits(folder: str | Path, model: Transformer) -> Exits:
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    try:
+        meta = json.loads((folder / "exits.json").read_text())
+        if meta.get("format") != FORMAT:
+            raise ExitsError(f"{folder}: not a {FORMAT} file")
+        tensors = load_file(str(folder / "exits.safetensors"))
+    except (OSError, ValueError) as exc:
+        raise ExitsError(f"cannot read exit heads in {folder}: {exc}") from exc
+    bad = [n for n in meta["layers"] if not 0 < n < model.args.n_layers]
+    if bad:
+        raise ExitsError(f"{folder}: exit layers {bad} outside 1..{model.args.n_layers - 1}")
+    ex = Exits(model.args.dim, meta["layers"], tensors.get("subset"))
+    try:
+        ex.load_state_dict(tensors)
+    except RuntimeError as exc:
+        raise ExitsError(f"{folder}: exit heads do not fit this model: {exc}") from exc
+    ex.trained = bool(meta.get("trained"))
+    ex.thresholds = {m: {int(k): float(v) for k, v in t.items()} for m, t in meta.get("thresholds", {}).items()}
+    ex.meta = {k: v for k, v in meta.items() if k not in ("format", "layers", "trained", "thresholds", "subset_size")}
+    return ex.to(device=model.device, dtype=model.dtype).eval()
+
+
+def untrained_exits(model: Transformer, layers: list[int]) -> Exits:
+    """The plain logit lens at the given layers (no adapters, no classifier)."""
+    return Exits(model.args.dim, layers).to(device=model.device, dtype=model.dtype).eval()
+
+
+@dataclass
+class ExitPolicy:
+    """How the engine uses exits (``api.ExitSettings`` resolved against the exits)."""
+
+    measure: str = "softmax"
+    thresholds: dict[int, float] = field(default_factory=dict)  # exit layer -> threshold
+    batch_rule: str = "each"  # each | all
+    decay: float = 0.0  # CALM: threshold_t = 0.9 t0 + 0.1 exp(-decay t / max_len); 0: constant
+    max_len: int = 64
+
+    def threshold(self, layer: int, t: int) -> float:
+        base = self.thresholds[layer]
+        if self.decay <= 0:
+            return base
+        return min(1.0, 0.9 * base + 0.1 * math.exp(-self.decay * t / max(1, self.max_len)))
+
+
+def fill_kv(model: Transformer, h: torch.Tensor, cache: SeqKV, first: int, pos: int,
+            cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Write the KV of layers ``first``.. at position ``pos`` from the exit state h [D]:
+    each skipped layer's K and V projections of its own input norm of h."""
+    a = model.args
+    qd, kd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    for j in range(first, a.n_layers):
+        layer = model.layers[j]
+        x = layer.attn_norm(h.view(1, -1))
+        w = layer.attn.wqkv.weight[qd:]
+        b = layer.attn.wqkv.bias[qd:] if layer.attn.wqkv.bias is not None else None
+        k, v = F.linear(x, w, b).split([kd, kd], -1)
+        k = apply_rope(k.view(1, 1, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)
+        cache.k[j, :, pos] = k[0, :, 0]
+        cache.v[j, :, pos] = v.view(a.n_kv_heads, a.head_dim)
+
+
+@torch.no_grad()
+def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: list[int],
+                 caches: list[SeqKV], steps: list[int], allow: list[bool] | None = None
+                 ) -> tuple[torch.Tensor, list[int]]:
+    """One decode step with early exit: token b appended to caches[b]; ``steps[b]`` is
+    its index in the output (CALM's schedule), ``allow[b]`` False keeps it to the end.
+
+    Returns next-token logits [B, V] (exit or full head; over the full vocabulary, with
+    the subset's logits scattered in and -inf elsewhere when a subset head decided) and
+    the number of layers each token ran."""
+    n_layers = model.args.n_layers
+    dev = model.device
+    bsz = len(tokens)
+    for c in caches:
+        c.reserve(1)
+    positions = torch.tensor([[c.length] for c in caches], device=dev)
+    cos_all, sin_all = model.rope(positions)
+    x = model.embed(torch.tensor([[t] for t in tokens], device=dev))
+    active = list(range(bsz))
+    cos, sin = cos_all, sin_all
+    out: list[torch.Tensor | None] = [None] * bsz
+    ran = [n_layers] * bsz
+    exit_at = {n for n in exits.layers if n in policy.thresholds and 0 < n < n_layers}
+    for i, layer in enumerate(model.layers):
+        before = x
+        x = layer(x, cos, sin, i, [caches[b] for b in active], [None] * len(active))
+        n = i + 1
+        if n not in exit_at:
+            continue
+        h = x[:, -1]
+        conf, logits = exits.confidence(model, policy.measure, n, h, before[:, -1])
+        ok = [bool(conf[r] >= policy.threshold(n, steps[b])) and (allow is None or allow[b])
+              for r, b in enumerate(active)]
+        if policy.batch_rule == "all":
+            ok = [all(ok)] * len(ok)
+        if not any(ok):
+            continue
+        rows = [r for r, o in enumerate(ok) if o]
+        picked = logits[rows] if logits is not None else exits.logits(model, n, h[rows], subset=True).float()
+        if len(exits.subset) == 0:
+            full = picked
+        else:  # the exit head scores the subset: its logits, in the full vocabulary
+            full = torch.full((len(rows), model.args.vocab_size), float("-inf"), device=dev)
+            full[:, exits.subset] = picked
+        state = exits.state(n, h[rows])
+        for j, r in enumerate(rows):
+            b = active[r]
+            out[b] = full[j]
+            ran[b] = n
+            fill_kv(model, state[j], caches[b], n, caches[b].length, cos_all[b:b + 1], sin_all[b:b + 1])
+        keep = [r for r, o in enumerate(ok) if not o]
+        if not keep:
+            active = []
+            break
+        x = x[keep]
+        cos, sin = cos[keep], sin[keep]
+        active = [active[r] for r in keep]
+    if active:
+        logits = model.head(model.norm(x[:, -1])).float()
+        for r, b in enumerate(active):
+            out[b] = logits[r]
+    for c in caches:
+        c.length += 1
+    return torch.stack(out), ran
+
+
+@torch.no_grad()
+def self_spec(model: Transformer, exits: Exits, layer: int, root: int, cache: SeqKV, draft: int,
+              stop_ids: frozenset[int] = frozenset(), min_conf: float = 0.0) -> tuple[list[int], torch.Tensor, int]:
+    """Lossless early exit: draft up to ``draft`` tokens with the first ``layer`` layers
+    and the exit head (subset), verify them with the remaining layers in one pass.
+
+    Returns (accepted drafts, logits [1 + accepted, V] of the full model at the root and
+    each accepted token, drafted count); the cache then holds root + accepted tokens in
+    every layer."""
+    a = model.args
+    dev = model.device
+    base = cache.length
+    cache.reserve(draft + 1)
+    seq = [root]
+    states = []
+    while True:  # the early layers over the newest token; the exit head drafts the next
+        j = len(seq) - 1
+        pos = torch.tensor([[base + j]], device=dev)
+        cos, sin = model.rope(pos)
+        x = model.embed(torch.tensor([[seq[-1]]], device=dev))
+        cache.length = base + j
+        for i in range(layer):
+            x = model.layers[i](x, cos, sin, i, [cache], [None])
+        states.append(x)
+        if j >= draft or (j and seq[-1] in stop_ids):
+            break
+        logits = exits.logits(model, layer, x[:, -1], subset=True).float()
+        if min_conf > 0 and float(torch.softmax(logits, -1).max()) < min_conf:
+            break
+        seq.append(int(exits.tokens(logits, subset=True)[0]))
+    drafts = seq[1:]
+    # verification: the upper layers over root + drafts, from the early layers' states
+    s = len(seq)
+    x = torch.cat(states, 1)  # [1, s, D]
+    pos = torch.arange(base, base + s, device=dev).unsqueeze(0)
+    cos, sin = model.rope(pos)
+    cache.length = base
+    mask = [causal_mask(base, s, dev).view(1, 1, s, -1)] if s > 1 else [None]
+    for i in range(layer, a.n_layers):
+        x = model.layers[i](x, cos, sin, i, [cache], mask)
+    logits = model.head(model.norm(x[0])).float()  # [s, V]
+    greedy = logits.argmax(-1).tolist()
+    acc = 0
+    while acc < len(drafts) and greedy[acc] == drafts[acc]:
+        acc += 1
+    cache.length = base + 1 + acc
+    return drafts[:acc], logits[: acc + 1], len(drafts)

@@ -1,0 +1,253 @@
+"""Train and calibrate early exits for a model (issue #9).
+
+    python -m codecomplete.model.exit_train --model default --out DIR \\
+        [--layers 16,20,24,27] [--batches 120] [--epochs 6] [--bounds 0.02,0.05,0.1] [--untrained]
+
+1. Runs the model (frozen) over FIM/EFIM training samples (the fine-tune's pipeline and
+   train split) and keeps, at the positions where a model output is predicted (FIM
+   middles), the hidden state at and before each exit and the full model's top token.
+2. Trains per exit a residual linear adapter (zero-initialised, ``h + A h`` before the
+   shared norm and head) to predict the full model's token over the vocabulary subset
+   (the most frequent tokens of the collected text; LayerSkip's exits, trained after the
+   fact instead of during fine-tuning), then a small classifier per exit that predicts
+   whether the exit's top token equals the full model's.
+3. Calibrates, on the validation split, a threshold per exit, confidence measure and
+   bound: the lowest one at which exited tokens disagree with the full model at most
+   that share of the time (no threshold: that exit is never taken).
+
+Writes DIR/exits.json (layers, thresholds, agreement and exit rates, data sizes) and
+DIR/exits.safetensors.  ``--untrained`` keeps the adapters at zero (the plain logit
+lens) and only calibrates: the untrained baseline of the early-exit benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import fimdata as fd
+from .early_exit import MEASURES, Exits
+from .loader import load_model
+
+
+@functools.lru_cache(maxsize=1)
+def _splits() -> dict:
+    import site
+
+    return fd.load_corpus(fd.collect_sources(Path(site.getsitepackages()[0])))[0]
+
+
+@torch.no_grad()
+def collect(lm, batches: int, layers: list[int], split: str, seed: int, batch: int = 4, seq: int = 512) -> dict:
+    """Hidden states at/before each exit, the full model's top token, and the input ids,
+    at every position whose next token is a model output (labels set)."""
+    from .train import batches as make_batches
+
+    model, tok = lm.model, lm.tokenizer
+    special = {k: tok.convert_tokens_to_ids(v) for k, v in
+               (("prefix", "<fim_prefix>"), ("suffix", "<fim_suffix>"), ("middle", "<fim_middle>"))}
+    special["eos"] = tok.eos_token_id
+    texts = [t for _, t in _splits()[split]]
+    if any(v is None or v == tok.unk_token_id for v in special.values()):
+        data = plain_batches(texts, tok, random.Random(seed), batch, seq)  # no FIM tokens: plain code
+    else:
+        data = make_batches(texts, tok, special, random.Random(seed), batch, seq)
+    want = sorted({n for e in layers for n in (e - 1, e)})
+    states: dict[int, list[torch.Tensor]] = {n: [] for n in want}
+    top, counts = [], torch.zeros(model.args.vocab_size, dtype=torch.long)
+    t0 = time.perf_counter()
+    for i in range(batches):
+        ids, labels = next(data)
+        counts += torch.bincount(ids.flatten(), minlength=model.args.vocab_size)
+        keep = labels[:, 1:] != -100  # position t predicts labels[t + 1]
+        keep = torch.cat([keep, torch.zeros(keep.shape[0], 1, dtype=torch.bool)], 1)
+        caches = [model.new_cache(seq) for _ in range(ids.shape[0])]
+        for c in caches:
+            c.reserve(seq)
+        pos = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
+        cos, sin = model.rope(pos.to(model.device))
+        x = model.embed(ids.to(model.device))
+        for j, layer in enumerate(model.layers):
+            if j in states:
+                states[j].append(x[keep].cpu())
+            x = layer(x, cos, sin, j, caches, [None] * len(caches))
+        if model.args.n_layers in states:
+            states[model.args.n_layers].append(x[keep].cpu())
+        h = model.norm(x[keep])
+        top.append(torch.cat([model.head(part).argmax(-1) for part in h.split(1024)]).cpu())
+        sys.stderr.write(f"\r{split}: batch {i + 1}/{batches}, {sum(len(t) for t in top)} positions, "
+                         f"{(i + 1) * batch * seq / (time.perf_counter() - t0):.0f} tok/s")
+    sys.stderr.write("\n")
+    return {"states": {n: torch.cat(v) for n, v in states.items()}, "top": torch.cat(top), "counts": counts}
+
+
+def plain_batches(texts: list[str], tok, rng: random.Random, batch: int, seq: int):
+    """Windows of plain code, every position predicted (for models without FIM tokens)."""
+    while True:
+        ids_b = []
+        while len(ids_b) < batch:
+            text = rng.choice(texts)
+            start = rng.randrange(0, max(1, len(text) - seq * 4))
+            ids = tok.encode(text[start:start + seq * 4], add_special_tokens=False)[:seq]
+            if len(ids) == seq:
+                ids_b.append(ids)
+        ids = torch.tensor(ids_b)
+        yield ids, ids.clone()
+
+
+def train_exits(lm, exits: Exits, data: dict, epochs: int, lr: float = 1e-3, bs: int = 512, seed: int = 0) -> dict:
+    """Adapters by distillation on the subset head, then classifiers on agreement."""
+    model = lm.model
+    torch.manual_seed(seed)
+    exits.float()
+    head_w = model.head.weight.detach()[exits.subset].float()
+    norm_w, eps = model.norm.weight.detach().float(), model.norm.eps
+    where = torch.full((model.args.vocab_size,), -1, dtype=torch.long)
+    where[exits.subset] = torch.arange(len(exits.subset))
+    target = where[data["top"]]
+    inside = target >= 0
+    report = {"targets_in_subset": round(float(inside.float().mean()), 4)}
+
+    def norm(h):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_w
+
+    for k, n in enumerate(exits.layers):
+        h_all = data["states"][n].float()[inside]
+        y_all = target[inside]
+        opt = torch.optim.AdamW(exits.adapters[k].parameters(), lr=lr, weight_decay=0.0)
+        exits.trained = True
+        for ep in range(epochs):
+            perm = torch.randperm(len(h_all))
+            total = 0.0
+            for i in range(0, len(perm), bs):
+                idx = perm[i:i + bs]
+                h = h_all[idx]
+                logits = F.linear(norm(h + exits.adapters[k](h)), head_w)
+                loss = F.cross_entropy(logits, y_all[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                total += loss.item() * len(idx)
+            sys.stderr.write(f"\rexit {n}: epoch {ep + 1}/{epochs} loss {total / len(perm):.3f}")
+        sys.stderr.write("\n")
+        # the classifier: does this exit's full-head top token equal the full model's?
+        with torch.no_grad():  # the exit's token: the subset head's top one
+            tops = [exits.subset[F.linear(norm(h + exits.adapters[k](h)), head_w).argmax(-1)]
+                    for h in data["states"][n].float().split(2048)]
+            agree = torch.cat(tops) == data["top"]
+        clf = exits.classifiers[k]
+        copt = torch.optim.AdamW(clf.parameters(), lr=lr)
+        feats = norm(exits.state(n, data["states"][n].float())).detach()
+        for ep in range(epochs * 2):
+            perm = torch.randperm(len(feats))
+            for i in range(0, len(perm), bs):
+                idx = perm[i:i + bs]
+                loss = F.binary_cross_entropy_with_logits(clf(feats[idx])[:, 0], agree[idx].float())
+                copt.zero_grad()
+                loss.backward()
+                copt.step()
+        report[f"train_agree_{n}"] = round(float(agree.float().mean()), 4)
+    return report
+
+
+@torch.no_grad()
+def calibrate(lm, exits: Exits, data: dict, bounds: list[float], measures=MEASURES, min_rate: float = 0.0) -> dict:
+    """Per measure, bound and exit: the lowest threshold whose exited tokens disagree
+    with the full model at most ``bound`` of the time; the exit's agreement and the
+    share of tokens that would exit.  Stored as ``thresholds["measure@bound"]``.  An exit
+    that would take fewer than ``min_rate`` of the tokens gets no threshold: its check
+    would cost more than it saves."""
+    model = lm.model
+    report: dict = {}
+    exits.thresholds = {}
+    for measure in measures:
+        if measure == "classifier" and not exits.trained:
+            continue
+        for n in exits.layers:
+            h, before = data["states"][n], data["states"][n - 1]
+            conf, agree = [], []
+            for hp, bp, tp in zip(h.split(2048), before.split(2048), data["top"].split(2048)):
+                hp = hp.to(model.device, model.dtype)
+                c, logits = exits.confidence(model, measure, n, hp, bp.to(hp))
+                if logits is None:
+                    logits = exits.logits(model, n, hp, subset=True)
+                agree.append(exits.tokens(logits.float(), subset=True).cpu() == tp)
+                conf.append(c.float().cpu())
+            conf, agree = torch.cat(conf), torch.cat(agree)
+            order = conf.argsort(descending=True)
+            wrong = (~agree[order]).float().cumsum(0)
+            count = torch.arange(1, len(order) + 1).float()
+            row = {"agree": round(float(agree.float().mean()), 4)}
+            for bound in bounds:
+                ok = (wrong / count <= bound) & (count >= 20)
+                key = f"{measure}@{bound:g}"
+                exits.thresholds.setdefault(key, {})
+                if ok.any():
+                    last = int(ok.nonzero().max())  # the most tokens within the bound
+                    thr, rate = float(conf[order][last]), (last + 1) / len(order)
+                else:
+                    thr, rate = None, 0.0
+                if thr is not None and rate >= min_rate:
+                    exits.thresholds[key][n] = thr
+                row[f"@{bound:g}"] = {"threshold": None if thr is None else round(thr, 5),
+                                      "exit_rate": round(rate, 4), "used": n in exits.thresholds[key]}
+            report[f"{measure}/{n}"] = row
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m codecomplete.model.exit_train", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--layers", default="16,20,24,27")
+    ap.add_argument("--batches", type=int, default=120, help="training batches of 4 x 512 tokens")
+    ap.add_argument("--val-batches", type=int, default=40)
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--subset", type=int, default=4096, help="vocabulary subset size for cheap exit heads (0: none)")
+    ap.add_argument("--bounds", default="0.02,0.05,0.1",
+                    help="token disagreement bounds to calibrate for (engine setting early_exit.bound picks one)")
+    ap.add_argument("--min-rate", type=float, default=0.03, help="exits taking fewer tokens get no threshold")
+    ap.add_argument("--untrained", action="store_true", help="no adapters or classifiers: calibrate the logit lens")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args(argv)
+    torch.manual_seed(args.seed)
+    lm = load_model(args.model, device="cpu", dtype=args.dtype)
+    layers = [int(x) for x in args.layers.split(",")]
+    if any(not 0 < n < lm.model.args.n_layers for n in layers):
+        raise SystemExit(f"--layers must lie in 1..{lm.model.args.n_layers - 1}")
+    t0 = time.perf_counter()
+    train = collect(lm, 0 if args.untrained else args.batches, layers, "train", args.seed) if not args.untrained else None
+    val = collect(lm, args.val_batches, layers, "validation", args.seed + 1)
+    counts = (train or val)["counts"]
+    subset = counts.argsort(descending=True)[: args.subset] if args.subset else None
+    exits = Exits(lm.model.args.dim, layers, subset.sort().values if subset is not None else None)
+    report: dict = {"model": lm.name, "positions_train": 0 if train is None else len(train["top"]),
+                    "positions_val": len(val["top"]), "subset": args.subset,
+                    "subset_coverage_val": round(float(torch.isin(val["top"], exits.subset).float().mean()), 4)
+                    if args.subset else 1.0}
+    if train is not None:
+        report.update(train_exits(lm, exits, train, args.epochs, lr=args.lr, seed=args.seed))
+        del train
+    exits.to(dtype=lm.model.dtype).eval()
+    bounds = [float(b) for b in args.bounds.split(",")]
+    report["calibration"] = calibrate(lm, exits, val, bounds, min_rate=args.min_rate)
+    report.update(bounds=bounds, min_rate=args.min_rate, seconds=round(time.perf_counter() - t0, 1),
+                  command="python -m codecomplete.model.exit_train " + " ".join(argv or sys.argv[1:]))
+    exits.meta = report
+    exits.save(args.out)
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,205 @@
+"""Early exit on the tiny real model (fp32): KV filling, batch rules, lossless mode,
+trained and calibrated exits through the project's command, the engine's settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from codecomplete.model.api import CompletionRequest, EngineSettings, ExitSettings, SpecSettings
+from codecomplete.model.early_exit import ExitPolicy, ExitsError, exit_forward, load_exits, untrained_exits
+from codecomplete.model.engine import Engine, ExitRuntime, advance, generate, plan_prompt, self_spec_step, start
+from codecomplete.model.loader import load_model
+from codecomplete.model.transformer import apply_rope
+
+PROMPTS = [("def mean(data):\n    total = 0\n    for x in data:\n        total", "\n    return total\n"),
+           ("class Point:\n    def __init__(self, x, y):\n        self.", "\n"),
+           ("import os\nimport ", "")]
+PLAIN = EngineSettings(token_healing=False, speculation=SpecSettings(enabled=False))
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model):
+    return load_model(str(tiny_model), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, tmp_path_factory):
+    """Exits trained and calibrated by the project's command on the tiny model."""
+    from codecomplete.model.exit_train import main
+
+    out = tmp_path_factory.mktemp("exits")
+    assert main(["--model", str(tiny_model), "--out", str(out), "--layers", "1", "--batches", "3",
+                 "--val-batches", "3", "--subset", "256", "--dtype", "float32", "--bounds", "0.5,0.02", "--min-rate", "0"]) == 0
+    return out
+
+
+def prefill(lm, text: str):
+    ids = lm.tokenizer.encode(text, add_special_tokens=False)
+    cache = lm.model.new_cache(len(ids) + 8)
+    with torch.inference_mode():
+        lm.model(torch.tensor([ids]), [cache])
+    return ids, cache
+
+
+def test_kv_filling_keeps_every_layer_aligned(lm):
+    """Guards KV filling: a token that exits after layer 1 leaves the same cache length in
+    every layer, and the skipped layer's K, V at its position are that layer's
+    projections of the exit state (with RoPE at that position)."""
+    model = lm.model
+    exits = untrained_exits(model, [1])
+    ids, cache = prefill(lm, PROMPTS[0][0])
+    pos = cache.length
+    captured = {}
+    hook = model.layers[0].register_forward_hook(lambda m, i, o: captured.update(h=o[0, -1].clone()))
+    with torch.inference_mode():
+        logits, ran = exit_forward(model, exits, ExitPolicy("cosine", {1: -2.0}), [ids[-1]], [cache], [0])
+    hook.remove()
+    assert ran == [1] and cache.length == pos + 1
+    h = captured["h"]
+    a = model.args
+    x = model.layers[1].attn_norm(h.view(1, -1))
+    k, v = model.layers[1].attn.wqkv(x)[:, a.n_heads * a.head_dim:].split(a.n_kv_heads * a.head_dim, -1)
+    cos, sin = model.rope(torch.tensor([[pos]]))
+    k = apply_rope(k.view(1, 1, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)[0, :, 0]
+    torch.testing.assert_close(cache.k[1, :, pos], k)
+    torch.testing.assert_close(cache.v[1, :, pos], v.view(a.n_kv_heads, a.head_dim))
+    # the exit's logits are the shared head on the exit state
+    torch.testing.assert_close(logits[0], model.head(model.norm(h)).float())
+    # the next token attends to both layers' caches at the same length: decoding goes on
+    with torch.inference_mode():
+        out, ran = exit_forward(model, exits, ExitPolicy("cosine", {}), [int(logits[0].argmax())], [cache], [1])
+    assert ran == [2] and cache.length == pos + 2 and torch.isfinite(out).all()
+
+
+def test_never_confident_is_the_full_model(lm):
+    exits = untrained_exits(lm.model, [1])
+    rt = ExitRuntime(exits, ExitPolicy("softmax", {1: 2.0}))
+    for prefix, suffix in PROMPTS:
+        req = CompletionRequest(prefix, suffix, mode="multi", max_tokens=16, max_lines=50, time_budget_ms=10**6)
+        full = generate(lm, req, PLAIN)
+        ee = generate(lm, CompletionRequest(prefix, suffix, mode="multi", max_tokens=16, max_lines=50, time_budget_ms=10**6), PLAIN,
+                      exits=rt)
+        assert full.stop_reason != "time_budget" and ee.stop_reason == full.stop_reason
+        assert ee.token_ids == full.token_ids
+        assert ee.layers_run == lm.model.args.n_layers * ee.forward_passes
+
+
+def test_always_confident_exits_every_decode_step(lm):
+    exits = untrained_exits(lm.model, [1])
+    rt = ExitRuntime(exits, ExitPolicy("cosine", {1: -2.0}))
+    c = generate(lm, CompletionRequest(PROMPTS[0][0], PROMPTS[0][1], mode="multi", max_tokens=12, max_lines=50,
+                                       ignore_eos=True), PLAIN, exits=rt)
+    assert c.generated_tokens == 12 and c.layers_run == 1 * c.forward_passes
+
+
+def test_batch_rules(lm):
+    """'each': the confident sequence leaves alone; 'all': nobody leaves unless all are
+    confident (CALM's rule)."""
+    model = lm.model
+    exits = untrained_exits(model, [1])
+    texts = [PROMPTS[0][0], PROMPTS[1][0]]
+    confs = []
+    for text in texts:  # each sequence's cosine confidence at the exit, measured alone
+        ids, cache = prefill(lm, text)
+        seen = {}
+        h0 = model.layers[0].register_forward_hook(lambda m, i, o: seen.update(after=o[0, -1].clone()))
+        h1 = model.layers[0].register_forward_pre_hook(lambda m, i: seen.update(before=i[0][0, -1].clone()))
+        with torch.inference_mode():
+            model(torch.tensor([[ids[-1]]]), [cache])
+        h0.remove()
+        h1.remove()
+        confs.append(float(torch.cosine_similarity(seen["after"], seen["before"], dim=0)))
+    assert confs[0] != confs[1]
+    thr = sum(confs) / 2
+    for rule, expect in [("each", [1 if c >= thr else 2 for c in confs]), ("all", [2, 2])]:
+        caches, last = [], []
+        for text in texts:
+            ids, cache = prefill(lm, text)
+            caches.append(cache)
+            last.append(ids[-1])
+        with torch.inference_mode():
+            _, ran = exit_forward(model, exits, ExitPolicy("cosine", {1: thr}, rule), last, caches, [0, 0])
+        assert ran == expect
+
+
+@pytest.mark.parametrize("draft_tokens", [1, 3, 6])
+def test_lossless_mode_is_greedy_decoding(lm, trained, draft_tokens):
+    """Guards self-speculation: drafts from the exit, verified by the full model, give
+    exactly the full model's greedy output, and the cache then holds exactly the KV a
+    plain decode would have."""
+    exits = load_exits(trained, lm.model)
+    rt = ExitRuntime(exits, ExitPolicy("softmax", {}), lossless=True, draft_layer=1, draft_tokens=draft_tokens)
+    accepted = 0
+    for prefix, suffix in PROMPTS:
+        full = generate(lm, CompletionRequest(prefix, suffix, mode="multi", max_tokens=20, max_lines=50, time_budget_ms=10**6), PLAIN)
+        ss = generate(lm, CompletionRequest(prefix, suffix, mode="multi", max_tokens=20, max_lines=50, time_budget_ms=10**6), PLAIN,
+                      exits=rt)
+        assert full.stop_reason != "time_budget" and ss.stop_reason == full.stop_reason
+        assert ss.token_ids == full.token_ids and ss.text == full.text
+        accepted += ss.accepted_tokens
+    assert accepted > 0
+    # the cache after self-speculative decoding = a fresh prefill of what was fed
+    req = CompletionRequest(PROMPTS[0][0], PROMPTS[0][1], mode="multi", max_tokens=20, max_lines=50,
+                            ignore_eos=True)
+    with torch.inference_mode():
+        live = start(lm, req, plan_prompt(lm, req, PLAIN, None, None), None)
+        going = [live] if advance(lm, live, None) else []
+        while going:
+            going = [lv for lv in self_spec_step(lm, going, rt, None) if advance(lm, lv, None)]
+        n = live.cache.length
+        assert live.fed[:n] == live.fed and n == len(live.fed)
+        fresh = lm.model.new_cache(n)
+        lm.model(torch.tensor([live.fed]), [fresh])
+    torch.testing.assert_close(live.cache.k[:, :, :n], fresh.k[:, :, :n], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(live.cache.v[:, :, :n], fresh.v[:, :, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_trained_exits_round_trip_and_drive_the_engine(lm, tiny_model, trained):
+    meta = json.loads((trained / "exits.json").read_text())
+    assert meta["layers"] == [1] and meta["trained"] and meta["positions_train"] > 0
+    assert set(meta["calibration"]) == {"softmax/1", "cosine/1", "classifier/1"}
+    exits = load_exits(trained, lm.model)
+    assert exits.trained and len(exits.subset) == 256
+    assert set(exits.thresholds) >= {"softmax@0.5", "softmax@0.02", "classifier@0.5", "cosine@0.5"}
+    rt = ExitRuntime.build(exits, ExitSettings(enabled=True, measure="classifier", bound=0.5), 2)
+    assert rt.policy.thresholds == exits.thresholds["classifier@0.5"]
+    with pytest.raises(ExitsError, match="no thresholds calibrated for softmax@0.3"):
+        ExitRuntime.build(exits, ExitSettings(enabled=True, measure="softmax", bound=0.3), 2)
+    # a trained adapter is not the identity
+    assert exits.adapters[0].weight.abs().sum() > 0
+    settings = EngineSettings(model=str(tiny_model), dtype="float32", token_healing=False,
+                              speculation=SpecSettings(enabled=False),
+                              early_exit=ExitSettings(enabled=True, path=str(trained), measure="softmax",
+                                                      threshold=1e-9))
+    engine = Engine(settings).start()
+    try:
+        engine.ready.wait()
+        c = engine.complete(CompletionRequest(PROMPTS[0][0], PROMPTS[0][1], mode="multi", max_tokens=8,
+                                              ignore_eos=True))
+        assert c.generated_tokens == 8 and c.layers_run < 2 * c.forward_passes
+        st = engine.stats()
+        assert st["early_exit"]["enabled"] and st["early_exit"]["error"] is None
+        assert st["early_exit"]["mean_layers"] < 2
+    finally:
+        engine.close()
+
+
+def test_missing_or_broken_exits_keep_serving(tiny_model, tmp_path):
+    (tmp_path / "exits.json").write_text("{not json")
+    for path in [str(tmp_path / "nowhere"), str(tmp_path)]:
+        settings = EngineSettings(model=str(tiny_model), dtype="float32", speculation=SpecSettings(enabled=False),
+                                  early_exit=ExitSettings(enabled=True, path=path))
+        engine = Engine(settings).start()
+        try:
+            engine.ready.wait()
+            c = engine.complete(CompletionRequest("def f(x):\n    return", "", max_tokens=4))
+            assert c.stop_reason != "error"
+            err = engine.stats()["early_exit"]["error"]
+            assert err and "exit heads" in err
+        finally:
+            engine.close()
+    with pytest.raises(ExitsError):
+        load_exits(tmp_path, load_model(str(tiny_model), device="cpu", dtype="float32").model)
