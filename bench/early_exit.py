@@ -21,6 +21,7 @@ calibrated ones stored with the model (``--exits`` overrides); ``batch_rule`` "e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -36,8 +37,8 @@ import torch  # noqa: E402
 from codecomplete.daemon.replay import edit_similarity  # noqa: E402
 from codecomplete.model.api import CompletionRequest, EngineSettings, ExitSettings, SpecSettings  # noqa: E402
 from codecomplete.model.early_exit import ExitsError, load_exits  # noqa: E402
-from codecomplete.model.engine import (Engine, ExitRuntime, advance, default_exits_path, exit_step,  # noqa: E402
-                                       plan_prompt, self_spec_step, start, step)
+from codecomplete.model.engine import (Engine, ExitRuntime, advance, decode_step,  # noqa: E402
+                                       default_exits_path, plan_prompt, start)
 from codecomplete.model.loader import load_model  # noqa: E402
 
 def settings_for(name: str, path: str) -> ExitSettings | None:
@@ -67,15 +68,11 @@ def decode(lm, rt: ExitRuntime | None, prompts: list[tuple[str, str]], tokens: i
             t0 = time.perf_counter()
             going = [lv for lv in lives if advance(lm, lv, None)]
             while going:
-                if rt is not None and rt.lossless:
-                    going = self_spec_step(lm, going, rt, None)
-                elif rt is not None:
-                    before = [lv.layers for lv in going]
-                    exit_step(lm, going, rt)
-                    for lv, b in zip(going, before):
+                before = [(lv, lv.layers) for lv in going]
+                going = decode_step(lm, going, None, rt)
+                if rt is not None and not rt.lossless:  # one pass per request: layers run = where it exited
+                    for lv, b in before:
                         ran_hist[lv.layers - b] = ran_hist.get(lv.layers - b, 0) + 1
-                else:
-                    step(lm, going)
                 going = [lv for lv in going if advance(lm, lv, None)]
             secs += time.perf_counter() - t0
             done += sum(len(lv.generated) for lv in lives)
@@ -96,17 +93,8 @@ def quality(model: str, dtype: str, es: ExitSettings | None, tasks: list[dict], 
     engine = Engine(settings).start()
     engine.ready.wait()
     outs: list[str] = []
-    orig = engine.complete
-
-    def complete(req):
-        c = orig(req)
-        if req.request_id != "open":
-            outs.append(c.text)
-        return c
-
-    engine.complete = complete
     try:
-        res = infill.run(engine, tasks, "single", fmt, seed)
+        res = infill.run(engine, tasks, "single", fmt, seed, outputs=outs)
         st = engine.stats()
         if st["early_exit"]["error"]:
             raise SystemExit(st["early_exit"]["error"])
@@ -146,7 +134,7 @@ def main() -> None:
     for name in configs:
         es = settings_for(name, str(path))
         try:
-            rt = None if es is None else ExitRuntime.build(exits, es, lm.model.args.n_layers)
+            rt = None if es is None else ExitRuntime.build(exits, es)
         except ExitsError as exc:
             print(f"{name}: {exc}; skipped", file=sys.stderr)
             continue
@@ -156,8 +144,7 @@ def main() -> None:
         speed[f"{name}/b1"] = decode(lm, rt, prompts[:8], args.tokens, 1)
         speed[f"{name}/b16"] = decode(lm, rt, prompts, args.tokens, 16)
         if rt is not None and not rt.lossless:
-            rt_all = ExitRuntime.build(exits, ExitSettings(**{**es.__dict__, "batch_rule": "all"}),
-                                       lm.model.args.n_layers)
+            rt_all = ExitRuntime.build(exits, dataclasses.replace(es, batch_rule="all"))
             speed[f"{name}/b16-all"] = decode(lm, rt_all, prompts, args.tokens, 16)
         print(name, json.dumps({k: v for k, v in speed.items() if k.startswith(name)}), file=sys.stderr)
         res, outs = quality(args.model, args.dtype, es, tasks, fmt, args.seed)

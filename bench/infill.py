@@ -88,7 +88,8 @@ def passes(task: dict, middle: str, timeout: float = 5.0) -> bool:
         Path(f.name).unlink(missing_ok=True)
 
 
-def run(engine: Engine, tasks: list[dict], mode: str, fmt: str, seed: int) -> dict:
+def run(engine: Engine, tasks: list[dict], mode: str, fmt: str, seed: int, outputs: list[str] | None = None) -> dict:
+    """One set in one prompt format; ``outputs`` receives each completion's text."""
     rng = random.Random(seed)
     out = {"n": len(tasks), "pass": 0, "em": 0, "es": 0.0, "ms": 0.0, "kinds": {}}
     for i, t in enumerate(tasks):
@@ -108,6 +109,8 @@ def run(engine: Engine, tasks: list[dict], mode: str, fmt: str, seed: int) -> di
         out["ms"] += (time.perf_counter() - t0) * 1000
         out["kinds"][c.prompt_kind] = out["kinds"].get(c.prompt_kind, 0) + 1
         middle = c.text
+        if outputs is not None:
+            outputs.append(c.text)
         if not middle.endswith("\n"):  # the canonical middles end their last line; stop rules cut it
             middle += "\n"
         truth = t["canonical_solution"]

