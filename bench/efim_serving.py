@@ -116,7 +116,7 @@ def closed_loop(users: list[list[tuple[str, str]]], serve) -> tuple[list[dict], 
 
 def run_engine(scheme: str, users, out_len: int, budget_mb: int, max_tokens: int) -> dict:
     settings = EngineSettings(model="default", template=BENCH_TEMPLATE.name, max_prefix_tokens=max_tokens,
-                              max_suffix_tokens=max_tokens, token_healing=False, inc_bound=max_tokens,
+                              max_suffix_tokens=max_tokens, token_healing=False, inc_bound=max_tokens, head_lines=0,
                               kv_budget_mb=budget_mb, max_batch=64,
                               speculation=SpecSettings(enabled=False))  # the paper's schemes: reuse only
     for k, v in SCHEMES[scheme].items():

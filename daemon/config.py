@@ -64,8 +64,8 @@ class CompletionConfig:
 class EngineConfig:
     kv_budget_mb: int = field(default=512, metadata=_range(0, 1 << 20))  # 0: no reuse across requests
     efim: bool = True  # EFIM prompts while the prefix grows (FIM models)
-    inc_bound: int = field(default=64, metadata=_range(0, 4096))  # EFIM inc tokens before a rebase
-    head_lines: int = field(default=0, metadata=_range(0, 64))  # lines after <M> in a new session's prompt
+    inc_bound: int = field(default=256, metadata=_range(0, 4096))  # EFIM inc tokens before a rebase
+    head_lines: int = field(default=8, metadata=_range(0, 64))  # lines after <M> in a new session's prompt
     max_batch: int = field(default=16, metadata=_range(1, 256))  # requests decoded together
 
 

@@ -100,8 +100,8 @@ class EngineSettings:
     token_healing: bool = True
     kv_budget_mb: int = 512  # the KV store's budget; 0 disables reuse across requests
     efim: bool = True  # EFIM prompts while the prefix grows (FIM models)
-    inc_bound: int = 64  # tokens of EFIM's inc before a rebase to PSM
-    head_lines: int = 0  # >0: a new session's last lines go after <M> (EFIM at once); measured worse, off
+    inc_bound: int = 256  # tokens of EFIM's inc before the session is rebased
+    head_lines: int = 8  # a new session's last lines go after <M> (EFIM at once); 0: a PSM head
     max_batch: int = 16  # requests decoded together per iteration
     speculation: SpecSettings = field(default_factory=SpecSettings)  # retrieval drafts, verified exactly
     early_exit: ExitSettings = field(default_factory=ExitSettings)  # replaces retrieval speculation when on

@@ -66,15 +66,16 @@ def suffix_window(suffix: str, max_tokens: int) -> str:
 
 def head_cut(prefix: str, start: int, lines: int) -> int:
     """Where a new session's prefix0 ends: at the start of the line ``lines`` lines
-    before the cursor's (0: the cursor; the cursor's own partial line always goes after
-    ``<M>`` then), never before the window's start."""
+    before the cursor's (0: the cursor, a plain PSM head; the cursor's own partial line
+    always goes after ``<M>`` otherwise), never before the window's start: a window with
+    fewer lines puts all of them after ``<M>``."""
     if lines <= 0:
         return len(prefix)
     cut = len(prefix)
     for _ in range(lines):
-        nl = prefix.rfind("\n", start, cut - 1) if cut > start else -1
+        nl = prefix.rfind("\n", start, cut - 1) if cut - 1 > start else -1
         if nl < start:
-            return len(prefix)  # the window holds no earlier line: a plain PSM head
+            return start
         cut = nl + 1
     return cut
 

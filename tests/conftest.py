@@ -29,6 +29,19 @@ def tiny_model(request) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_exits(tiny_model, tmp_path_factory) -> Path:
+    """Exit heads at layer 1 of the tiny model, trained and calibrated by the project's
+    command (python -m codecomplete.model.exit_train)."""
+    from codecomplete.model.exit_train import main
+
+    out = tmp_path_factory.mktemp("exits")
+    assert main(["--model", str(tiny_model), "--out", str(out), "--layers", "1", "--batches", "3",
+                 "--val-batches", "3", "--subset", "256", "--dtype", "float32", "--bounds", "0.5,0.02",
+                 "--min-rate", "0"]) == 0
+    return out
+
+
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory) -> Path:
     """Keep converted checkpoints, repository indexes and the common datastore out of

@@ -26,14 +26,8 @@ def lm(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_model, tmp_path_factory):
-    """Exits trained and calibrated by the project's command on the tiny model."""
-    from codecomplete.model.exit_train import main
-
-    out = tmp_path_factory.mktemp("exits")
-    assert main(["--model", str(tiny_model), "--out", str(out), "--layers", "1", "--batches", "3",
-                 "--val-batches", "3", "--subset", "256", "--dtype", "float32", "--bounds", "0.5,0.02", "--min-rate", "0"]) == 0
-    return out
+def trained(tiny_exits):
+    return tiny_exits
 
 
 def prefill(lm, text: str):

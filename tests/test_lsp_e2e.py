@@ -4,6 +4,7 @@ real model.  Each test names the behaviour it guards."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import pytest
@@ -29,8 +30,12 @@ def reference_engine(tiny_model):
     engine.close()
 
 
-def expected(engine: Engine, prefix: str, suffix: str) -> str:
-    return engine.complete(CompletionRequest(prefix, suffix)).text
+def expected(engine: Engine, prefix: str, suffix: str, **kw) -> str:
+    """The completion a new editing session gets (a fresh session key each call)."""
+    return engine.complete(CompletionRequest(prefix, suffix, session_key=f"reference-{next(_KEYS)}", **kw)).text
+
+
+_KEYS = itertools.count()
 
 
 def proposed(items, typed: str) -> list[str]:
@@ -69,7 +74,9 @@ async def test_open_edit_request_gets_the_engines_completion(client, repo, refer
 async def test_emoji_before_cursor_is_converted_in_the_negotiated_encoding(
         encoding, repo, tiny_model, model_cache, reference_engine):
     """Guards position conversion: a character outside the BMP before the cursor."""
-    c = await start_daemon(repo, tiny_model, encodings=[encoding])
+    # a token budget, not the time budget, ends these completions (the tiny model rambles)
+    budget = {"maxTokens": 16, "timeBudgetMs": 60000}
+    c = await start_daemon(repo, tiny_model, encodings=[encoding], init_options={"codecomplete": {"completion": budget}})
     try:
         assert c.capabilities is not None
         line = 'label = "😀 ok"  # 😀\n' + POINT
@@ -78,12 +85,12 @@ async def test_emoji_before_cursor_is_converted_in_the_negotiated_encoding(
         last = line.split("\n")[-1]
         row = line.count("\n")
         items = await complete(c, uri, row, len(last))  # last line is ASCII: same in all units
-        want = expected(reference_engine, line, "")
+        want = expected(reference_engine, line, "", max_tokens=16, time_budget_ms=60000)
         assert proposed(items, LAST) == [want]
         # A cursor right after the emoji on line 0: its column differs per encoding.
         col = {"utf-16": len('label = "') + 2, "utf-8": len('label = "') + 4}[encoding]
         items = await complete(c, uri, 0, col)
-        want = expected(reference_engine, 'label = "😀', ' ok"  # 😀\n' + POINT)
+        want = expected(reference_engine, 'label = "😀', ' ok"  # 😀\n' + POINT, max_tokens=16, time_budget_ms=60000)
         assert proposed(items, 'label = "😀') == ([want] if want.strip() else [])
         for i in items:
             assert i.range.start == T.Position(0, 0)
@@ -228,6 +235,32 @@ async def test_invalid_setting_falls_back_with_a_warning(repo, tiny_model, model
         c.workspace_did_change_configuration(T.DidChangeConfigurationParams(
             settings={"codecomplete": {"completion": {"enabled": False}}}))
         assert await complete(c, uri, 3, 13) == []
+    finally:
+        await c.shutdown_session()
+        await c.stop()
+
+
+async def test_early_exit_serves_inline_completions(repo, tiny_model, tiny_exits, model_cache, reference_engine):
+    """Guards early exit in the daemon: lossless mode answers exactly what the full model
+    does; a lossy threshold every token meets leaves the stack early and still answers;
+    the stats report both."""
+    exits = {"enabled": True, "lossless": True, "path": str(tiny_exits)}
+    c = await start_daemon(repo, tiny_model, init_options={"codecomplete": {"earlyExit": exits}})
+    try:
+        uri = (repo / "ee.py").as_uri()
+        open_doc(c, uri, POINT)
+        lines = POINT.split("\n")
+        items = await complete(c, uri, len(lines) - 1, len(lines[-1]))
+        assert proposed(items, LAST) == [expected(reference_engine, POINT, "")]
+        st = (await stats(c))["engine"]["early_exit"]
+        assert st["enabled"] and st["error"] is None
+        c.workspace_did_change_configuration(T.DidChangeConfigurationParams(settings={"codecomplete": {
+            "earlyExit": {**exits, "lossless": False, "measure": "softmax", "threshold": 1e-9}}}))
+        insert(c, uri, 2, len(lines) - 1, len(lines[-1]), "y")
+        await complete(c, uri, len(lines) - 1, len(lines[-1]) + 1)
+        st = (await stats(c))["engine"]["early_exit"]
+        assert st["enabled"] and st["error"] is None
+        assert st["mean_layers"] < 2  # the tiny model has 2 layers: tokens left at layer 1
     finally:
         await c.shutdown_session()
         await c.stop()
