@@ -10,7 +10,8 @@ thresholds calibrated for that token-disagreement bound); ``lossless@LAYER``
 Speed: greedy decoding of ``--tokens`` tokens (EOS ignored) from HumanEval-Infilling
 prompts, at batch 1 (8 prompts one after another) and batch 16 (one batch), through the
 engine's own decode functions (``step``, ``exit_step``, ``self_spec_step``); decode
-tokens/s, per-token latency, mean layers run per token and the exit rate per layer.
+tokens/s, per-token latency, mean layers run per token, the exit rate per layer and how
+often the last layer's check skipped the full vocabulary head.
 Quality: HumanEval single-line infilling through the engine (EFIM prompts for FIM
 models, as bench/infill.py), pass@1, EM and ES against the truth, and how often the
 output is identical to the full model's (with ES between the two).  The exits are the
@@ -43,13 +44,15 @@ from codecomplete.model.loader import load_model  # noqa: E402
 
 def settings_for(name: str, path: str) -> ExitSettings | None:
     """``full``; ``MEASURE@BOUND`` (lossy early exit with thresholds calibrated for that
-    token disagreement); ``lossless@LAYER`` (self-speculation drafting at that exit)."""
+    token disagreement; ``MEASURE@BOUND:24+30`` only at those exits); ``lossless@LAYER`` (self-speculation drafting at that exit)."""
     if name == "full":
         return None
     kind, _, arg = name.partition("@")
     if kind == "lossless":
         return ExitSettings(enabled=True, lossless=True, draft_layer=int(arg or 0), path=path)
-    return ExitSettings(enabled=True, measure=kind, bound=float(arg or 0.02), path=path)
+    arg, _, layers = arg.partition(":")  # MEASURE@BOUND:L1+L2 uses only those exits
+    return ExitSettings(enabled=True, measure=kind, bound=float(arg or 0.02), path=path,
+                        layers=layers.replace("+", ","), batch_rule="each")  # "b16-all" rows: rule "all"
 
 
 def decode(lm, rt: ExitRuntime | None, prompts: list[tuple[str, str]], tokens: int, batch: int) -> dict:
@@ -58,6 +61,8 @@ def decode(lm, rt: ExitRuntime | None, prompts: list[tuple[str, str]], tokens: i
     done, secs, layers, passes = 0, 0.0, 0, 0
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     ran_hist: dict[int, int] = {}
+    if rt is not None:
+        rt.exits.head_skips = 0
     with torch.inference_mode():
         for group in groups:
             lives = []
@@ -83,7 +88,8 @@ def decode(lm, rt: ExitRuntime | None, prompts: list[tuple[str, str]], tokens: i
     return {"tokens": decoded, "seconds": round(secs, 3), "tokens_per_s": round(decoded / secs, 2),
             "ms_per_token": round(1000 * secs / decoded * min(batch, len(prompts)), 2),
             "mean_layers": round(layers / max(1, passes), 2), "tokens_per_pass": round(decoded / max(1, passes), 3),
-            "exit_rate": {str(k): round(v / steps, 3) for k, v in sorted(ran_hist.items())} if steps else {}}
+            "exit_rate": {str(k): round(v / steps, 3) for k, v in sorted(ran_hist.items())} if steps else {},
+            "head_skipped": round(rt.exits.head_skips / steps, 3) if steps else 0.0}
 
 
 def quality(model: str, dtype: str, es: ExitSettings | None, tasks: list[dict], fmt: str, seed: int) -> tuple[dict, list[str]]:
@@ -114,6 +120,7 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=40)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=12, help="speed rounds (paired with the full model's)")
     ap.add_argument("--out", default=str(RESULTS / "early_exit"))
     args = ap.parse_args()
     lm = load_model(args.model, dtype=args.dtype)
@@ -131,6 +138,7 @@ def main() -> None:
     configs = args.configs.split(",")
     speed, qual = {}, {}
     full_outs: list[str] = []
+    runtimes: dict[str, tuple] = {}
     for name in configs:
         es = settings_for(name, str(path))
         try:
@@ -141,12 +149,45 @@ def main() -> None:
         if rt is not None and not rt.lossless and not rt.policy.thresholds:
             print(f"{name}: no calibrated threshold at any exit; skipped", file=sys.stderr)
             continue
-        speed[f"{name}/b1"] = decode(lm, rt, prompts[:8], args.tokens, 1)
-        speed[f"{name}/b16"] = decode(lm, rt, prompts, args.tokens, 16)
-        if rt is not None and not rt.lossless:
-            rt_all = ExitRuntime.build(exits, dataclasses.replace(es, batch_rule="all"))
-            speed[f"{name}/b16-all"] = decode(lm, rt_all, prompts, args.tokens, 16)
-        print(name, json.dumps({k: v for k, v in speed.items() if k.startswith(name)}), file=sys.stderr)
+        rt_all = (ExitRuntime.build(exits, dataclasses.replace(es, batch_rule="all"))
+                  if rt is not None and not rt.lossless else None)
+        runtimes[name] = (es, rt, rt_all)
+    # speed: the configs take turns in short rounds (2 prompts at batch 1; one batch of 16
+    # every third round); a config's speed-up is the median over rounds of its speed over
+    # the full model's in the same round: this machine's speed drifts by 10-30 % within
+    # minutes, which paired rounds cancel
+    runs: dict[str, list[dict]] = {}
+    for name, (es, rt, rt_all) in runtimes.items():
+        decode(lm, rt, prompts[:2], 8, 1)  # warm-up: otherwise the first timed config pays for it
+        decode(lm, rt, prompts, 8, 16)
+    for r in range(args.repeats):
+        pair = [prompts[(2 * r) % len(prompts)], prompts[(2 * r + 1) % len(prompts)]]
+        for name, (es, rt, rt_all) in runtimes.items():
+            runs.setdefault(f"{name}/b1", []).append(decode(lm, rt, pair, args.tokens, 1))
+            if r % 3 == 0 and (rt is None or not rt.lossless or r == 0):  # lossless: a batch one by one
+                runs.setdefault(f"{name}/b16", []).append(decode(lm, rt, prompts, args.tokens, 16))
+                if rt_all is not None:
+                    runs.setdefault(f"{name}/b16-all", []).append(decode(lm, rt_all, prompts, args.tokens, 16))
+        print(f"round {r + 1}/{args.repeats}", {k: v[-1]["tokens_per_s"] for k, v in runs.items()}, file=sys.stderr)
+    for key, rs in runs.items():
+        b = key.rsplit("/", 1)[1]
+        ref = runs[f"full/{'b1' if b == 'b1' else 'b16'}"] if "full" in runtimes else None
+        ratios = sorted(x["tokens_per_s"] / f["tokens_per_s"] for x, f in zip(rs, ref)) if ref else []
+        tokens, secs = sum(x["tokens"] for x in rs), sum(x["seconds"] for x in rs)
+        hist: dict[str, float] = {}
+        for x in rs:
+            for k, v in x["exit_rate"].items():
+                hist[k] = hist.get(k, 0.0) + v / len(rs)
+        speed[key] = {"tokens": tokens, "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs, 2),
+                      "ms_per_token": round(1000 * secs / tokens * (16 if b != "b1" else 1), 2),
+                      "mean_layers": round(sum(x["mean_layers"] for x in rs) / len(rs), 2),
+                      "tokens_per_pass": round(sum(x["tokens_per_pass"] for x in rs) / len(rs), 3),
+                      "exit_rate": {k: round(v, 3) for k, v in hist.items()},
+                      "head_skipped": round(sum(x["head_skipped"] for x in rs) / len(rs), 3),
+                      "speedup": round(ratios[len(ratios) // 2], 3) if ratios else None,
+                      "speedup_range": [round(ratios[0], 3), round(ratios[-1], 3)] if ratios else None,
+                      "rounds": len(rs)}
+    for name, (es, rt, rt_all) in runtimes.items():
         res, outs = quality(args.model, args.dtype, es, tasks, fmt, args.seed)
         if name == "full":
             full_outs = outs
@@ -159,23 +200,22 @@ def main() -> None:
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"model": lm.name, "exits": str(path), "speed": speed,
                                                     "quality": qual, "exits_meta": meta}, indent=1))
-    base = speed.get("full/b1", {}).get("tokens_per_s")
-    base16 = speed.get("full/b16", {}).get("tokens_per_s")
     lines = [header("Early exit"),
              f"Model: {lm.name} ({str(lm.dtype).removeprefix('torch.')}), {lm.model.args.n_layers} layers; "
-             f"exits at layers {exits.layers} ({'trained adapters + classifiers' if exits.trained else 'untrained: logit lens'}), "
+             f"exits at layers {exits.layers} ({'trained adapters + classifiers' if exits.trained else 'untrained: logit lens'})"
+             f"{f' and a softmax check after the last layer ({exits.final}) that can skip the full head' if exits.final else ''}, "
              f"vocabulary subset {len(exits.subset)}; thresholds calibrated for token disagreement bounds "
              f"{meta.get('bounds', '?')} on {meta.get('positions_val', '?')} validation positions "
              f"(`{meta.get('command', '')}`).",
-             "", "## Decode speed (EOS ignored, prefill excluded)", "",
-             "| config | batch | tokens/s | ms/token (per sequence) | speed-up | layers/pass | tokens/pass | layers run (share of steps) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", f"## Decode speed (EOS ignored, prefill excluded; {args.repeats} interleaved rounds, speed-up = median of per-round ratios to full)", "",
+             "| config | batch | tokens/s | ms/token (per sequence) | speed-up (range) | layers/pass | tokens/pass | layers run (share of steps) | full head skipped after the last layer |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for key, r in speed.items():
         name, b = key.rsplit("/", 1)
-        ref = base if b == "b1" else base16
+        rng_ = r.get("speedup_range") or ["-", "-"]
         lines.append(f"| {name} | {b[1:]} | {r['tokens_per_s']} | {r['ms_per_token']} | "
-                     f"{round(r['tokens_per_s'] / ref, 2) if ref else '-'}x | {r['mean_layers']} | {r['tokens_per_pass']} | "
-                     f"{r['exit_rate'] or '-'} |")
+                     f"{r['speedup']}x ({rng_[0]}-{rng_[1]}, {r['rounds']} rounds) | {r['mean_layers']} | {r['tokens_per_pass']} | "
+                     f"{r['exit_rate'] or '-'} | {r.get('head_skipped', '-') if r['exit_rate'] else '-'} |")
     lines += ["", f"## Quality: HumanEval single-line infilling ({len(tasks)} tasks, {fmt} prompts, greedy)", "",
               "| config | pass@1 | EM | ES | identical to full | ES to full | mean layers/token |", "|---|---|---|---|---|---|---|"]
     for name, r in qual.items():

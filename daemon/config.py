@@ -103,11 +103,11 @@ class EarlyExitConfig:
     ships them; others: python -m codecomplete.model.exit_train)."""
 
     enabled: bool = False
-    measure: str = field(default="classifier", metadata=_choice("softmax", "cosine", "classifier"))
+    measure: str = field(default="softmax", metadata=_choice("softmax", "cosine", "classifier"))
     threshold: float = field(default=0.0, metadata=_range(0, None))  # >0: one threshold everywhere; 0: calibrated
     bound: float = field(default=0.02, metadata=_range(0, 1))  # calibrated for this token disagreement
     layers: str = ""  # exit points to use, e.g. "16,24"; "": every calibrated exit
-    batch_rule: str = field(default="each", metadata=_choice("each", "all"))
+    batch_rule: str = field(default="all", metadata=_choice("each", "all"))
     decay: float = field(default=0.0, metadata=_range(0, None))  # CALM's schedule; 0: constant thresholds
     lossless: bool = False  # self-speculation: exact output of the full model
     draft_layer: int = field(default=0, metadata=_range(0, 512))  # lossless: the drafting exit (0: middle one)

@@ -76,11 +76,11 @@ class ExitSettings:
     unless ``lossless``."""
 
     enabled: bool = False
-    measure: str = "classifier"  # softmax | cosine | classifier
+    measure: str = "softmax"  # softmax | cosine | classifier (only softmax has the last layer's check)
     threshold: float = 0.0  # >0: one threshold at every exit; 0: the calibrated ones
     bound: float = 0.02  # which calibrated thresholds: the token disagreement they allow
     layers: str = ""  # exit points to use ("12,20"); "": every calibrated exit
-    batch_rule: str = "each"  # each: sequences leave alone; all: an iteration exits only when all are confident
+    batch_rule: str = "all"  # all: an iteration exits only when all are confident (measured better); each: alone
     decay: float = 0.0  # CALM's schedule (strict first, relaxing along the output); 0: constant thresholds
     lossless: bool = False  # self-speculation: the early layers draft, the full model verifies (exact output)
     draft_layer: int = 0  # lossless: the exit that drafts (0: the middle exit point)

@@ -62,6 +62,10 @@ class Exits(nn.Module):
         self.trained = False  # adapters and classifiers learned (not the zero "logit lens")
         self._subset_w: torch.Tensor | None = None  # the head's rows of the subset
         self.meta: dict = {}
+        # the model's layer count when its last layer has a calibrated check too: a token
+        # whose subset-head margin there is confident skips the full vocabulary head
+        self.final = 0
+        self.head_skips = 0  # tokens the final check took (benchmarks read and reset it)
 
     def index(self, layer: int) -> int:
         return self.layers.index(layer)
@@ -100,7 +104,7 @@ class Exits(nn.Module):
         raise ValueError(f"unknown confidence measure {measure!r} (one of {', '.join(MEASURES)})")
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "layers": self.layers, "trained": self.trained,
+        return {"format": FORMAT, "layers": self.layers, "final_layer": self.final, "trained": self.trained,
                 "thresholds": {m: {str(k): v for k, v in t.items()} for m, t in self.thresholds.items()},
                 "subset_size": int(len(self.subset)), **self.meta}
 
@@ -138,8 +142,12 @@ def load_exits(folder: str | Path, model: Transformer) -> Exits:
     except RuntimeError as exc:
         raise ExitsError(f"{folder}: exit heads do not fit this model: {exc}") from exc
     ex.trained = bool(meta.get("trained"))
+    ex.final = int(meta.get("final_layer") or 0)
+    if ex.final not in (0, model.args.n_layers):
+        raise ExitsError(f"{folder}: calibrated for a final layer {ex.final}, the model has {model.args.n_layers}")
     ex.thresholds = {m: {int(k): float(v) for k, v in t.items()} for m, t in meta.get("thresholds", {}).items()}
-    ex.meta = {k: v for k, v in meta.items() if k not in ("format", "layers", "trained", "thresholds", "subset_size")}
+    ex.meta = {k: v for k, v in meta.items()
+               if k not in ("format", "layers", "final_layer", "trained", "thresholds", "subset_size")}
     return ex.to(device=model.device, dtype=model.dtype).eval()
 
 
@@ -238,6 +246,22 @@ def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: l
             break
         x = x[keep]
         cos, sin = cos[keep], sin[keep]
+        active = [active[r] for r in keep]
+    if active and n_layers in policy.thresholds and policy.measure == "softmax" and len(exits.subset):
+        # the last layer's cheap check: a confident subset-head margin skips the full head
+        h = x[:, -1]
+        conf, logits = exits.confidence(model, "softmax", n_layers, h, h)
+        ok = [bool(conf[r] >= policy.threshold(n_layers, steps[b])) and (allow is None or allow[b])
+              for r, b in enumerate(active)]
+        if policy.batch_rule == "all":
+            ok = [all(ok)] * len(ok)
+        for r, b in enumerate(active):
+            if ok[r]:
+                out[b] = torch.full((model.args.vocab_size,), float("-inf"), device=dev)
+                out[b][exits.subset] = logits[r]
+        exits.head_skips += sum(ok)
+        keep = [r for r, o in enumerate(ok) if not o]
+        x = x[keep]
         active = [active[r] for r in keep]
     if active:
         logits = model.head(model.norm(x[:, -1])).float()

@@ -183,10 +183,11 @@ class ExitRuntime:
 
     @classmethod
     def build(cls, exits: Exits, s: ExitSettings) -> "ExitRuntime":
-        layers = [int(x) for x in s.layers.split(",") if x.strip()] or list(exits.layers)
-        unknown = [n for n in layers if n not in exits.layers]
+        known = list(exits.layers) + ([exits.final] if exits.final else [])  # final: the last layer's check
+        layers = [int(x) for x in s.layers.split(",") if x.strip()] or known
+        unknown = [n for n in layers if n not in known]
         if unknown:
-            raise ExitsError(f"exit layers {unknown} are not among the trained ones {exits.layers}")
+            raise ExitsError(f"exit layers {unknown} are not among the trained ones {known}")
         if s.lossless:  # drafts need no confidence: the full model checks every one
             thresholds = {}
         elif s.measure == "classifier" and not exits.trained:
@@ -381,7 +382,7 @@ class Engine:
         self._stats = {"completions": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
                        "reused_tokens": 0, "generated_tokens": 0, "prefill_ms": 0.0, "decode_ms": 0.0,
                        "iterations": 0, "batched_tokens": 0, "max_batch_seen": 0,
-                       "spec_steps": 0, "accepted_tokens": 0, "layers_run": 0}
+                       "spec_steps": 0, "accepted_tokens": 0, "layers_run": 0, "decode_passes": 0}
 
     # -- public API (any thread) -------------------------------------------------------
     def start(self) -> "Engine":
@@ -444,8 +445,8 @@ class Engine:
                                        if s["spec_steps"] else None)
         s["speculation"] = self.settings.speculation.enabled
         s["early_exit"] = {"enabled": self.settings.early_exit.enabled, "error": self.exit_error,
-                           "mean_layers": (round(s["layers_run"] / s["generated_tokens"], 2)
-                                           if s["generated_tokens"] else None)}
+                           "mean_layers": (round(s["layers_run"] / s["decode_passes"], 2)  # per decode pass
+                                           if s["decode_passes"] else None)}
         if self.drafter is not None:
             s["drafter"] = dict(self.drafter.stats, cache_sequences=self.drafter.cache.sequences)
         s["kv_store"] = self.store.snapshot() if self.store else None
@@ -547,7 +548,8 @@ class Engine:
                     prompt_tokens=r.prompt_tokens, reused_tokens=r.reused_tokens,
                     generated_tokens=r.generated_tokens, prefill_ms=r.timings.get("prefill_ms", 0.0),
                     decode_ms=r.timings.get("decode_ms", 0.0), spec_steps=r.spec_steps,
-                    accepted_tokens=r.accepted_tokens, layers_run=r.layers_run)
+                    accepted_tokens=r.accepted_tokens, layers_run=r.layers_run,
+                    decode_passes=r.forward_passes)
         log.info("[%s] %s prompt %d (%d reused) + %d generated, prefill %.0f ms, decode %.0f ms, stop %s",
                  lv.request.request_id, r.prompt_kind, r.prompt_tokens, r.reused_tokens, r.generated_tokens,
                  r.timings.get("prefill_ms", 0), r.timings.get("decode_ms", 0), r.stop_reason)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from codecomplete.model.api import CompletionRequest, EngineSettings, ExitSettings, SpecSettings
-from codecomplete.model.early_exit import ExitPolicy, ExitsError, exit_forward, load_exits, untrained_exits
+from codecomplete.model.early_exit import Exits, ExitPolicy, ExitsError, exit_forward, load_exits, untrained_exits
 from codecomplete.model.engine import Engine, ExitRuntime, advance, generate, plan_prompt, self_spec_step, start
 from codecomplete.model.loader import load_model
 from codecomplete.model.transformer import apply_rope
@@ -89,6 +89,33 @@ def test_always_confident_exits_every_decode_step(lm):
     assert c.generated_tokens == 12 and c.layers_run == 1 * c.forward_passes
 
 
+def test_final_check_skips_the_full_head_only_when_confident(lm):
+    """Guards the last layer's cheap check: a confident subset-head margin there gives
+    the token from the subset head (the full head is skipped); the cache is the full
+    model's either way.  With a subset holding the whole vocabulary the tokens are
+    the full model's; an unconfident check changes nothing."""
+    model = lm.model
+    vocab = model.args.vocab_size
+    for subset, thr in [(torch.arange(vocab), 0.0), (torch.arange(vocab // 2), 2.0)]:
+        exits = Exits(model.args.dim, [1], subset).to(dtype=model.dtype).eval()
+        exits.final = model.args.n_layers
+        rt = ExitRuntime(exits, ExitPolicy("softmax", {model.args.n_layers: thr}))
+        for prefix, suffix in PROMPTS:
+            req = dict(mode="multi", max_tokens=12, max_lines=50, time_budget_ms=10**6)
+            full = generate(lm, CompletionRequest(prefix, suffix, **req), PLAIN)
+            skips = exits.head_skips
+            ee = generate(lm, CompletionRequest(prefix, suffix, **req), PLAIN, exits=rt)
+            assert ee.token_ids == full.token_ids
+            assert ee.layers_run == model.args.n_layers * ee.forward_passes
+            assert exits.head_skips - skips == (ee.forward_passes if thr == 0.0 else 0)
+    # a subset without the full model's choice: the confident check picks inside the subset
+    ids, cache = prefill(lm, PROMPTS[0][0])
+    exits = Exits(model.args.dim, [1], torch.tensor([t for t in range(vocab) if t != 0])).to(dtype=model.dtype).eval()
+    with torch.inference_mode():
+        logits, ran = exit_forward(model, exits, ExitPolicy("softmax", {model.args.n_layers: 0.0}), [ids[-1]], [cache], [0])
+    assert ran == [model.args.n_layers] and logits[0, 0] == float("-inf") and torch.isfinite(logits[0, 1:]).all()
+
+
 def test_batch_rules(lm):
     """'each': the confident sequence leaves alone; 'all': nobody leaves unless all are
     confident (CALM's rule)."""
@@ -154,7 +181,9 @@ def test_lossless_mode_is_greedy_decoding(lm, trained, draft_tokens):
 def test_trained_exits_round_trip_and_drive_the_engine(lm, tiny_model, trained):
     meta = json.loads((trained / "exits.json").read_text())
     assert meta["layers"] == [1] and meta["trained"] and meta["positions_train"] > 0
-    assert set(meta["calibration"]) == {"softmax/1", "cosine/1", "classifier/1"}
+    # softmax/2: the check after the last layer (the subset head's margin skips the full head)
+    assert set(meta["calibration"]) == {"softmax/1", "cosine/1", "classifier/1", "softmax/2"}
+    assert meta["final_layer"] == 2
     exits = load_exits(trained, lm.model)
     assert exits.trained and len(exits.subset) == 256
     assert set(exits.thresholds) >= {"softmax@0.5", "softmax@0.02", "classifier@0.5", "cosine@0.5"}

@@ -38,7 +38,8 @@ def expected_completion(tiny_model):
     engine = Engine(EngineSettings(model=str(tiny_model), dtype="float32")).start()
     try:
         prefix = FILE[:-1] + "."
-        text = engine.complete(CompletionRequest(prefix, "\n")).text
+        # a new editing session, as the daemon plans the first request for a document
+        text = engine.complete(CompletionRequest(prefix, "\n", session_key="reference")).text
     finally:
         engine.close()
     assert text.strip(), "the tiny model should complete this prompt"
