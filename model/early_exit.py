@@ -84,6 +84,15 @@ class Exits(nn.Module):
             return F.linear(x, w)
         return model.head(x)
 
+    def in_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Exit-head logits [R, |subset|] in the full vocabulary [R, V] (-inf outside the
+        subset); as they are when there is no subset."""
+        if len(self.subset) == 0:
+            return logits
+        full = torch.full((logits.shape[0], vocab_size), float("-inf"), device=logits.device)
+        full[:, self.subset] = logits.float()
+        return full
+
     def tokens(self, logits: torch.Tensor, subset: bool) -> torch.Tensor:
         top = logits.argmax(-1)
         return self.subset[top] if subset and len(self.subset) else top
@@ -190,6 +199,15 @@ def fill_kv(model: Transformer, h: torch.Tensor, cache: SeqKV, first: int, pos: 
         cache.v[j, :, pos] = v.view(a.n_kv_heads, a.head_dim)
 
 
+def _confident(policy: ExitPolicy, layer: int, conf: torch.Tensor, active: list[int], steps: list[int],
+               allow: list[bool] | None) -> list[bool]:
+    """Which active rows leave at ``layer``: confidence over the threshold (and allowed);
+    under batch rule "all" every row or none."""
+    ok = [bool(conf[r] >= policy.threshold(layer, steps[b])) and (allow is None or allow[b])
+          for r, b in enumerate(active)]
+    return [all(ok)] * len(ok) if policy.batch_rule == "all" else ok
+
+
 @torch.no_grad()
 def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: list[int],
                  caches: list[SeqKV], steps: list[int], allow: list[bool] | None = None
@@ -221,19 +239,12 @@ def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: l
             continue
         h = x[:, -1]
         conf, logits = exits.confidence(model, policy.measure, n, h, before[:, -1])
-        ok = [bool(conf[r] >= policy.threshold(n, steps[b])) and (allow is None or allow[b])
-              for r, b in enumerate(active)]
-        if policy.batch_rule == "all":
-            ok = [all(ok)] * len(ok)
+        ok = _confident(policy, n, conf, active, steps, allow)
         if not any(ok):
             continue
         rows = [r for r, o in enumerate(ok) if o]
         picked = logits[rows] if logits is not None else exits.logits(model, n, h[rows], subset=True).float()
-        if len(exits.subset) == 0:
-            full = picked
-        else:  # the exit head scores the subset: its logits, in the full vocabulary
-            full = torch.full((len(rows), model.args.vocab_size), float("-inf"), device=dev)
-            full[:, exits.subset] = picked
+        full = exits.in_vocab(picked, model.args.vocab_size)
         state = exits.state(n, h[rows])
         for j, r in enumerate(rows):
             b = active[r]
@@ -251,15 +262,11 @@ def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: l
         # the last layer's cheap check: a confident subset-head margin skips the full head
         h = x[:, -1]
         conf, logits = exits.confidence(model, "softmax", n_layers, h, h)
-        ok = [bool(conf[r] >= policy.threshold(n_layers, steps[b])) and (allow is None or allow[b])
-              for r, b in enumerate(active)]
-        if policy.batch_rule == "all":
-            ok = [all(ok)] * len(ok)
-        for r, b in enumerate(active):
-            if ok[r]:
-                out[b] = torch.full((model.args.vocab_size,), float("-inf"), device=dev)
-                out[b][exits.subset] = logits[r]
-        exits.head_skips += sum(ok)
+        ok = _confident(policy, n_layers, conf, active, steps, allow)
+        rows = [r for r, o in enumerate(ok) if o]
+        for r, row in zip(rows, exits.in_vocab(logits[rows], model.args.vocab_size)):
+            out[active[r]] = row
+        exits.head_skips += len(rows)
         keep = [r for r, o in enumerate(ok) if not o]
         x = x[keep]
         active = [active[r] for r in keep]

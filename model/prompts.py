@@ -141,9 +141,7 @@ class SessionPool:
         if session is not None and prefix.startswith(session.prefix0) and suffix == session.suffix:
             inc_ids = toks.encode(session.healed + prefix[len(session.prefix0):])
             if len(inc_ids) <= self.inc_bound:
-                inc_ids, healed = toks.heal(inc_ids)
-                self._count("efim")
-                return PromptPlan(session.head + inc_ids, healed, "efim")
+                return self._efim(session, inc_ids, toks)
             reason = "inc bound"
         elif session is not None and prefix == session.prefix0 and suffix.endswith(session.suffix):
             reason = "suffix grew"
@@ -156,19 +154,24 @@ class SessionPool:
                + toks.encode(suffix_window(suffix, max_suffix_tokens))[:max_suffix_tokens]
                + [toks.special(template.middle)] + toks.encode(template.middle_pad))
         if key and efim:
+            session = Session(head_prefix, suffix, ids, healed)
             with self._lock:
-                self.sessions[key] = Session(head_prefix, suffix, ids, healed)
+                self.sessions[key] = session
                 self.sessions.move_to_end(key)
                 while len(self.sessions) > self.max_sessions:
                     self.sessions.popitem(last=False)
             if reason != "new session":
                 self._count("rebase")
             if cut < len(prefix):  # the last lines go after <M>: EFIM from the first request
-                inc_ids, healed = toks.heal(toks.encode(healed + prefix[cut:]))
-                self._count("efim")
-                return PromptPlan(ids + inc_ids, healed, "efim", reason)
+                return self._efim(session, toks.encode(healed + prefix[cut:]), toks, reason)
         self._count("psm")
         return PromptPlan(ids, healed, "psm", reason)
+
+    def _efim(self, session: Session, inc_ids: list[int], toks: Tokens, reason: str = "") -> PromptPlan:
+        """``<P>prefix0<S>suffix<M>inc``: the session's head and its inc, healed."""
+        inc_ids, healed = toks.heal(inc_ids)
+        self._count("efim")
+        return PromptPlan(session.head + inc_ids, healed, "efim", reason)
 
     def drop(self, key: str) -> None:
         with self._lock:
