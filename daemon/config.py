@@ -39,6 +39,7 @@ class ModelConfig:
     template: str = field(default="auto", metadata=_choice(
         "auto", "prefix-only", "starcoder", "qwen", "deepseek", "codellama", "codellama-plain"))
     threads: int = field(default=0, metadata=_range(0, 256))  # 0: torch's default
+    pack_weights: bool = True  # oneDNN-prepacked linear weights on CPU: faster decoding, same results
 
 
 @dataclass
@@ -254,7 +255,7 @@ def engine_settings(cfg: Config):
 
     m, c, e, sp = cfg.model, cfg.completion, cfg.engine, cfg.speculation
     return EngineSettings(model=m.name, device=m.device, dtype=m.dtype, template=m.template,
-                          threads=m.threads, max_prefix_tokens=c.max_prefix_tokens,
+                          threads=m.threads, pack_weights=m.pack_weights, max_prefix_tokens=c.max_prefix_tokens,
                           max_suffix_tokens=c.max_suffix_tokens, token_healing=c.token_healing,
                           kv_budget_mb=e.kv_budget_mb, efim=e.efim, inc_bound=e.inc_bound, head_lines=e.head_lines,
                           max_batch=e.max_batch,

@@ -95,6 +95,7 @@ class EngineSettings:
     dtype: str = "auto"
     template: str = "auto"
     threads: int = 0
+    pack_weights: bool = True  # oneDNN-prepacked linear weights on CPU (faster, same results)
     max_prefix_tokens: int = 1024
     max_suffix_tokens: int = 256
     token_healing: bool = True

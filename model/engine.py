@@ -401,8 +401,9 @@ class Engine:
     def configure(self, settings: EngineSettings) -> None:
         """Apply new settings: a reload if the model changed, else at the next request."""
         old = self.settings
-        if (old.model, old.device, old.dtype, old.template, old.threads) != (
-                settings.model, settings.device, settings.dtype, settings.template, settings.threads):
+        if (old.model, old.device, old.dtype, old.template, old.threads, old.pack_weights) != (
+                settings.model, settings.device, settings.dtype, settings.template, settings.threads,
+                settings.pack_weights):
             self.reload(settings)
         else:
             self.settings = settings
@@ -563,7 +564,8 @@ class Engine:
         if settings.threads > 0:
             torch.set_num_threads(settings.threads)
         try:
-            self.lm = load_model(settings.model, settings.device, settings.dtype, settings.template)
+            self.lm = load_model(settings.model, settings.device, settings.dtype, settings.template,
+                                 pack=settings.pack_weights)
             self.load_error = None
             self._vocab = None
             self.drafter = None  # its cache holds the old tokenizer's ids

@@ -230,8 +230,10 @@ def stop_token_ids(tokenizer, template: TemplateChoice) -> frozenset[int]:
 
 
 def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
-               template: str = "auto") -> LoadedModel:
-    """Load a checkpoint for inference; see the module docstring for ``spec``."""
+               template: str = "auto", pack: bool = True) -> LoadedModel:
+    """Load a checkpoint for inference; see the module docstring for ``spec``.  ``pack``:
+    prepack the linear layers' weights for oneDNN where that applies (CPU; measured faster,
+    same results; costs a second copy of those weights)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default: nothing downloads
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -255,14 +257,16 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     except ValueError as exc:
         raise ModelLoadError(f"cannot serve {spec!r}: {exc}") from exc
     del model
+    net.pack(pack)
     choice = detect_template(tok.get_vocab(), template)
     if template not in ("auto", choice.name):
         log.warning("FIM template: %s", choice.reason)
     loaded = LoadedModel(model=net, tokenizer=tok, name=name, path=str(ckpt), home=str(home), device=dev,
                          dtype=dt, template=choice, stop_ids=stop_token_ids(tok, choice),
                          load_seconds=time.perf_counter() - t0)
-    log.info("model %s loaded from %s on %s/%s in %.2f s, template %s", name, ckpt, dev,
-             str(dt).removeprefix("torch."), loaded.load_seconds, choice.name)
+    log.info("model %s loaded from %s on %s/%s in %.2f s, template %s%s", name, ckpt, dev,
+             str(dt).removeprefix("torch."), loaded.load_seconds, choice.name,
+             ", weights packed" if net.packed else "")
     return loaded
 
 

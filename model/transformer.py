@@ -94,6 +94,27 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that can run on a weight prepacked for oneDNN (see ``pack``).
+
+    Measured on this project's 2-core CPU (bf16, one token): PyTorch's plain linear streams
+    the weights at 14-31 GB/s, the prepacked oneDNN kernel at 37-75 GB/s; results are
+    bit-identical.  The packed copy is used only without autograd (inference)."""
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and not torch.is_grad_enabled():
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``Transformer.pack`` applies: CPU, oneDNN built in, bf16 or fp32 weights."""
+    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [B, heads, S, E]; cos, sin: [B, 1, S, E], sin's first half negated (see rope()):
     # HF Llama's rotate-half, x*cos + cat(-x2, x1)*sin, as one roll.
@@ -169,8 +190,8 @@ class Attention(nn.Module):
         super().__init__()
         self.args = args
         h, k, e = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wqkv = nn.Linear(args.dim, (h + 2 * k) * e, bias=args.qkv_bias)
-        self.wo = nn.Linear(h * e, args.dim, bias=False)
+        self.wqkv = Linear(args.dim, (h + 2 * k) * e, bias=args.qkv_bias)
+        self.wo = Linear(h * e, args.dim, bias=False)
 
     def forward(self, x, cos, sin, layer: int, caches: list[SeqKV], masks: list[torch.Tensor | None]):
         # x: [B, S, D]; every sequence b appends S positions to caches[b]
@@ -196,8 +217,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)
-        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
+        self.w13 = Linear(args.dim, 2 * args.hidden_dim, bias=False)
+        self.w2 = Linear(args.hidden_dim, args.dim, bias=False)
 
     def forward(self, x):
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -227,7 +248,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.head = Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
 
     @property
@@ -237,6 +258,21 @@ class Transformer(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
+
+    @torch.no_grad()
+    def pack(self, on: bool = True) -> bool:
+        """Give every linear layer (the head too) a oneDNN-prepacked copy of its weight, or
+        drop the copies (``on=False``).  Costs one more copy of those weights in memory;
+        call it again after moving or changing the weights.  Returns whether packing is on."""
+        on = on and can_pack(self.device, self.dtype)
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.packed = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), None) if on else None
+        return on
+
+    @property
+    def packed(self) -> bool:
+        return self.head.packed is not None
 
     def new_cache(self, capacity: int = 256) -> SeqKV:
         dtype = self.kv_dtype or (torch.float32 if self.device.type == "cpu" else self.dtype)

@@ -19,20 +19,23 @@ FAMILIES = {
 }
 
 
-def pair(family: str, tie: bool = False):
+def pair(family: str, tie: bool = False, packed: bool = False):
     torch.manual_seed(0)
     config_cls, model_cls, extra = FAMILIES[family]
     cfg = config_cls(vocab_size=311, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                      tie_word_embeddings=tie, **extra)
     hf = model_cls(cfg).eval()
-    return hf, from_hf(hf)
+    own = from_hf(hf)
+    assert own.pack(packed) == packed
+    return hf, own
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_logits_match_transformers_with_chunked_prefill(family):
+def test_logits_match_transformers_with_chunked_prefill(family, packed):
     """Guards the forward and the KV cache: chunks through the cache = one pass of HF."""
-    hf, own = pair(family, tie=family == "llama")
+    hf, own = pair(family, tie=family == "llama", packed=packed)
     ids = torch.randint(0, 311, (1, 40))
     with torch.no_grad():
         want = hf(ids).logits
@@ -53,6 +56,30 @@ def test_greedy_tokens_identical(family):
             out.append(int(logits[0].argmax()))
             logits = own(torch.tensor([[out[-1]]]), [cache])
     assert out == ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_change_no_result(dtype):
+    """The oneDNN-prepacked linears give the plain ones' logits (prefill, decode, a
+    verification-sized step); with autograd on, the plain weights run so gradients flow."""
+    _, own = pair("qwen2", tie=True)
+    own = own.to(dtype)
+    ids = torch.randint(0, 311, (2, 30))
+    outs = []
+    for packed in (False, True):
+        assert own.pack(packed) == packed and own.packed == packed
+        with torch.no_grad():
+            caches = [own.new_cache(), own.new_cache()]
+            steps = [own(ids[:, :20], caches, logits_for="all"), own(ids[:, 20:21], caches, logits_for="all"),
+                     own(ids[:, 21:], caches, logits_for="all")]
+        outs.append(torch.cat(steps, 1))
+    exact = dtype == torch.bfloat16  # fp32 may round differently in the last bit
+    torch.testing.assert_close(outs[1], outs[0], atol=0 if exact else 1e-6, rtol=0 if exact else 1e-5)
+    x = torch.randn(3, 64, dtype=dtype, requires_grad=True)
+    own.layers[0].mlp.w13(x).sum().backward()
+    assert x.grad is not None and own.layers[0].mlp.w13.weight.grad is not None
+    own.pack(False)
+    assert own.layers[0].mlp.w13.packed is None
 
 
 def test_batched_decode_equals_one_at_a_time():
