@@ -131,7 +131,10 @@ class ExitsError(RuntimeError):
     """Exit heads that cannot be loaded."""
 
 
-def load_exits(folder: str | Path, model: Transformer) -> Exits:
+def load_exits(folder: str | Path, model: Transformer, model_id: str = "") -> Exits:
+    """Exit heads saved by ``Exits.save``.  ``model_id`` (``loader.model_identity`` of the
+    model's home): heads that recorded another model's fingerprint are refused, since their
+    thresholds were calibrated against other weights."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -142,6 +145,10 @@ def load_exits(folder: str | Path, model: Transformer) -> Exits:
         tensors = load_file(str(folder / "exits.safetensors"))
     except (OSError, ValueError) as exc:
         raise ExitsError(f"cannot read exit heads in {folder}: {exc}") from exc
+    trained_on = meta.get("model_id") or ""
+    if model_id and trained_on and trained_on != model_id:
+        raise ExitsError(f"{folder}: trained on other weights ({meta.get('model', '?')}, fingerprint {trained_on}; "
+                         f"this model's is {model_id}): run python -m codecomplete.model.exit_train again")
     bad = [n for n in meta["layers"] if not 0 < n < model.args.n_layers]
     if bad:
         raise ExitsError(f"{folder}: exit layers {bad} outside 1..{model.args.n_layers - 1}")

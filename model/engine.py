@@ -29,7 +29,7 @@ import torch
 from .api import Completion, CompletionRequest, EngineSettings, ExitSettings
 from .early_exit import Exits, ExitPolicy, ExitsError, exit_forward, load_exits, self_spec
 from .kvstore import KVStore, Node
-from .loader import LoadedModel, ModelLoadError, load_model
+from .loader import LoadedModel, ModelLoadError, load_model, model_identity
 from .prompts import PromptPlan, SessionPool, Tokens
 from .speculate import Drafter, Tree, verify
 from .stops import CompletionShape, StopRules
@@ -616,7 +616,7 @@ class Engine:
                 raise ExitsError(f"no exit heads for model {self.lm.name}: train them with "
                                  "python -m codecomplete.model.exit_train and set early_exit.path")
             if self._loaded_exits is None or self._loaded_exits[0] != str(path):
-                self._loaded_exits = (str(path), load_exits(path, self.lm.model))
+                self._loaded_exits = (str(path), load_exits(path, self.lm.model, model_identity(self.lm.home)))
             rt = ExitRuntime.build(self._loaded_exits[1], s)
             self.exit_error = None
         except ExitsError as exc:

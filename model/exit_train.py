@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from . import fimdata as fd
 from .early_exit import MEASURES, Exits
-from .loader import load_model
+from .loader import load_model, model_identity
 
 
 @functools.lru_cache(maxsize=1)
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     subset = counts.argsort(descending=True)[: args.subset] if args.subset else None
     exits = Exits(lm.model.args.dim, layers, subset.sort().values if subset is not None else None)
     exits.final = lm.model.args.n_layers if final else 0
-    report: dict = {"model": lm.name, "positions_train": 0 if train is None else len(train["top"]),
+    report: dict = {"model": lm.name, "model_id": model_identity(lm.home), "positions_train": 0 if train is None else len(train["top"]),
                     "positions_val": len(val["top"]), "subset": args.subset,
                     "subset_coverage_val": round(float(torch.isin(val["top"], exits.subset).float().mean()), 4)
                     if args.subset else 1.0}

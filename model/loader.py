@@ -219,6 +219,28 @@ def _resolve(spec: str) -> tuple[str, Path | str, Path | str]:
     raise ModelLoadError(f"model not found: {spec}")
 
 
+def model_identity(home: str | Path) -> str:
+    """A short content fingerprint of the weights stored in a model's home folder (an
+    adapter's ``adapter.safetensors``, or a checkpoint's ``*.safetensors``): files trained
+    against a model (exit heads) record it, so a retrained model is noticed.  Hashes each
+    file's size and its first and last MiB; "" when the folder holds no weights."""
+    folder = Path(home) if home else None
+    if folder is None or not folder.is_dir():
+        return ""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return ""
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(2**20))
+            fh.seek(max(0, size - 2**20))
+            h.update(fh.read(2**20))
+    return h.hexdigest()[:16]
+
+
 def stop_token_ids(tokenizer, template: TemplateChoice) -> frozenset[int]:
     vocab = tokenizer.get_vocab()
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

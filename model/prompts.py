@@ -147,6 +147,11 @@ class SessionPool:
             reason = "suffix grew"
         start = window_start(prefix, max_prefix_tokens)
         cut = head_cut(prefix, start, self.head_lines) if key and efim else len(prefix)
+        # the first inc obeys the bound too: fewer lines after <M> (long lines), none if
+        # even the cursor's line is over it
+        while cut < len(prefix) and len(toks.encode(prefix[cut:])) > self.inc_bound:
+            nl = prefix.find("\n", cut)
+            cut = nl + 1 if nl >= 0 else len(prefix)
         head_prefix = prefix[:cut]
         prefix_ids, healed = toks.heal(toks.prefix_ids(head_prefix[start:]))
         ids = (bos + [toks.special(template.prefix)] + toks.encode(template.prefix_pad) + context_ids + prefix_ids

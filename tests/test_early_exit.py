@@ -4,6 +4,7 @@ trained and calibrated exits through the project's command, the engine's setting
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from codecomplete.model.api import CompletionRequest, EngineSettings, ExitSettings, SpecSettings
 from codecomplete.model.early_exit import Exits, ExitPolicy, ExitsError, exit_forward, load_exits, untrained_exits
 from codecomplete.model.engine import Engine, ExitRuntime, advance, generate, plan_prompt, self_spec_step, start
-from codecomplete.model.loader import load_model
+from codecomplete.model.loader import load_model, model_identity
 from codecomplete.model.transformer import apply_rope
 
 PROMPTS = [("def mean(data):\n    total = 0\n    for x in data:\n        total", "\n    return total\n"),
@@ -184,7 +185,11 @@ def test_trained_exits_round_trip_and_drive_the_engine(lm, tiny_model, trained):
     # softmax/2: the check after the last layer (the subset head's margin skips the full head)
     assert set(meta["calibration"]) == {"softmax/1", "cosine/1", "classifier/1", "softmax/2"}
     assert meta["final_layer"] == 2
-    exits = load_exits(trained, lm.model)
+    # the heads record the weights they were trained on; other weights are refused
+    assert meta["model_id"] and meta["model_id"] == model_identity(lm.home)
+    exits = load_exits(trained, lm.model, model_identity(lm.home))
+    with pytest.raises(ExitsError, match="trained on other weights"):
+        load_exits(trained, lm.model, "0123456789abcdef")
     assert exits.trained and len(exits.subset) == 256
     assert set(exits.thresholds) >= {"softmax@0.5", "softmax@0.02", "classifier@0.5", "cosine@0.5"}
     rt = ExitRuntime.build(exits, ExitSettings(enabled=True, measure="classifier", bound=0.5))
@@ -212,9 +217,13 @@ def test_trained_exits_round_trip_and_drive_the_engine(lm, tiny_model, trained):
         engine.close()
 
 
-def test_missing_or_broken_exits_keep_serving(tiny_model, tmp_path):
+def test_missing_or_broken_exits_keep_serving(tiny_model, trained, tmp_path):
     (tmp_path / "exits.json").write_text("{not json")
-    for path in [str(tmp_path / "nowhere"), str(tmp_path)]:
+    other = tmp_path / "other"  # heads trained on other weights
+    shutil.copytree(trained, other)
+    meta = json.loads((other / "exits.json").read_text())
+    (other / "exits.json").write_text(json.dumps(meta | {"model_id": "0123456789abcdef"}))
+    for path in [str(tmp_path / "nowhere"), str(tmp_path), str(other)]:
         settings = EngineSettings(model=str(tiny_model), dtype="float32", speculation=SpecSettings(enabled=False),
                                   early_exit=ExitSettings(enabled=True, path=path))
         engine = Engine(settings).start()
@@ -223,7 +232,7 @@ def test_missing_or_broken_exits_keep_serving(tiny_model, tmp_path):
             c = engine.complete(CompletionRequest("def f(x):\n    return", "", max_tokens=4))
             assert c.stop_reason != "error"
             err = engine.stats()["early_exit"]["error"]
-            assert err and "exit heads" in err
+            assert err and ("other weights" if path == str(other) else "exit heads") in err
         finally:
             engine.close()
     with pytest.raises(ExitsError):

@@ -142,6 +142,17 @@ def test_head_lines_put_the_last_lines_after_middle_from_the_first_request(lm):
     at_line_start = SessionPool(inc_bound=64, head_lines=1).plan("d", prefix + "\n", suffix, t, toks, 1024, 256)
     assert at_line_start.kind == "efim" and at_line_start.ids[-len(toks.encode(prefix[cut:])):] != []
     assert SessionPool(head_lines=1).plan(None, prefix, suffix, t, toks, 1024, 256).kind == "psm"  # no session
+    # the first inc obeys inc_bound: a long line moves prefix0's end forward, whole lines at a time
+    long_line = "data = [" + ", ".join(str(i) for i in range(60)) + "]\n"
+    wide = prefix.replace("def area", long_line + "def area")
+    bound = len(toks.encode(wide[wide.index("def area"):])) + 1
+    assert bound < len(toks.encode(wide[wide.index("data = ["):]))
+    capped = SessionPool(inc_bound=bound, head_lines=3).plan("d", wide, suffix, t, toks, 1024, 256)
+    head = SessionPool().plan(None, wide[:wide.index("def area")], suffix, t, toks, 1024, 256).ids
+    assert capped.kind == "efim" and capped.ids[:len(head)] == head
+    assert capped.ids[len(head):] == toks.encode(wide[wide.index("def area"):])
+    tight = SessionPool(inc_bound=2, head_lines=3).plan("d", wide, suffix, t, toks, 1024, 256)
+    assert tight.kind == "psm"  # even the cursor's line is over the bound
 
 
 def test_context_opens_the_prefix_and_stays_through_efim(lm):
