@@ -68,6 +68,8 @@ class EngineConfig:
     inc_bound: int = field(default=256, metadata=_range(0, 4096))  # EFIM inc tokens before a rebase
     head_lines: int = field(default=8, metadata=_range(0, 64))  # lines after <M> in a new session's prompt
     max_batch: int = field(default=16, metadata=_range(1, 256))  # requests decoded together
+    # the KV cache's dtype; auto: see docs/decisions.md
+    kv_dtype: str = field(default="auto", metadata=_choice("auto", "float32", "bfloat16", "float16"))
 
 
 @dataclass
@@ -258,7 +260,7 @@ def engine_settings(cfg: Config):
                           threads=m.threads, pack_weights=m.pack_weights, max_prefix_tokens=c.max_prefix_tokens,
                           max_suffix_tokens=c.max_suffix_tokens, token_healing=c.token_healing,
                           kv_budget_mb=e.kv_budget_mb, efim=e.efim, inc_bound=e.inc_bound, head_lines=e.head_lines,
-                          max_batch=e.max_batch,
+                          max_batch=e.max_batch, kv_dtype=e.kv_dtype,
                           speculation=SpecSettings(enabled=sp.enabled, max_nodes=sp.max_nodes, depth=sp.depth,
                                                    top_k=sp.top_k, alpha=sp.alpha, beta=sp.beta, gamma=sp.gamma,
                                                    tau=sp.tau, p=sp.p),

@@ -104,5 +104,6 @@ class EngineSettings:
     inc_bound: int = 256  # tokens of EFIM's inc before the session is rebased
     head_lines: int = 8  # a new session's last lines go after <M> (EFIM at once); 0: a PSM head
     max_batch: int = 16  # requests decoded together per iteration
+    kv_dtype: str = "auto"  # the KV cache's dtype: auto | float32 | bfloat16 | float16
     speculation: SpecSettings = field(default_factory=SpecSettings)  # retrieval drafts, verified exactly
     early_exit: ExitSettings = field(default_factory=ExitSettings)  # replaces retrieval speculation when on

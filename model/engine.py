@@ -350,6 +350,14 @@ def generate(lm: LoadedModel, request: CompletionRequest, settings: EngineSettin
     return live.result
 
 
+def kv_dtype(name: str, model) -> torch.dtype:
+    """The KV cache's dtype: ``auto`` is fp32 on a CPU (measured faster for short caches,
+    docs/decisions.md) and the weights' dtype elsewhere."""
+    if name != "auto":
+        return getattr(torch, name)
+    return torch.float32 if model.device.type == "cpu" else model.dtype
+
+
 def default_exits_path(lm: LoadedModel) -> Path | None:
     """Exit heads stored with the model: an ``exits/`` folder in its home (for the
     default model, the shipped adapter's package data)."""
@@ -401,9 +409,9 @@ class Engine:
     def configure(self, settings: EngineSettings) -> None:
         """Apply new settings: a reload if the model changed, else at the next request."""
         old = self.settings
-        if (old.model, old.device, old.dtype, old.template, old.threads, old.pack_weights) != (
+        if (old.model, old.device, old.dtype, old.template, old.threads, old.pack_weights, old.kv_dtype) != (
                 settings.model, settings.device, settings.dtype, settings.template, settings.threads,
-                settings.pack_weights):
+                settings.pack_weights, settings.kv_dtype):
             self.reload(settings)
         else:
             self.settings = settings
@@ -566,6 +574,7 @@ class Engine:
         try:
             self.lm = load_model(settings.model, settings.device, settings.dtype, settings.template,
                                  pack=settings.pack_weights)
+            self.lm.model.kv_dtype = kv_dtype(settings.kv_dtype, self.lm.model)
             self.load_error = None
             self._vocab = None
             self.drafter = None  # its cache holds the old tokenizer's ids

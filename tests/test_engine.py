@@ -290,3 +290,21 @@ def test_reload_switches_model(tiny_model, tmp_path):
         assert engine.complete(CompletionRequest("import os\nimport ", "", max_tokens=4)).error is None
     finally:
         engine.close()
+
+
+def test_kv_dtype_setting_reloads_and_serves(tiny_model):
+    """Guards engine.kv_dtype: auto is fp32 on a CPU; a bf16 cache under fp32
+    weights serves, reuses across requests, and stays close to the fp32 cache's answer."""
+    engine = Engine(EngineSettings(model=str(tiny_model), dtype="float32")).start()
+    try:
+        engine.ready.wait()
+        assert engine.lm.model.kv_dtype == torch.float32
+        full = engine.complete(CompletionRequest("import os\nimport ", "", max_tokens=6, ignore_eos=True))
+        engine.configure(EngineSettings(model=str(tiny_model), dtype="float32", kv_dtype="bfloat16"))
+        first = engine.complete(CompletionRequest("import os\nimport ", "", max_tokens=6, ignore_eos=True))
+        assert engine.lm.model.kv_dtype == torch.bfloat16 and engine.lm.model.new_cache().k.dtype == torch.bfloat16
+        again = engine.complete(CompletionRequest("import os\nimport ", "", max_tokens=6, ignore_eos=True))
+        assert first.generated_tokens == again.generated_tokens == full.generated_tokens > 0
+        assert again.reused_tokens > 0 and again.text == first.text
+    finally:
+        engine.close()
