@@ -25,6 +25,7 @@ Writes bench/results/efim_serving.md (+ .json, + the sweep plot PNG).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -119,6 +120,7 @@ def closed_loop(users: list[list[tuple[str, str]]], serve) -> tuple[list[dict], 
 MODEL = "default"  # --model
 
 
+@functools.cache
 def template_for(model: str) -> str:
     from transformers import AutoTokenizer
 

@@ -351,11 +351,9 @@ def generate(lm: LoadedModel, request: CompletionRequest, settings: EngineSettin
 
 
 def kv_dtype(name: str, model) -> torch.dtype:
-    """The KV cache's dtype: ``auto`` is fp32 on a CPU (measured faster for short caches,
-    docs/decisions.md) and the weights' dtype elsewhere."""
-    if name != "auto":
-        return getattr(torch, name)
-    return torch.float32 if model.device.type == "cpu" else model.dtype
+    """The KV cache's dtype for the setting ``name``; ``auto``: the model's default
+    (``Transformer.default_kv_dtype``; docs/decisions.md)."""
+    return model.default_kv_dtype if name == "auto" else getattr(torch, name)
 
 
 def default_exits_path(lm: LoadedModel) -> Path | None:

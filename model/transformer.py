@@ -274,9 +274,14 @@ class Transformer(nn.Module):
     def packed(self) -> bool:
         return self.head.packed is not None
 
+    @property
+    def default_kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype unless ``kv_dtype`` says otherwise: fp32 on a CPU, the
+        weights' dtype elsewhere."""
+        return torch.float32 if self.device.type == "cpu" else self.dtype
+
     def new_cache(self, capacity: int = 256) -> SeqKV:
-        dtype = self.kv_dtype or (torch.float32 if self.device.type == "cpu" else self.dtype)
-        return SeqKV(self.args, capacity, dtype, self.device)
+        return SeqKV(self.args, capacity, self.kv_dtype or self.default_kv_dtype, self.device)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, S] -> cos, sin: [B, 1, S, E]
