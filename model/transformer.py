@@ -162,15 +162,41 @@ class SeqKV:
         self.length = pos
 
 
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _causal_after_cache(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """Causal attention of S new queries over T = C cached + S new keys, as two mask-free
+    flash passes (queries over the cached keys, all visible; queries over the new keys,
+    causal) merged by their log-sum-exps.  On CPU the fused kernel with an explicit mask
+    runs ~2x slower than without one (measured: 2.4k queries over 3k keys, 140 vs 83 ms a
+    layer), and a prefill over a reused prefix is exactly this shape."""
+    s, c = q.shape[2], keys.shape[2] - q.shape[2]
+    g = q.shape[1] // keys.shape[1]
+    if g > 1:
+        keys, vals = keys.repeat_interleave(g, 1), vals.repeat_interleave(g, 1)
+    qq = q.to(keys.dtype)
+    o1, l1 = _CPU_FLASH(qq, keys[:, :, :c], vals[:, :, :c], 0.0, False)[:2]
+    o2, l2 = _CPU_FLASH(qq, keys[:, :, c:], vals[:, :, c:], 0.0, True)[:2]
+    lse = torch.logaddexp(l1, l2)  # [1, H, S], fp32
+    out = o1.float() * (l1 - lse).exp().unsqueeze(-1) + o2.float() * (l2 - lse).exp().unsqueeze(-1)
+    return out.to(q.dtype)
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None,
            causal: bool) -> torch.Tensor:
     """Attention of q [1, H, S, E] over keys, vals [1, K, T, E]; mask [1, 1, S, T] (True =
-    attend) or ``causal`` or neither (all).  Few queries (decode, drafts): plain matmuls
-    with the query heads grouped under their KV head, which beats the fused kernel's
-    set-up cost; many queries (prefill): the fused kernel."""
+    attend) or ``causal`` (the S queries are the last S positions: each sees every earlier
+    key) or neither (all).  Few queries (decode, drafts): plain matmuls with the query heads
+    grouped under their KV head, which beats the fused kernel's set-up cost; many queries
+    (prefill): the fused kernel, mask-free where the mask is causal."""
     _, h, s, e = q.shape
-    kv = keys.shape[1]
+    kv, t = keys.shape[1], keys.shape[2]
     if s > 64:
+        if mask is None and causal and t > s and q.device.type == "cpu" and _CPU_FLASH is not None:
+            return _causal_after_cache(q, keys, vals)
+        if mask is None and causal and t > s:
+            mask = causal_mask(t - s, s, q.device).view(1, 1, s, -1)
         out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, vals, attn_mask=mask,
                                              is_causal=causal and mask is None, enable_gqa=h != kv)
         return out.to(q.dtype)
@@ -209,7 +235,7 @@ class Attention(nn.Module):
             cache.v[layer, :, start:start + s] = v[b]
             keys = cache.k[layer, :, : start + s].unsqueeze(0)  # [1, K, T, E]
             vals = cache.v[layer, :, : start + s].unsqueeze(0)
-            outs.append(attend(q[b:b + 1], keys, vals, masks[b], causal=s > 1 and start == 0))
+            outs.append(attend(q[b:b + 1], keys, vals, masks[b], causal=s > 1))
         out = torch.cat(outs, 0).transpose(1, 2).reshape(bsz, s, a.n_heads * a.head_dim)
         return self.wo(out)
 
@@ -305,7 +331,7 @@ class Transformer(nn.Module):
             base = torch.tensor([c.length for c in caches], device=tokens.device)
             positions = base.unsqueeze(1) + torch.arange(s, device=tokens.device)
         if masks is None:
-            masks = [None if c.length == 0 or s == 1 else causal_mask(c.length, s, tokens.device) for c in caches]
+            masks = [None] * len(caches)  # None: causal (attend builds or avoids the mask)
         masks = [m.view(1, 1, *m.shape) if m is not None else None for m in masks]
         for c in caches:
             c.reserve(s)

@@ -45,6 +45,23 @@ def test_logits_match_transformers_with_chunked_prefill(family, packed):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_long_chunks_after_a_cache_match_transformers(family):
+    """Guards the prefill over a reused prefix (> 64 new tokens after cached ones): the
+    mask-free two-pass attention must equal one causal pass of HF and the masked path."""
+    hf, own = pair(family)
+    ids = torch.randint(0, 311, (1, 300))
+    with torch.no_grad():
+        want = hf(ids).logits
+        cache = own.new_cache(8)
+        got = torch.cat([own(ids[:, a:b], [cache], logits_for="all") for a, b in ((0, 90), (90, 91), (91, 300))], 1)
+        masked = own.new_cache()
+        own(ids[:, :91], [masked])
+        via_mask = own(ids[:, 91:], [masked], masks=[causal_mask(91, 209, "cpu")], logits_for="all")
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got[:, 91:], via_mask, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_greedy_tokens_identical(family):
     hf, own = pair(family)
     prompt = torch.randint(0, 311, (1, 12))
