@@ -47,3 +47,25 @@ def header(title: str) -> str:
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"# {title}\n\n- command: `{command_line()}`\n- machine: {machine()}\n"
             f"- commit: {git_commit()}, run {now}\n")
+
+
+def decode_ms(model, prompts, steps: int, warm: int = 1) -> float:
+    """Mean ms per decode step of ``model`` (the own Transformer) at batch ``len(prompts)``:
+    each row of ``prompts`` [B, T] is prefilled into its own cache, then the same one-token
+    step is timed ``steps`` times after ``warm`` untimed ones.  Call under no_grad."""
+    import time
+
+    import torch
+
+    caches = []
+    for row in prompts:
+        c = model.new_cache(prompts.shape[1] + warm + steps + 4)
+        model(row.view(1, -1), [c])
+        caches.append(c)
+    tok = torch.full((len(caches), 1), 5, dtype=torch.long, device=prompts.device)
+    for _ in range(warm):
+        model(tok, caches)
+    t = time.perf_counter()
+    for _ in range(steps):
+        model(tok, caches)
+    return (time.perf_counter() - t) / steps * 1000

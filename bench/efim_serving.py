@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header  # noqa: E402
+from common import RESULTS, decode_ms, header  # noqa: E402
 
 from codecomplete.model.api import SpecSettings, CompletionRequest, EngineSettings  # noqa: E402
 from codecomplete.model.engine import Engine  # noqa: E402
@@ -263,14 +263,7 @@ def decode_speed(rounds: int = 5) -> dict:
 
     def own(packed: bool) -> float:
         lm.model.pack(packed)
-        cache = lm.model.new_cache(1200)
-        lm.model(ids, [cache])
-        for _ in range(3):
-            lm.model(tok, [cache])
-        t = time.perf_counter()
-        for _ in range(20):
-            lm.model(tok, [cache])
-        return (time.perf_counter() - t) / 20 * 1000
+        return decode_ms(lm.model, ids, steps=20, warm=3)
 
     def ref() -> float:
         c = hf(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values

@@ -20,35 +20,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header  # noqa: E402
+from common import RESULTS, decode_ms, header  # noqa: E402
 
 from codecomplete.model.loader import load_model  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def decode_ms(model, ids: torch.Tensor, bsz: int, ctx: int, steps: int) -> float:
-    caches = []
-    with torch.no_grad():
-        for b in range(bsz):
-            c = model.new_cache(ctx + steps + 4)
-            model(ids[b:b + 1, :ctx], [c])
-            caches.append(c)
-        tok = ids[:bsz, ctx:ctx + 1]
-        model(tok, caches)  # warm
-        t = time.perf_counter()
-        for _ in range(steps):
-            model(tok, caches)
-    return (time.perf_counter() - t) / steps * 1000
-
-
 def prefill_ms(model, ids: torch.Tensor, cached: int, new: int) -> float:
     c = model.new_cache(cached + new + 4)
-    with torch.no_grad():
-        if cached:
-            model(ids[:1, :cached], [c])
-        t = time.perf_counter()
-        model(ids[:1, cached:cached + new], [c])
+    if cached:
+        model(ids[:1, :cached], [c])
+    t = time.perf_counter()
+    model(ids[:1, cached:cached + new], [c])
     return (time.perf_counter() - t) * 1000
 
 
@@ -63,9 +47,9 @@ def main() -> int:
     model = lm.model
     ids = torch.randint(100, min(40000, model.args.vocab_size - 1), (16, 3100))
     cases = {
-        "decode, batch 1, 1k context (ms/token)": lambda: decode_ms(model, ids, 1, 1000, 16),
-        "decode, batch 1, 3k context (ms/token)": lambda: decode_ms(model, ids, 1, 3000, 16),
-        "decode, batch 16, 3k context each (ms/step)": lambda: decode_ms(model, ids, 16, 3000, 4),
+        "decode, batch 1, 1k context (ms/token)": lambda: decode_ms(model, ids[:1, :1000], 16),
+        "decode, batch 1, 3k context (ms/token)": lambda: decode_ms(model, ids[:1, :3000], 16),
+        "decode, batch 16, 3k context each (ms/step)": lambda: decode_ms(model, ids[:, :3000], 4),
         "prefill, 3000 tokens (ms)": lambda: prefill_ms(model, ids, 0, 3000),
         "prefill, 2400 tokens over 600 cached (ms)": lambda: prefill_ms(model, ids, 600, 2400),
     }
@@ -74,7 +58,8 @@ def main() -> int:
         for dname, dt in DTYPES.items():
             model.kv_dtype = dt
             for name, fn in cases.items():
-                runs[name][dname].append(round(fn(), 1))
+                with torch.no_grad():
+                    runs[name][dname].append(round(fn(), 1))
         print(f"round {r + 1}/{args.rounds}: {json.dumps(runs)}", file=sys.stderr, flush=True)
     model.kv_dtype = None
     lines = [header("KV cache dtype: fp32 vs bf16"), "",

@@ -193,9 +193,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.
     _, h, s, e = q.shape
     kv, t = keys.shape[1], keys.shape[2]
     if s > 64:
-        if mask is None and causal and t > s and q.device.type == "cpu" and _CPU_FLASH is not None:
-            return _causal_after_cache(q, keys, vals)
-        if mask is None and causal and t > s:
+        if mask is None and causal and t > s:  # new tokens after cached ones
+            if q.device.type == "cpu" and _CPU_FLASH is not None:
+                return _causal_after_cache(q, keys, vals)
             mask = causal_mask(t - s, s, q.device).view(1, 1, s, -1)
         out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, vals, attn_mask=mask,
                                              is_causal=causal and mask is None, enable_gqa=h != kv)
