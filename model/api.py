@@ -96,6 +96,7 @@ class EngineSettings:
     template: str = "auto"
     threads: int = 0
     pack_weights: bool = True  # oneDNN-prepacked linear weights on CPU (faster, same results)
+    native_attention: bool = True  # decode attention through the native CPU kernel (model/native)
     max_prefix_tokens: int = 1024
     max_suffix_tokens: int = 256
     token_healing: bool = True

@@ -413,6 +413,9 @@ class Engine:
             self.reload(settings)
         else:
             self.settings = settings
+            if self.lm is not None and old.native_attention != settings.native_attention:
+                # safe mid-iteration: both paths read and write the caches alike
+                self.lm.model.native_decode(settings.native_attention)
             self.pool.inc_bound = settings.inc_bound
             self.pool.head_lines = settings.head_lines
             if self.store is not None:
@@ -571,7 +574,7 @@ class Engine:
             torch.set_num_threads(settings.threads)
         try:
             self.lm = load_model(settings.model, settings.device, settings.dtype, settings.template,
-                                 pack=settings.pack_weights)
+                                 pack=settings.pack_weights, native=settings.native_attention)
             self.lm.model.kv_dtype = kv_dtype(settings.kv_dtype, self.lm.model)
             self.load_error = None
             self._vocab = None

@@ -252,10 +252,11 @@ def stop_token_ids(tokenizer, template: TemplateChoice) -> frozenset[int]:
 
 
 def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
-               template: str = "auto", pack: bool = True) -> LoadedModel:
+               template: str = "auto", pack: bool = True, native: bool = True) -> LoadedModel:
     """Load a checkpoint for inference; see the module docstring for ``spec``.  ``pack``:
     prepack the linear layers' weights for oneDNN where that applies (CPU; measured faster,
-    same results; costs a second copy of those weights)."""
+    same results; costs a second copy of those weights).  ``native``: decode attention through
+    the native CPU kernel where it builds (``Transformer.native_decode``)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default: nothing downloads
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -280,15 +281,17 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
         raise ModelLoadError(f"cannot serve {spec!r}: {exc}") from exc
     del model
     net.pack(pack)
+    net.native_decode(native)
     choice = detect_template(tok.get_vocab(), template)
     if template not in ("auto", choice.name):
         log.warning("FIM template: %s", choice.reason)
     loaded = LoadedModel(model=net, tokenizer=tok, name=name, path=str(ckpt), home=str(home), device=dev,
                          dtype=dt, template=choice, stop_ids=stop_token_ids(tok, choice),
                          load_seconds=time.perf_counter() - t0)
-    log.info("model %s loaded from %s on %s/%s in %.2f s, template %s%s", name, ckpt, dev,
+    log.info("model %s loaded from %s on %s/%s in %.2f s, template %s%s%s", name, ckpt, dev,
              str(dt).removeprefix("torch."), loaded.load_seconds, choice.name,
-             ", weights packed" if net.packed else "")
+             ", weights packed" if net.packed else "",
+             ", native decode attention" if net.layers[0].attn.native else "")
     return loaded
 
 

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
+
 SUPPORTED = ("llama", "mistral", "qwen2")
 
 
@@ -212,6 +214,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.
 
 
 class Attention(nn.Module):
+    native = False  # decode steps through the native CPU kernel (Transformer.native_decode)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -228,6 +232,9 @@ class Attention(nn.Module):
         q = apply_rope(q.view(bsz, s, a.n_heads, a.head_dim).transpose(1, 2), cos, sin)
         k = apply_rope(k.view(bsz, s, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)
         v = v.view(bsz, s, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        if s == 1 and self.native and caches[0].k.dtype in native.KV_DTYPES and all(m is None for m in masks):
+            out = native.decode_attention(q, k, v, caches, layer)  # the whole batch in one call
+            return self.wo(out.view(bsz, 1, a.n_heads * a.head_dim))
         outs = []
         for b, cache in enumerate(caches):
             start = cache.length
@@ -294,6 +301,15 @@ class Transformer(nn.Module):
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.packed = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), None) if on else None
+        return on
+
+    def native_decode(self, on: bool = True) -> bool:
+        """Run decode steps' attention (one new token per sequence, no mask) through the
+        native CPU kernel (``model/native``; built on first use) or through PyTorch
+        (``on=False``).  Returns whether the kernel is in use: CPU and a C compiler."""
+        on = on and self.device.type == "cpu" and native.available()
+        for layer in self.layers:
+            layer.attn.native = on
         return on
 
     @property

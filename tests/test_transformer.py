@@ -7,7 +7,11 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
+from codecomplete.model import native
 from codecomplete.model.transformer import causal_mask, from_hf
+
+# decode attention: PyTorch, and the native CPU kernel where a C compiler is here
+NATIVE = [False, True] if native.available() else [False]
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
@@ -19,7 +23,7 @@ FAMILIES = {
 }
 
 
-def pair(family: str, tie: bool = False, packed: bool = False):
+def pair(family: str, tie: bool = False, packed: bool = False, native_decode: bool = False):
     torch.manual_seed(0)
     config_cls, model_cls, extra = FAMILIES[family]
     cfg = config_cls(vocab_size=311, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -28,19 +32,23 @@ def pair(family: str, tie: bool = False, packed: bool = False):
     hf = model_cls(cfg).eval()
     own = from_hf(hf)
     assert own.pack(packed) == packed
+    assert own.native_decode(native_decode) == native_decode
     return hf, own
 
 
+@pytest.mark.parametrize("native_decode", NATIVE, ids=lambda n: "native" if n else "torch-attn")
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_logits_match_transformers_with_chunked_prefill(family, packed):
-    """Guards the forward and the KV cache: chunks through the cache = one pass of HF."""
-    hf, own = pair(family, tie=family == "llama", packed=packed)
+def test_logits_match_transformers_with_chunked_prefill(family, packed, native_decode):
+    """Guards the forward and the KV cache: chunks through the cache (and single-token
+    decode steps) = one pass of HF."""
+    hf, own = pair(family, tie=family == "llama", packed=packed, native_decode=native_decode)
     ids = torch.randint(0, 311, (1, 40))
     with torch.no_grad():
         want = hf(ids).logits
         cache = own.new_cache(8)  # small on purpose: it must grow
-        got = torch.cat([own(ids[:, a:b], [cache], logits_for="all") for a, b in ((0, 17), (17, 18), (18, 40))], 1)
+        got = torch.cat([own(ids[:, a:b], [cache], logits_for="all")
+                         for a, b in ((0, 17), (17, 18), (18, 19), (19, 20), (20, 40))], 1)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
@@ -61,9 +69,10 @@ def test_long_chunks_after_a_cache_match_transformers(family):
     torch.testing.assert_close(got[:, 91:], via_mask, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("native_decode", NATIVE, ids=lambda n: "native" if n else "torch-attn")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_greedy_tokens_identical(family):
-    hf, own = pair(family)
+def test_greedy_tokens_identical(family, native_decode):
+    hf, own = pair(family, native_decode=native_decode)
     prompt = torch.randint(0, 311, (1, 12))
     with torch.no_grad():
         ref = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)[0, 12:].tolist()
@@ -99,9 +108,10 @@ def test_packed_weights_change_no_result(dtype):
     assert own.layers[0].mlp.w13.packed is None
 
 
-def test_batched_decode_equals_one_at_a_time():
+@pytest.mark.parametrize("native_decode", NATIVE, ids=lambda n: "native" if n else "torch-attn")
+def test_batched_decode_equals_one_at_a_time(native_decode):
     """Guards batching: sequences of different lengths stepped together."""
-    _, own = pair("llama")
+    _, own = pair("llama", native_decode=native_decode)
     prompts = [torch.randint(0, 311, (1, n)) for n in (5, 9, 14)]
     with torch.no_grad():
         caches = [own.new_cache() for _ in prompts]
