@@ -214,7 +214,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.
 
 
 class Attention(nn.Module):
-    native = False  # decode steps through the native CPU kernel (Transformer.native_decode)
+    native = False  # few-token steps through the native CPU kernel (Transformer.native_decode)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -232,9 +232,9 @@ class Attention(nn.Module):
         q = apply_rope(q.view(bsz, s, a.n_heads, a.head_dim).transpose(1, 2), cos, sin)
         k = apply_rope(k.view(bsz, s, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)
         v = v.view(bsz, s, a.n_kv_heads, a.head_dim).transpose(1, 2)
-        if s == 1 and self.native and caches[0].k.dtype in native.KV_DTYPES and all(m is None for m in masks):
-            out = native.decode_attention(q, k, v, caches, layer)  # the whole batch in one call
-            return self.wo(out.view(bsz, 1, a.n_heads * a.head_dim))
+        if s <= 64 and self.native and caches[0].k.dtype in native.KV_DTYPES:  # decode or verification
+            out = native.decode_attention(q, k, v, caches, layer, masks)  # the whole batch in one call
+            return self.wo(out.transpose(1, 2).reshape(bsz, s, a.n_heads * a.head_dim))
         outs = []
         for b, cache in enumerate(caches):
             start = cache.length
@@ -304,8 +304,8 @@ class Transformer(nn.Module):
         return on
 
     def native_decode(self, on: bool = True) -> bool:
-        """Run decode steps' attention (one new token per sequence, no mask) through the
-        native CPU kernel (``model/native``; built on first use) or through PyTorch
+        """Run the attention of few-token steps (decode steps, speculation's verification:
+        up to 64 new tokens per sequence, causal or masked) through the native CPU kernel (``model/native``; built on first use) or through PyTorch
         (``on=False``).  Returns whether the kernel is in use: CPU and a C compiler."""
         on = on and self.device.type == "cpu" and native.available()
         for layer in self.layers:

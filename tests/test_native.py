@@ -16,23 +16,24 @@ from codecomplete.model.transformer import SeqKV, attend
 needs_kernel = pytest.mark.skipif(not native.available(), reason=f"native kernel unavailable: {native.error()}")
 
 
-def torch_decode(q, k, v, caches, layer):
-    """The reference: the model's PyTorch decode path, one sequence at a time."""
-    outs = []
+def torch_decode(q, k, v, caches, layer, masks=None):
+    """The reference: the model's PyTorch path for few new tokens, one sequence at a time."""
+    outs, s = [], q.shape[2]
     for b, c in enumerate(caches):
         n = c.length
-        c.k[layer, :, n:n + 1] = k[b]
-        c.v[layer, :, n:n + 1] = v[b]
-        outs.append(attend(q[b:b + 1], c.k[layer, :, :n + 1].unsqueeze(0), c.v[layer, :, :n + 1].unsqueeze(0),
-                           None, causal=False))
+        c.k[layer, :, n:n + s] = k[b]
+        c.v[layer, :, n:n + s] = v[b]
+        m = None if masks is None or masks[b] is None else masks[b].view(1, 1, s, n + s)
+        outs.append(attend(q[b:b + 1], c.k[layer, :, :n + s].unsqueeze(0), c.v[layer, :, :n + s].unsqueeze(0),
+                           m, causal=s > 1))
     return torch.cat(outs)
 
 
-def random_caches(kv_heads, head_dim, lengths, dtype, layers=3):
+def random_caches(kv_heads, head_dim, lengths, dtype, layers=3, new=9):
     args = SimpleNamespace(n_layers=layers, n_kv_heads=kv_heads, head_dim=head_dim)
     caches = []
     for n in lengths:
-        c = SeqKV(args, n + 1 + (n % 5), dtype, "cpu")  # spare capacity differs per sequence
+        c = SeqKV(args, n + new + (n % 5), dtype, "cpu")  # spare capacity differs per sequence
         c.k.normal_()
         c.v.normal_()
         c.length = n
@@ -65,6 +66,48 @@ def test_kernel_matches_torch_path(heads, kv_heads, head_dim, kv_dtype):
     for a, b in zip(mine, ref):
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
         assert a.length == b.length  # the caller advances lengths, as in the model
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "tree-mask"])
+def test_several_new_tokens_causal_or_masked(masked, kv_dtype):
+    """Verification-sized steps (S new tokens per sequence): causal without a mask, or a
+    random mask over cache and new tokens (each row sees itself, as a tree mask does)."""
+    torch.manual_seed(1)
+    lengths, s = [0, 7, native.CHUNK - 3, 2 * native.CHUNK + 5], 9
+    q = torch.randn(len(lengths), 6, s, 64)
+    k = torch.randn(len(lengths), 2, s, 64)
+    v = torch.randn(len(lengths), 2, s, 64)
+    masks = None
+    if masked:
+        masks = []
+        for n in lengths:
+            m = torch.rand(s, n + s) < 0.6
+            m[:, n:] &= torch.ones(s, s, dtype=torch.bool).tril()
+            m[torch.arange(s), n + torch.arange(s)] = True
+            masks.append(m)
+        masks[1] = None  # sequences without a mask in the same batch are causal
+    mine = random_caches(2, 64, lengths, kv_dtype)
+    ref = random_caches(2, 64, lengths, kv_dtype)
+    for a, b in zip(mine, ref):
+        b.k.copy_(a.k)
+        b.v.copy_(a.v)
+    got = native.decode_attention(q, k, v, mine, layer=2, masks=masks)
+    want = torch_decode(q, k, v, ref, layer=2, masks=masks)
+    tol = 2e-5 if kv_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    for a, b in zip(mine, ref):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+@needs_kernel
+def test_a_full_cache_is_refused_not_overrun():
+    caches = random_caches(2, 64, [20], torch.float32, new=0)
+    caches[0].length = caches[0].capacity - 1
+    q, kv = torch.randn(1, 4, 2, 64), torch.randn(1, 2, 2, 64)
+    with pytest.raises(ValueError, match="reserve first"):
+        native.decode_attention(q, kv, kv, caches, layer=0)
 
 
 @needs_kernel

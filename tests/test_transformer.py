@@ -126,9 +126,10 @@ def test_batched_decode_equals_one_at_a_time(native_decode):
     torch.testing.assert_close(batched, torch.stack(alone), atol=1e-5, rtol=1e-5)
 
 
-def test_explicit_positions_and_mask_reproduce_the_causal_default():
+@pytest.mark.parametrize("native_decode", NATIVE, ids=lambda n: "native" if n else "torch-attn")
+def test_explicit_positions_and_mask_reproduce_the_causal_default(native_decode):
     """Guards the hooks speculation needs: explicit positions and a 4D-able mask."""
-    _, own = pair("qwen2")
+    _, own = pair("qwen2", native_decode=native_decode)
     ids = torch.randint(0, 311, (1, 10))
     with torch.no_grad():
         c1, c2 = own.new_cache(), own.new_cache()

@@ -82,8 +82,9 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     fn = lib.decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int] * 6 + [ctypes.c_void_p] * 3 + [ctypes.POINTER(ctypes.c_void_p)] * 2 + [
-        ctypes.POINTER(ctypes.c_int64)] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_int] * 7 + [ctypes.c_void_p] * 3 + [ctypes.POINTER(ctypes.c_void_p)] * 2 + [
+        ctypes.POINTER(ctypes.c_int64)] * 2 + [ctypes.POINTER(ctypes.c_void_p), ctypes.c_float, ctypes.c_int,
+                                               ctypes.c_void_p]
     return lib
 
 
@@ -111,27 +112,47 @@ def error() -> str | None:
     return _error
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches, layer: int) -> torch.Tensor:
-    """One new token per sequence: q [B, H, 1, E], k and v [B, K, 1, E] (rotary applied).
-    Writes k, v at position ``caches[b].length`` of layer ``layer`` and returns the
-    attention output [B, H, 1, E] in q's dtype; caches' lengths are left to the caller."""
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches, layer: int,
+                     masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """S new tokens per sequence (a decode step, S = 1, or a verification pass): q [B, H, S, E],
+    k and v [B, K, S, E] (rotary applied).  Writes k, v at positions ``caches[b].length``..
+    of layer ``layer`` and returns the attention output [B, H, S, E] in q's dtype over
+    the cache and the new tokens: causal, or as ``masks[b]`` says (boolean, True = attend,
+    [S, length + S] or a view of it with leading ones).  Caches' lengths are left to the
+    caller."""
     if not available():
         raise RuntimeError(f"native decode attention unavailable: {_error}")
-    bsz, h, _, e = q.shape
+    bsz, h, s, e = q.shape
     kv = k.shape[1]
     dt = caches[0].k.dtype
-    qf = q.reshape(bsz, h, e).to(torch.float32).contiguous()
-    kn = k.reshape(bsz, kv, e).to(dt).contiguous()
-    vn = v.reshape(bsz, kv, e).to(dt).contiguous()
-    out = torch.empty((bsz, h, e), dtype=torch.float32)
+    for c in caches:  # the kernel writes in place: never past a cache's end
+        if c.length + s > c.capacity or c.k.dtype != dt or not (c.k.is_contiguous() and c.v.is_contiguous()):
+            raise ValueError(f"cache cannot take {s} new tokens here (length {c.length}, capacity {c.capacity}, "
+                             f"{c.k.dtype}); reserve first")
+    qf = q.to(torch.float32).contiguous()
+    kn = k.to(dt).contiguous()
+    vn = v.to(dt).contiguous()
+    out = torch.empty((bsz, h, s, e), dtype=torch.float32)
     ptrs = (ctypes.c_void_p * (2 * bsz))(*[c.k.data_ptr() for c in caches], *[c.v.data_ptr() for c in caches])
     sizes = (ctypes.c_int64 * (2 * bsz))(*[c.capacity for c in caches], *[c.length for c in caches])
     kp = ctypes.cast(ptrs, ctypes.POINTER(ctypes.c_void_p))
     vp = ctypes.cast(ctypes.byref(ptrs, bsz * ctypes.sizeof(ctypes.c_void_p)), ctypes.POINTER(ctypes.c_void_p))
     cp = ctypes.cast(sizes, ctypes.POINTER(ctypes.c_int64))
     lp = ctypes.cast(ctypes.byref(sizes, bsz * 8), ctypes.POINTER(ctypes.c_int64))
-    rc = _lib.decode_attention(bsz, kv, h // kv, e, layer, _ELSIZE[dt], qf.data_ptr(), kn.data_ptr(), vn.data_ptr(),
-                               kp, vp, cp, lp, e ** -0.5, CHUNK, out.data_ptr())
+    mp = None
+    keep = []  # the masks' contiguous copies live through the call
+    if masks is not None and any(m is not None for m in masks):
+        arr = (ctypes.c_void_p * bsz)()
+        for b, (m, c) in enumerate(zip(masks, caches)):
+            if m is None:
+                continue
+            m = m.reshape(s, c.length + s)
+            m = m if m.dtype == torch.bool and m.is_contiguous() else m.to(torch.bool).contiguous()
+            keep.append(m)
+            arr[b] = m.data_ptr()
+        mp = ctypes.cast(arr, ctypes.POINTER(ctypes.c_void_p))
+    rc = _lib.decode_attention(bsz, kv, h // kv, e, s, layer, _ELSIZE[dt], qf.data_ptr(), kn.data_ptr(),
+                               vn.data_ptr(), kp, vp, cp, lp, mp, e ** -0.5, CHUNK, out.data_ptr())
     if rc != 0:
         raise MemoryError("native decode attention: out of scratch memory")
-    return out.view(bsz, h, 1, e).to(q.dtype)
+    return out.to(q.dtype)
