@@ -305,8 +305,9 @@ class Transformer(nn.Module):
 
     def native_decode(self, on: bool = True) -> bool:
         """Run the attention of few-token steps (decode steps, speculation's verification:
-        up to 64 new tokens per sequence, causal or masked) through the native CPU kernel (``model/native``; built on first use) or through PyTorch
-        (``on=False``).  Returns whether the kernel is in use: CPU and a C compiler."""
+        up to 64 new tokens per sequence, causal or masked) through the native CPU kernel
+        (``model/native``, built on first use) or through PyTorch (``on=False``).  Returns
+        whether the kernel is in use: CPU and a C compiler."""
         on = on and self.device.type == "cpu" and native.available()
         for layer in self.layers:
             layer.attn.native = on

@@ -7,7 +7,7 @@ call (docs/decisions.md has the measurements).
 
 The shared library is built once per source version and CPU into a cache directory
 (``$CODECOMPLETE_NATIVE_DIR``, else ``$XDG_CACHE_HOME/codecomplete`` or
-``~/.cache/codecomplete``) and reused; building takes about a second.  Nothing here is
+``~/.cache/codecomplete``) and reused; building takes about 2 s.  Nothing here is
 required: without a C compiler, with ``CODECOMPLETE_NATIVE=0``, or when building fails,
 ``available()`` is False and the model keeps its PyTorch path.
 """
@@ -133,24 +133,20 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches, 
     kn = k.to(dt).contiguous()
     vn = v.to(dt).contiguous()
     out = torch.empty((bsz, h, s, e), dtype=torch.float32)
-    ptrs = (ctypes.c_void_p * (2 * bsz))(*[c.k.data_ptr() for c in caches], *[c.v.data_ptr() for c in caches])
-    sizes = (ctypes.c_int64 * (2 * bsz))(*[c.capacity for c in caches], *[c.length for c in caches])
-    kp = ctypes.cast(ptrs, ctypes.POINTER(ctypes.c_void_p))
-    vp = ctypes.cast(ctypes.byref(ptrs, bsz * ctypes.sizeof(ctypes.c_void_p)), ctypes.POINTER(ctypes.c_void_p))
-    cp = ctypes.cast(sizes, ctypes.POINTER(ctypes.c_int64))
-    lp = ctypes.cast(ctypes.byref(sizes, bsz * 8), ctypes.POINTER(ctypes.c_int64))
+    ptrs, ints = ctypes.c_void_p * bsz, ctypes.c_int64 * bsz  # ctypes arrays pass as the C pointers
+    kp, vp = ptrs(*[c.k.data_ptr() for c in caches]), ptrs(*[c.v.data_ptr() for c in caches])
+    cp, lp = ints(*[c.capacity for c in caches]), ints(*[c.length for c in caches])
     mp = None
     keep = []  # the masks' contiguous copies live through the call
     if masks is not None and any(m is not None for m in masks):
-        arr = (ctypes.c_void_p * bsz)()
+        mp = ptrs()
         for b, (m, c) in enumerate(zip(masks, caches)):
             if m is None:
                 continue
             m = m.reshape(s, c.length + s)
             m = m if m.dtype == torch.bool and m.is_contiguous() else m.to(torch.bool).contiguous()
             keep.append(m)
-            arr[b] = m.data_ptr()
-        mp = ctypes.cast(arr, ctypes.POINTER(ctypes.c_void_p))
+            mp[b] = m.data_ptr()
     rc = _lib.decode_attention(bsz, kv, h // kv, e, s, layer, _ELSIZE[dt], qf.data_ptr(), kn.data_ptr(),
                                vn.data_ptr(), kp, vp, cp, lp, mp, e ** -0.5, CHUNK, out.data_ptr())
     if rc != 0:
