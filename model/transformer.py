@@ -100,14 +100,22 @@ class Linear(nn.Linear):
     """``nn.Linear`` that can run on a weight prepacked for oneDNN (see ``pack``).
 
     Measured on this project's 2-core CPU (bf16, one token): PyTorch's plain linear streams
-    the weights at 14-31 GB/s, the prepacked oneDNN kernel at 37-75 GB/s; results are
-    bit-identical.  The packed copy is used only without autograd (inference)."""
+    the weights at 14-31 GB/s, the prepacked oneDNN kernel at 37-75 GB/s when they are in
+    cache; results are bit-identical.  A whole decode step, streaming from memory, ran
+    oneDNN at ~17 GB/s, so steps of up to ``native.LINEAR_ROWS`` rows use ``native.linear``
+    on its own copy of the weight where it is built (~30 GB/s; see model/native/linear.c).
+    The copies are used only without autograd (inference)."""
 
     packed: torch.Tensor | None = None
+    native_weight: torch.Tensor | None = None  # in native.linear's layout (Transformer.native_decode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and not torch.is_grad_enabled():
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if not torch.is_grad_enabled():
+            if self.native_weight is not None and x.dtype == torch.bfloat16 \
+                    and x.numel() <= native.LINEAR_ROWS * x.shape[-1]:
+                return native.linear(x, self.native_weight, self.bias, self.out_features)  # few rows: decode
+            if self.packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -228,6 +236,9 @@ class Attention(nn.Module):
         a = self.args
         bsz, s, _ = x.shape
         qkv = self.wqkv(x)
+        if s <= 64 and self.native and caches[0].k.dtype in native.KV_DTYPES and qkv.dtype in native.ACT_DTYPES:
+            # decode or verification: rotary, cache writes and the whole batch's attention in one call
+            return self.wo(native.qkv_attention(qkv, cos, sin, caches, layer, a.n_heads, a.n_kv_heads, masks))
         q, k, v = qkv.split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim], -1)
         q = apply_rope(q.view(bsz, s, a.n_heads, a.head_dim).transpose(1, 2), cos, sin)
         k = apply_rope(k.view(bsz, s, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)
@@ -259,6 +270,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    native = False  # few-token steps through the fused native ops (Transformer.native_decode)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
@@ -267,6 +280,14 @@ class Block(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x, cos, sin, layer, caches, masks):
+        if self.native and x.shape[1] <= 64 and x.dtype in native.ACT_DTYPES and not torch.is_grad_enabled() \
+                and self.attn_norm.weight.dtype == x.dtype:
+            # a few-token step: norms (with the residual add), rotary and attention, and the MLP's
+            # gate are one native call each, the same arithmetic as below in ~8 calls instead of ~40
+            h = native.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
+            a = self.attn(h, cos, sin, layer, caches, masks)
+            x, h = native.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps, residual=a)
+            return x + self.mlp.w2(native.silu_mul(self.mlp.w13(h)))
         x = x + self.attn(self.attn_norm(x), cos, sin, layer, caches, masks)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -304,13 +325,20 @@ class Transformer(nn.Module):
         return on
 
     def native_decode(self, on: bool = True) -> bool:
-        """Run the attention of few-token steps (decode steps, speculation's verification:
-        up to 64 new tokens per sequence, causal or masked) through the native CPU kernel
-        (``model/native``, built on first use) or through PyTorch (``on=False``).  Returns
-        whether the kernel is in use: CPU and a C compiler."""
+        """Run few-token steps (decode steps, speculation's verification: up to 64 new tokens
+        per sequence, causal or masked) through the native CPU kernels (``model/native``,
+        built on first use): attention with its rotary embedding, the norms and the MLP's
+        gate fused into one call each, and, for bf16 weights, the linear layers of steps of
+        up to ``native.LINEAR_ROWS`` rows on a repacked copy of the weights (one more copy
+        in memory).  ``on=False``: PyTorch throughout.  Call it again after changing the
+        weights.  Returns whether the kernels are in use: CPU and a C compiler."""
         on = on and self.device.type == "cpu" and native.available()
         for layer in self.layers:
-            layer.attn.native = on
+            layer.native = layer.attn.native = on
+        lin = on and self.dtype == torch.bfloat16
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.native_weight = native.pack_linear(mod.weight) if lin else None
         return on
 
     @property
@@ -352,6 +380,8 @@ class Transformer(nn.Module):
         masks = [m.view(1, 1, *m.shape) if m is not None else None for m in masks]
         for c in caches:
             c.reserve(s)
+        if s <= 64 and self.layers[0].attn.native:
+            caches = native.StepCaches(caches)  # carries the kernels' view of the caches across layers
         cos, sin = self.rope(positions)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):

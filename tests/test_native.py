@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from codecomplete.model import native
 from codecomplete.model.transformer import SeqKV, attend
@@ -150,3 +151,158 @@ def test_without_a_compiler_the_model_keeps_its_torch_path(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False False 4 (1, 50) | disabled by CODECOMPLETE_NATIVE=0"
+
+
+# --- the fused step ops and the native linear layer -------------------------------------------------
+
+ACT = [torch.float32, torch.bfloat16]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ACT, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add+norm"])
+def test_rms_norm_matches_the_module(dtype, residual):
+    """HF Llama's order (normalise in fp32, round, scale); with a residual the sum is returned
+    rounded exactly as PyTorch rounds ``x + h``."""
+    from codecomplete.model.transformer import RMSNorm
+
+    torch.manual_seed(2)
+    norm = RMSNorm(200, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(200) * 0.5 + 1)
+        x = (torch.randn(3, 5, 200) * 4).to(dtype)
+        h = torch.randn(3, 5, 200).to(dtype)
+        if residual:
+            total, got = native.rms_norm(x, norm.weight, norm.eps, residual=h)
+            assert torch.equal(total, x + h)
+            want = norm(x + h)
+        else:
+            got, want = native.rms_norm(x, norm.weight, norm.eps), norm(x)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # within one bf16 rounding
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:  # the same roundings: mostly bit-identical
+        assert (got == want).float().mean() > 0.95
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ACT, ids=["fp32", "bf16"])
+def test_silu_mul_matches_torch(dtype):
+    torch.manual_seed(3)
+    gu = (torch.randn(4, 2, 2 * 96) * 6).to(dtype)
+    gu[0, 0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # far tails and zeros
+    gate, up = gu.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = native.silu_mul(gu)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["kv-fp32", "kv-bf16"])
+@pytest.mark.parametrize("dtype", ACT, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "tree-mask"])
+def test_qkv_attention_matches_rope_then_attend(dtype, kv_dtype, masked):
+    """Rotary embedding, cache writes and attention from the fused projection, at explicit
+    (tree-depth) positions, against the PyTorch path: apply_rope, then the reference above."""
+    from codecomplete.model.transformer import ModelArgs, Transformer, apply_rope
+
+    torch.manual_seed(4)
+    h, kv, e, s = 6, 2, 64, 5
+    args = ModelArgs(vocab_size=10, dim=h * e, n_layers=3, n_heads=h, n_kv_heads=kv, head_dim=e, hidden_dim=8,
+                     norm_eps=1e-5, rope_theta=1e4, rope_scaling=None, qkv_bias=False, tie_embeddings=False,
+                     max_positions=4096)
+    model = Transformer(args).to(dtype)
+    lengths = [0, 3, native.CHUNK + 9]
+    positions = torch.tensor([[n + d for d in (0, 1, 1, 2, 3)] for n in lengths])  # a draft tree's depths
+    cos, sin = model.rope(positions)
+    qkv = torch.randn(len(lengths), s, (h + 2 * kv) * e).to(dtype)
+    masks = None
+    if masked:
+        tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                            dtype=torch.bool)
+        masks = [torch.cat([torch.ones(s, n, dtype=torch.bool), tree], 1) for n in lengths]
+        masks[0] = None
+    mine = random_caches(kv, e, lengths, kv_dtype, new=s)
+    ref = random_caches(kv, e, lengths, kv_dtype, new=s)
+    for a, b in zip(mine, ref):
+        b.k.copy_(a.k)
+        b.v.copy_(a.v)
+    got = native.qkv_attention(qkv, cos, sin, mine, 1, h, kv, masks)
+    q, k, v = qkv.split([h * e, kv * e, kv * e], -1)
+    q = apply_rope(q.view(len(lengths), s, h, e).transpose(1, 2), cos, sin)
+    k = apply_rope(k.view(len(lengths), s, kv, e).transpose(1, 2), cos, sin)
+    v = v.view(len(lengths), s, kv, e).transpose(1, 2)
+    want = torch_decode(q, k, v, ref, layer=1, masks=masks).transpose(1, 2).reshape(len(lengths), s, h * e)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 2e-5 if dtype == kv_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    for a, b in zip(mine, ref):  # the keys and values written are the PyTorch path's, rotary included
+        if dtype == torch.bfloat16:  # the same roundings, bit for bit
+            assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+        else:  # fp32: the compiler may fuse x*cos + y*sin into one fma
+            torch.testing.assert_close(a.k, b.k, atol=1e-6, rtol=1e-6)
+            assert torch.equal(a.v, b.v)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (13, 70, True), (5, 33, True), (64, 1536, False)])
+def test_native_linear_matches_f_linear(rows, n, k, bias):
+    """The repacked layout with N and K padded, a bias, 1-7 input rows (groups of four and
+    their tails), batch dimensions kept."""
+    torch.manual_seed(5)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    x = torch.randn(1, rows, k).to(torch.bfloat16)
+    got = native.linear(x, native.pack_linear(w), b, n)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (1, rows, n)
+    # fp32 sums in another order, rounded once to bf16: within a bf16 rounding of the exact sum
+    torch.testing.assert_close(got.float(), want, atol=0.02 * want.abs().max().item(), rtol=1e-2)
+    assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
+
+
+@needs_kernel
+def test_bf16_model_native_step_agrees_with_the_torch_path():
+    """A bf16 model's decode steps and a 6-token verification through the native kernels
+    (linear layers, fused norms and gate, attention) against the same model in PyTorch: the
+    same greedy tokens and logits within bf16 noise."""
+    from codecomplete.model.transformer import ModelArgs, Transformer
+
+    torch.manual_seed(6)
+    args = ModelArgs(vocab_size=300, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=320,
+                     norm_eps=1e-5, rope_theta=1e4, rope_scaling=None, qkv_bias=True, tie_embeddings=True,
+                     max_positions=512)
+    model = Transformer(args)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08)
+        for mod in model.modules():
+            if hasattr(mod, "eps"):
+                mod.weight.fill_(1.0)
+        model.head.weight = model.embed.weight
+    model = model.to(torch.bfloat16).eval()
+    prompt = torch.randint(0, 300, (1, 40))
+
+    def run(on: bool):
+        assert model.native_decode(on) == on
+        assert (model.layers[0].mlp.w13.native_weight is not None) == on
+        c = model.new_cache()
+        toks, logits = [], []
+        with torch.no_grad():
+            t = model(prompt, [c]).argmax(-1, keepdim=True)
+            for _ in range(12):
+                out = model(t, [c])
+                logits.append(out.float())
+                t = out.argmax(-1, keepdim=True)
+                toks.append(int(t))
+            logits.append(model(torch.tensor([toks[:6]]), [c], logits_for="all").float()[0])
+        return toks, logits
+
+    toks_native, got = run(True)
+    toks_torch, want = run(False)
+    assert toks_native == toks_torch
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)

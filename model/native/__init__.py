@@ -28,7 +28,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("decode_attention.c")
+_SOURCES = [Path(__file__).with_name(n) for n in ("decode_attention.c", "step_ops.c", "linear.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast", "-fno-math-errno",
           "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 _ELSIZE = {torch.float32: 4, torch.bfloat16: 2}
@@ -63,15 +63,15 @@ def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not cc:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    src = _SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in _SOURCES)
     key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"decode_attention-{key}.so"
+    out = _cache_dir() / f"codecomplete_native-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+            proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
                                   timeout=120)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
@@ -85,6 +85,17 @@ def _build() -> ctypes.CDLL:
     fn.argtypes = [ctypes.c_int] * 7 + [ctypes.c_void_p] * 3 + [ctypes.POINTER(ctypes.c_void_p)] * 2 + [
         ctypes.POINTER(ctypes.c_int64)] * 2 + [ctypes.POINTER(ctypes.c_void_p), ctypes.c_float, ctypes.c_int,
                                                ctypes.c_void_p]
+    ptr, i32, i64p = ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int64)
+    lib.qkv_attention.restype = i32
+    lib.qkv_attention.argtypes = [i32] * 8 + [ptr] * 3 + [ctypes.POINTER(ptr)] * 2 + [i64p] * 2 + [
+        ctypes.POINTER(ptr), ctypes.c_float, i32, ptr]
+    lib.rms_norm.restype = None
+    lib.rms_norm.argtypes = [i32] * 3 + [ptr] * 4 + [ctypes.c_float, ptr]
+    lib.silu_mul.restype = None
+    lib.silu_mul.argtypes = [i32] * 3 + [ptr] * 2
+    lib.linear_bf16.restype = None
+    lib.linear_bf16.argtypes = [i32] * 3 + [ptr] * 4
+    lib.linear_bf16_native.restype = i32
     return lib
 
 
@@ -112,6 +123,51 @@ def error() -> str | None:
     return _error
 
 
+class StepPlan:
+    """What the kernels need to know about a step's caches, built once per forward (the
+    caches' addresses and lengths do not change between its layers): their K and V base
+    pointers, capacities, lengths and masks as C arrays.  Checks that every cache has room
+    for the ``s`` new tokens: the kernels write in place and never past a cache's end."""
+
+    def __init__(self, caches, s: int, masks: list[torch.Tensor | None] | None = None):
+        bsz = len(caches)
+        self.s = s
+        self.dtype = caches[0].k.dtype
+        for c in caches:
+            if c.length + s > c.capacity or c.k.dtype != self.dtype or not (c.k.is_contiguous() and c.v.is_contiguous()):
+                raise ValueError(f"cache cannot take {s} new tokens here (length {c.length}, capacity {c.capacity}, "
+                                 f"{c.k.dtype}); reserve first")
+        ptrs, ints = ctypes.c_void_p * bsz, ctypes.c_int64 * bsz  # ctypes arrays pass as the C pointers
+        self.k, self.v = ptrs(*[c.k.data_ptr() for c in caches]), ptrs(*[c.v.data_ptr() for c in caches])
+        self.cap, self.len = ints(*[c.capacity for c in caches]), ints(*[c.length for c in caches])
+        self.masks = None
+        self._keep = []  # the masks' contiguous copies live as long as the plan
+        if masks is not None and any(m is not None for m in masks):
+            self.masks = ptrs()
+            for b, (m, c) in enumerate(zip(masks, caches)):
+                if m is None:
+                    continue
+                m = m.reshape(s, c.length + s)
+                m = m if m.dtype == torch.bool and m.is_contiguous() else m.to(torch.bool).contiguous()
+                self._keep.append(m)
+                self.masks[b] = m.data_ptr()
+
+
+class StepCaches(list):
+    """A forward's list of caches carrying its ``StepPlan`` from layer to layer."""
+
+    plan: StepPlan | None = None
+
+
+def _plan(caches, s: int, masks) -> StepPlan:
+    plan = getattr(caches, "plan", None)
+    if plan is None or plan.s != s:
+        plan = StepPlan(caches, s, masks)
+        if isinstance(caches, StepCaches):
+            caches.plan = plan
+    return plan
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches, layer: int,
                      masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """S new tokens per sequence (a decode step, S = 1, or a verification pass): q [B, H, S, E],
@@ -124,31 +180,91 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches, 
         raise RuntimeError(f"native decode attention unavailable: {_error}")
     bsz, h, s, e = q.shape
     kv = k.shape[1]
-    dt = caches[0].k.dtype
-    for c in caches:  # the kernel writes in place: never past a cache's end
-        if c.length + s > c.capacity or c.k.dtype != dt or not (c.k.is_contiguous() and c.v.is_contiguous()):
-            raise ValueError(f"cache cannot take {s} new tokens here (length {c.length}, capacity {c.capacity}, "
-                             f"{c.k.dtype}); reserve first")
+    plan = _plan(caches, s, masks)
+    dt = plan.dtype
     qf = q.to(torch.float32).contiguous()
     kn = k.to(dt).contiguous()
     vn = v.to(dt).contiguous()
     out = torch.empty((bsz, h, s, e), dtype=torch.float32)
-    ptrs, ints = ctypes.c_void_p * bsz, ctypes.c_int64 * bsz  # ctypes arrays pass as the C pointers
-    kp, vp = ptrs(*[c.k.data_ptr() for c in caches]), ptrs(*[c.v.data_ptr() for c in caches])
-    cp, lp = ints(*[c.capacity for c in caches]), ints(*[c.length for c in caches])
-    mp = None
-    keep = []  # the masks' contiguous copies live through the call
-    if masks is not None and any(m is not None for m in masks):
-        mp = ptrs()
-        for b, (m, c) in enumerate(zip(masks, caches)):
-            if m is None:
-                continue
-            m = m.reshape(s, c.length + s)
-            m = m if m.dtype == torch.bool and m.is_contiguous() else m.to(torch.bool).contiguous()
-            keep.append(m)
-            mp[b] = m.data_ptr()
     rc = _lib.decode_attention(bsz, kv, h // kv, e, s, layer, _ELSIZE[dt], qf.data_ptr(), kn.data_ptr(),
-                               vn.data_ptr(), kp, vp, cp, lp, mp, e ** -0.5, CHUNK, out.data_ptr())
+                               vn.data_ptr(), plan.k, plan.v, plan.cap, plan.len, plan.masks, e ** -0.5, CHUNK,
+                               out.data_ptr())
     if rc != 0:
         raise MemoryError("native decode attention: out of scratch memory")
     return out.to(q.dtype)
+
+
+ACT_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes of the fused step ops
+
+
+def qkv_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches, layer: int, n_heads: int,
+                  n_kv_heads: int, masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """``decode_attention`` straight from the fused projection: qkv [B, S, (H + 2K) * E]
+    (queries, keys, values), cos and sin [B, 1, S, E] from ``Transformer.rope``, all in one
+    activation dtype (``ACT_DTYPES``).  Applies the rotary embedding, writes the new keys and
+    values into the caches, attends, and returns [B, S, H * E] in qkv's dtype."""
+    if not available():
+        raise RuntimeError(f"native decode attention unavailable: {_error}")
+    bsz, s, width = qkv.shape
+    e = width // (n_heads + 2 * n_kv_heads)
+    plan = _plan(caches, s, masks)
+    el = _ELSIZE[qkv.dtype]
+    qkv, cos, sin = qkv.contiguous(), cos.to(qkv.dtype).contiguous(), sin.to(qkv.dtype).contiguous()
+    out = torch.empty((bsz, s, n_heads * e), dtype=qkv.dtype)
+    rc = _lib.qkv_attention(bsz, n_kv_heads, n_heads // n_kv_heads, e, s, layer, _ELSIZE[plan.dtype], el,
+                            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), plan.k, plan.v, plan.cap, plan.len,
+                            plan.masks, e ** -0.5, CHUNK, out.data_ptr())
+    if rc != 0:
+        raise MemoryError("native decode attention: out of scratch memory")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm over the last dimension in HF Llama's order (normalise in fp32, round, scale).
+    With ``residual``: returns ``(x + residual, rms_norm(x + residual))``, the sum rounded as
+    PyTorch rounds it.  x, residual and weight share one dtype of ``ACT_DTYPES``."""
+    x = x.contiguous()
+    d = x.shape[-1]
+    out = torch.empty_like(x)
+    total = None
+    if residual is not None:
+        residual = residual.contiguous()
+        total = torch.empty_like(x)
+    _lib.rms_norm(x.numel() // d, d, _ELSIZE[x.dtype], x.data_ptr(), residual.data_ptr() if total is not None else None,
+                  total.data_ptr() if total is not None else None, weight.data_ptr(), eps, out.data_ptr())
+    return out if total is None else (total, out)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [..., 2F] = gate | up; returns [..., F] in its dtype."""
+    gate_up = gate_up.contiguous()
+    f = gate_up.shape[-1] // 2
+    out = torch.empty((*gate_up.shape[:-1], f), dtype=gate_up.dtype)
+    _lib.silu_mul(gate_up.numel() // (2 * f), f, _ELSIZE[gate_up.dtype], gate_up.data_ptr(), out.data_ptr())
+    return out
+
+
+LINEAR_ROWS = 4  # input rows up to which ``linear`` beats oneDNN here (measured; see linear.c)
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] in ``linear``'s layout: [N/4, K/32, 4, 32], N and K padded with
+    zeros (see linear.c for why)."""
+    n, k = weight.shape
+    np_, kp = -(-n // 4) * 4, -(-k // 32) * 32
+    w = weight.detach().to(torch.bfloat16)
+    if (np_, kp) != (n, k):
+        w = torch.nn.functional.pad(w, (0, kp - k, 0, np_ - n))
+    return w.reshape(np_ // 4, 4, kp // 32, 32).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., K] bf16 times a weight packed by ``pack_linear`` (+ bias, bf16): [..., N] bf16."""
+    if not available():
+        raise RuntimeError(f"native kernels unavailable: {_error}")
+    k = x.shape[-1]
+    x = x.contiguous()
+    y = torch.empty((*x.shape[:-1], out_features), dtype=torch.bfloat16)
+    _lib.linear_bf16(x.numel() // k, out_features, k, x.data_ptr(), packed.data_ptr(),
+                     bias.data_ptr() if bias is not None else None, y.data_ptr())
+    return y

@@ -1,0 +1,172 @@
+/* The small element-wise parts of a few-token step (decode, verification) fused into one
+ * call each, so that a layer of a decode step is four linear layers and four native calls
+ * instead of ~40 PyTorch ops (each costs ~5-10 us of dispatch on this CPU, about as much as
+ * the linear layers' weight reads at batch 1).
+ *
+ * Activations are bf16 (el = 2) or fp32 (el = 4).  Where the PyTorch path rounds to bf16
+ * between ops (HF Llama's order), these round at the same places, so the two paths agree to
+ * the last bit in most elements and within one bf16 rounding elsewhere.
+ *
+ * Built together with decode_attention.c (see model/native/__init__.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int decode_attention(int B, int K, int G, int E, int S, int layer, int elsize, const float *q, const void *newk,
+                     const void *newv, void *const *kbase, void *const *vbase, const int64_t *cap,
+                     const int64_t *len, const uint8_t *const *masks, float scale, int chunk, float *out);
+
+static inline float ld(const void *p, size_t i, int el) {
+    if (el == 4) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as PyTorch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* f rounded to the activation dtype (bf16: to its nearest bf16, as a float) */
+static inline float rnd(float f, int el) {
+    if (el == 4) return f;
+    uint32_t u = (uint32_t)to_bf16(f) << 16;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline void st(void *p, size_t i, float f, int el) {
+    if (el == 4)
+        ((float *)p)[i] = f;
+    else
+        ((uint16_t *)p)[i] = to_bf16(f);
+}
+
+/* exp(x) for x <= 0; see decode_attention.c */
+static inline float exp_nonpos(float x) {
+    if (x < -87.0f) x = -87.0f;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &e, 4);
+    return p * s;
+}
+
+/* RMSNorm of `rows` rows of width D, HF Llama's order: normalise in fp32, round to the
+ * activation dtype, then scale by the weight w (activation dtype) and round again.  With
+ * `h` (not NULL) the residual comes first: x = x + h (rounded) is written to `xsum`, and
+ * that sum is what gets normalised.  out may not alias x; xsum may. */
+void rms_norm(int rows, int D, int el, const void *x, const void *h, void *xsum, const void *w, float eps,
+              void *out) {
+    float *row = malloc(sizeof(float) * D);
+    if (!row) abort();
+    for (int r = 0; r < rows; r++) {
+        size_t o = (size_t)r * D;
+        float ss = 0.0f;
+        for (int d = 0; d < D; d++) {
+            float v = ld(x, o + d, el);
+            if (h) {
+                v = rnd(v + ld(h, o + d, el), el);
+                st(xsum, o + d, v, el);
+            }
+            row[d] = v;
+            ss += v * v;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int d = 0; d < D; d++) st(out, o + d, ld(w, d, el) * rnd(row[d] * inv, el), el);
+    }
+    free(row);
+}
+
+/* The MLP's gate: gu [rows, 2F] holds gate | up; out [rows, F] = silu(gate) * up, each
+ * rounded to the activation dtype as PyTorch's bf16 ops do. */
+void silu_mul(int rows, int F, int el, const void *gu, void *out) {
+    for (int r = 0; r < rows; r++) {
+        const size_t gi = (size_t)r * 2 * F, oi = (size_t)r * F;
+        for (int j = 0; j < F; j++) {
+            float g = ld(gu, gi + j, el), u = ld(gu, gi + F + j, el);
+            float e = exp_nonpos(-fabsf(g)); /* sigmoid without overflow */
+            float sig = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            st(out, oi + j, rnd(rnd(g * sig, el) * u, el), el);
+        }
+    }
+}
+
+/* Rotary embedding of one head's E values x (activation dtype) at one position: HF Llama's
+ * x * cos + rotate_half(x) * sin, with sin's first half negated in the table (see
+ * Transformer.rope), rounded after each op as in PyTorch. */
+static inline float rope_at(const void *x, size_t xo, const void *cs, const void *sn, size_t co, int e, int E, int el) {
+    int half = E / 2, j = e < half ? e + half : e - half;
+    float a = rnd(ld(x, xo + e, el) * ld(cs, co + e, el), el);
+    float b = rnd(ld(x, xo + j, el) * ld(sn, co + e, el), el);
+    return rnd(a + b, el);
+}
+
+/* A few-token step's attention straight from the fused qkv projection:
+ *   qkv [B, S, (K*G + 2K) * E] in the activation dtype (queries, then keys, then values)
+ *   cos, sin [B, S, E] in the activation dtype (Transformer.rope)
+ * applies the rotary embedding to queries and keys, writes keys and values into the caches
+ * (dtype el_kv) and attends as decode_attention does (causal, or masks[b]); writes
+ * out [B, S, K*G*E] in the activation dtype, ready for the output projection.
+ * Returns 0, or -1 when scratch memory could not be had. */
+int qkv_attention(int B, int K, int G, int E, int S, int layer, int el_kv, int el, const void *qkv, const void *cs,
+                  const void *sn, void *const *kbase, void *const *vbase, const int64_t *cap, const int64_t *len,
+                  const uint8_t *const *masks, float scale, int chunk, void *out) {
+    const int H = K * G, R = G * S, W = (H + 2 * K) * E;
+    const size_t nq = (size_t)B * H * S * E, nk = (size_t)B * K * S * E;
+    float *q = malloc(sizeof(float) * nq * 2);
+    char *kv = malloc((size_t)el_kv * nk * 2);
+    if (!q || !kv) {
+        free(q);
+        free(kv);
+        return -1;
+    }
+    float *o = q + nq;
+    char *nkey = kv, *nval = kv + (size_t)el_kv * nk;
+    for (int b = 0; b < B; b++) {
+        for (int i = 0; i < S; i++) {
+            const size_t xo = ((size_t)b * S + i) * W, co = ((size_t)b * S + i) * E;
+            for (int h = 0; h < H; h++) { /* q[b, h / G, (h % G) * S + i, :] */
+                float *dst = q + (((size_t)b * K + h / G) * R + (size_t)(h % G) * S + i) * E;
+                for (int e = 0; e < E; e++) dst[e] = rope_at(qkv, xo + (size_t)h * E, cs, sn, co, e, E, el);
+            }
+            for (int h = 0; h < K; h++) { /* new keys and values [b, h, i, :] in the cache dtype */
+                const size_t d = (((size_t)b * K + h) * S + i) * E;
+                const size_t ko = xo + (size_t)(H + h) * E, vo = xo + (size_t)(H + K + h) * E;
+                for (int e = 0; e < E; e++) {
+                    st(nkey, d + e, rope_at(qkv, ko, cs, sn, co, e, E, el), el_kv);
+                    st(nval, d + e, ld(qkv, vo + e, el), el_kv);
+                }
+            }
+        }
+    }
+    int rc = decode_attention(B, K, G, E, S, layer, el_kv, q, nkey, nval, kbase, vbase, cap, len, masks, scale, chunk,
+                              o);
+    if (rc == 0) {
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < H; h++)
+                for (int i = 0; i < S; i++) {
+                    const float *src = o + (((size_t)b * K + h / G) * R + (size_t)(h % G) * S + i) * E;
+                    const size_t d = (((size_t)b * S + i) * H + h) * E;
+                    for (int e = 0; e < E; e++) st(out, d + e, src[e], el);
+                }
+    }
+    free(q);
+    free(kv);
+    return rc;
+}
