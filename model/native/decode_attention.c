@@ -85,7 +85,7 @@ static inline const float *rows_f32(const void *base, int elsize, int E, int64_t
                 for (int64_t t = len + i + 1 - t0 > 0 ? len + i + 1 - t0 : 0; t < n; t++) s[t] = -INFINITY; \
             }                                                                                              \
             float mr = -INFINITY;                                                                          \
-            _Pragma("omp simd reduction(max : mr)") for (int64_t t = 0; t < n; t++) mr = fmaxf(mr, s[t]);  \
+            _Pragma("omp simd reduction(max : mr)") for (int64_t t = 0; t < n; t++) mr = s[t] > mr ? s[t] : mr;  \
             float sum = 0.0f;                                                                              \
             if (mr == -INFINITY) {                                                                         \
                 for (int64_t t = 0; t < n; t++) s[t] = 0.0f;                                               \
@@ -118,6 +118,127 @@ static inline const float *rows_f32(const void *base, int elsize, int E, int64_t
 ATTEND_CHUNK(attend_chunk_64, 64)
 ATTEND_CHUNK(attend_chunk_128, 128)
 ATTEND_CHUNK(attend_chunk_any, 0)
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 16 keys or values of row `idx` on as fp32 (bf16: a shift, in registers) */
+static inline __m512 ld16(const void *base, int elsize, int64_t idx) {
+    if (elsize == 4) return _mm512_loadu_ps((const float *)base + idx);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* The sums of 16 vectors as one: element 4 * l + g of the result is the sum of a[4 * g + l]
+ * (a transposition tree of 15 shuffles and adds instead of 16 separate horizontal sums,
+ * which bounded the scalar-reduction loop at ~24 GB/s). */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 t[8], u[4];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++)
+        u[g] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * g], t[2 * g + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * g], t[2 * g + 1], 0xDD));
+    __m512 v0 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+    __m512 v1 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+    /* lane l of v0: [a0+a2, b0+b2, a1+a3, b1+b3] for a = u0, b = u1 (keys 4*0+l, 4*1+l), v1 likewise */
+    return _mm512_add_ps(_mm512_shuffle_ps(v0, v1, 0x44), _mm512_shuffle_ps(v0, v1, 0xEE));
+}
+
+/* ATTEND_CHUNK for head sizes E = 16 * NE with AVX-512: scores for 16 keys at a time (each
+ * key block is read once for all R query rows while it is in L1), keys and values converted
+ * from bf16 in registers.  Same contract as ATTEND_CHUNK. */
+#define ATTEND_CHUNK_AVX512(NAME, NE)                                                                    \
+    static void NAME(const float *q, const void *keys, const void *vals, int elsize, int R, int S,        \
+                     int E_, int64_t len, const uint8_t *mask, int64_t t0, int64_t t1, float scale,        \
+                     float *acc, float *m, float *l, float *scores, float *buf) {                          \
+        (void)E_;                                                                                          \
+        const int E = 16 * NE;                                                                             \
+        const int64_t n = t1 - t0, T = len + S;                                                            \
+        const __m512 sc = _mm512_set1_ps(scale);                                                           \
+        int64_t t = 0;                                                                                     \
+        for (; t + 16 <= n; t += 16) {                                                                     \
+            const float *kb = (const float *)keys + (t0 + t) * E; /* the block's 16 keys in fp32 */        \
+            if (elsize != 4) {                                                                             \
+                for (int c = 0; c < E; c += 16) /* converted once, read R times from L1 */                 \
+                    _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++)                                  \
+                        _mm512_storeu_ps(buf + i * E + c, ld16(keys, elsize, (t0 + t + i) * E + c));       \
+                kb = buf;                                                                                  \
+            }                                                                                              \
+            for (int r = 0; r < R; r++) {                                                                  \
+                __m512 qv[NE], a[16];                                                                      \
+                for (int c = 0; c < NE; c++) qv[c] = _mm512_loadu_ps(q + (size_t)r * E + 16 * c);          \
+                _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) { /* unrolled: a[] in registers */  \
+                    const float *kr = kb + (4 * (i & 3) + (i >> 2)) * E;                                   \
+                    __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));                                  \
+                    for (int c = 1; c < NE; c++) d = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), d); \
+                    a[i] = d;                                                                              \
+                }                                                                                          \
+                _mm512_storeu_ps(scores + (size_t)r * n + t, _mm512_mul_ps(sum16(a), sc));                  \
+            }                                                                                              \
+        }                                                                                                  \
+        for (; t < n; t++) {                                                                               \
+            for (int r = 0; r < R; r++) {                                                                  \
+                __m512 d = _mm512_setzero_ps();                                                            \
+                for (int c = 0; c < NE; c++)                                                               \
+                    d = _mm512_fmadd_ps(_mm512_loadu_ps(q + (size_t)r * E + 16 * c),                       \
+                                        ld16(keys, elsize, (t0 + t) * E + 16 * c), d);                     \
+                scores[(size_t)r * n + t] = _mm512_reduce_add_ps(d) * scale;                               \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int r = 0; r < R; r++) {                                                                      \
+            float *s = scores + (size_t)r * n;                                                             \
+            const int64_t i = r % S;                                                                       \
+            if (mask) {                                                                                    \
+                const uint8_t *mi = mask + i * T + t0;                                                     \
+                _Pragma("omp simd") for (int64_t u = 0; u < n; u++) s[u] = mi[u] ? s[u] : -INFINITY;       \
+            } else {                                                                                       \
+                for (int64_t u = len + i + 1 - t0 > 0 ? len + i + 1 - t0 : 0; u < n; u++) s[u] = -INFINITY; \
+            }                                                                                              \
+            float mr = -INFINITY;                                                                          \
+            _Pragma("omp simd reduction(max : mr)") for (int64_t u = 0; u < n; u++) mr = s[u] > mr ? s[u] : mr;  \
+            float sum = 0.0f;                                                                              \
+            if (mr == -INFINITY) {                                                                         \
+                for (int64_t u = 0; u < n; u++) s[u] = 0.0f;                                               \
+            } else {                                                                                       \
+                _Pragma("omp simd reduction(+ : sum)") for (int64_t u = 0; u < n; u++) {                   \
+                    float p = s[u] == -INFINITY ? 0.0f : exp_neg(s[u] - mr);                               \
+                    s[u] = p;                                                                              \
+                    sum += p;                                                                              \
+                }                                                                                          \
+            }                                                                                              \
+            m[r] = mr;                                                                                     \
+            l[r] = sum;                                                                                    \
+        }                                                                                                  \
+        /* values: each row converted once for a block of RB query rows (rows with nothing visible \
+         * have all-zero probabilities and get zeros) */                                               \
+        enum { RB = NE <= 4 ? 4 : 2 };                                                                     \
+        for (int r0 = 0; r0 < R; r0 += RB) {                                                               \
+            const int rb = R - r0 < RB ? R - r0 : RB;                                                      \
+            __m512 o[RB][NE];                                                                              \
+            _Pragma("GCC unroll 8") for (int j = 0; j < RB; j++)                                           \
+                _Pragma("GCC unroll 8") for (int c = 0; c < NE; c++) o[j][c] = _mm512_setzero_ps();        \
+            for (int64_t u = 0; u < n; u++) {                                                              \
+                __m512 vv[NE];                                                                             \
+                _Pragma("GCC unroll 8") for (int c = 0; c < NE; c++)                                       \
+                    vv[c] = ld16(vals, elsize, (t0 + u) * E + 16 * c);                                     \
+                _Pragma("GCC unroll 8") for (int j = 0; j < RB; j++) {                                     \
+                    if (j >= rb) break;                                                                    \
+                    const __m512 p = _mm512_set1_ps(scores[(size_t)(r0 + j) * n + u]);                     \
+                    _Pragma("GCC unroll 8") for (int c = 0; c < NE; c++) o[j][c] = _mm512_fmadd_ps(p, vv[c], o[j][c]); \
+                }                                                                                          \
+            }                                                                                              \
+            for (int j = 0; j < rb; j++)                                                                   \
+                for (int c = 0; c < NE; c++) _mm512_storeu_ps(acc + (size_t)(r0 + j) * E + 16 * c, o[j][c]); \
+        }                                                                                                  \
+    }
+
+ATTEND_CHUNK_AVX512(attend_chunk_avx512_64, 4)
+ATTEND_CHUNK_AVX512(attend_chunk_avx512_128, 8)
+#endif
 
 typedef void (*chunk_fn)(const float *, const void *, const void *, int, int, int, int, int64_t, const uint8_t *,
                          int64_t, int64_t, float, float *, float *, float *, float *, float *);
@@ -159,7 +280,11 @@ int decode_attention(int B, int K, int G, int E, int S, int layer, int elsize, c
         }
     }
 
+#ifdef __AVX512F__
+    const chunk_fn fn = E == 64 ? attend_chunk_avx512_64 : E == 128 ? attend_chunk_avx512_128 : attend_chunk_any;
+#else
     const chunk_fn fn = E == 64 ? attend_chunk_64 : E == 128 ? attend_chunk_128 : attend_chunk_any;
+#endif
     int failed = 0;
 #pragma omp parallel
     {
