@@ -296,8 +296,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        # KV in fp32 on CPU: small attention matmuls run ~2.5x faster in fp32 than bf16
-        # there (measured), and the cache is small next to the weights.
+        # the KV cache's dtype; None: default_kv_dtype
         self.kv_dtype: torch.dtype | None = None
         self.embed = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
@@ -347,9 +346,16 @@ class Transformer(nn.Module):
 
     @property
     def default_kv_dtype(self) -> torch.dtype:
-        """The KV cache's dtype unless ``kv_dtype`` says otherwise: fp32 on a CPU, the
-        weights' dtype elsewhere."""
-        return torch.float32 if self.device.type == "cpu" else self.dtype
+        """The KV cache's dtype unless ``kv_dtype`` says otherwise: the weights' dtype off CPU;
+        on a CPU, bf16 for a bf16 model whose few-token steps run in the native kernel (its
+        keys and values are bf16 numbers anyway, so nothing is lost, and the kernel reads half
+        the bytes: bench/results/kv_dtype.md), else fp32 (PyTorch's small bf16 matmuls are
+        slower than fp32 ones here)."""
+        if self.device.type != "cpu":
+            return self.dtype
+        if self.dtype == torch.bfloat16 and self.layers[0].attn.native:
+            return torch.bfloat16
+        return torch.float32
 
     def new_cache(self, capacity: int = 256) -> SeqKV:
         return SeqKV(self.args, capacity, self.kv_dtype or self.default_kv_dtype, self.device)
