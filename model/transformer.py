@@ -271,6 +271,7 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     native = False  # few-token steps through the fused native ops (Transformer.native_decode)
+    native_args: tuple | None = None  # native.layer_args, set by Transformer.native_decode
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -282,6 +283,8 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, layer, caches, masks):
         if self.native and x.shape[1] <= 64 and x.dtype in native.ACT_DTYPES and not torch.is_grad_enabled() \
                 and self.attn_norm.weight.dtype == x.dtype:
+            if self.native_args is not None and x.shape[0] * x.shape[1] <= native.LINEAR_ROWS:
+                return native.decode_layer(self.native_args, x, cos, sin, layer, caches, masks)  # one call
             # a few-token step: norms (with the residual add), rotary and attention, and the MLP's
             # gate are one native call each, the same arithmetic as below in ~8 calls instead of ~40
             h = native.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
@@ -338,6 +341,8 @@ class Transformer(nn.Module):
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.native_weight = native.pack_linear(mod.weight) if lin else None
+        for layer in self.layers:  # steps of up to LINEAR_ROWS rows: a layer in one call
+            layer.native_args = native.layer_args(layer) if lin else None
         return on
 
     @property

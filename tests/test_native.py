@@ -266,9 +266,9 @@ def test_native_linear_matches_f_linear(rows, n, k, bias):
 
 @needs_kernel
 def test_bf16_model_native_step_agrees_with_the_torch_path():
-    """A bf16 model's decode steps and a 6-token verification through the native kernels
-    (linear layers, fused norms and gate, attention) against the same model in PyTorch: the
-    same greedy tokens and logits within bf16 noise."""
+    """A bf16 model's decode steps (each layer one native call) and a 6-token verification
+    (linear layers in oneDNN, fused norms, gate and attention) through the native kernels
+    against the same model in PyTorch: the same greedy tokens and logits within bf16 noise."""
     from codecomplete.model.transformer import ModelArgs, Transformer
 
     torch.manual_seed(6)
@@ -289,6 +289,7 @@ def test_bf16_model_native_step_agrees_with_the_torch_path():
     def run(on: bool):
         assert model.native_decode(on) == on
         assert (model.layers[0].mlp.w13.native_weight is not None) == on
+        assert (model.layers[0].native_args is not None) == on  # 1-row steps: a layer in one call
         c = model.new_cache()
         toks, logits = [], []
         with torch.no_grad():
@@ -306,3 +307,52 @@ def test_bf16_model_native_step_agrees_with_the_torch_path():
     assert toks_native == toks_torch
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+
+
+@needs_kernel
+def test_one_call_layer_equals_the_per_op_native_path():
+    """``decode_layer`` (a whole block in C) against the same block through the separate
+    native ops, batch of 3 one-token steps over caches of different lengths: identical output
+    and identical keys and values written (the same kernels, in the same order)."""
+    from codecomplete.model.transformer import ModelArgs, Transformer
+
+    torch.manual_seed(7)
+    args = ModelArgs(vocab_size=100, dim=96, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=16, hidden_dim=200,
+                     norm_eps=1e-5, rope_theta=1e4, rope_scaling=None, qkv_bias=True, tie_embeddings=False,
+                     max_positions=512)
+    model = Transformer(args)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    model = model.to(torch.bfloat16).eval()
+    assert model.native_decode(True)
+    block = model.layers[1]
+    assert block.native_args is not None
+    lengths = [0, 5, 300]
+    x = torch.randn(3, 1, 96).to(torch.bfloat16)
+    cos, sin = model.rope(torch.tensor(lengths).view(3, 1))
+    first = []
+    for n in lengths:
+        c = model.new_cache(n + 4)
+        c.k.normal_()
+        c.v.normal_()
+        c.length = n
+        first.append(c)
+    second = []
+    for c in first:
+        d = model.new_cache(c.capacity)
+        d.k.copy_(c.k)
+        d.v.copy_(c.v)
+        d.length = c.length
+        second.append(d)
+    saved = block.native_args
+    with torch.no_grad():
+        one = block(x, cos, sin, 1, first, [None] * 3)
+        block.native_args = None  # the per-op native path
+        try:
+            per_op = block(x, cos, sin, 1, second, [None] * 3)
+        finally:
+            block.native_args = saved
+    assert torch.equal(one, per_op)
+    for a, b in zip(first, second):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)

@@ -96,6 +96,9 @@ def _build() -> ctypes.CDLL:
     lib.linear_bf16.restype = None
     lib.linear_bf16.argtypes = [i32] * 3 + [ptr] * 4
     lib.linear_bf16_native.restype = i32
+    lib.decode_layer.restype = i32
+    lib.decode_layer.argtypes = [i32] * 9 + [ptr] * 3 + [ctypes.c_float] + [ptr] * 7 + [ctypes.POINTER(ptr)] * 2 + [
+        i64p] * 2 + [ctypes.POINTER(ptr), ctypes.c_float, i32, ptr]
     return lib
 
 
@@ -268,3 +271,38 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     _lib.linear_bf16(x.numel() // k, out_features, k, x.data_ptr(), packed.data_ptr(),
                      bias.data_ptr() if bias is not None else None, y.data_ptr())
     return y
+
+
+def layer_args(block) -> tuple | None:
+    """What ``decode_layer`` needs of a ``Block`` that does not change between steps (its
+    sizes and weights' addresses), or None when the block cannot run as one native call:
+    its weights are not bf16 or not repacked (``Transformer.native_decode``)."""
+    attn, mlp = block.attn, block.mlp
+    linears = (attn.wqkv, attn.wo, mlp.w13, mlp.w2)
+    if any(lin.native_weight is None for lin in linears) or block.attn_norm.weight.dtype != torch.bfloat16:
+        return None
+    a = attn.args
+    bias = attn.wqkv.bias
+    return ((a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim),
+            (block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr(), block.attn_norm.eps),
+            (attn.wqkv.native_weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+             attn.wo.native_weight.data_ptr(), mlp.w13.native_weight.data_ptr(), mlp.w2.native_weight.data_ptr()),
+            linears)  # the tensors themselves, kept alive with the addresses
+
+
+def decode_layer(args: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, caches,
+                 masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """One ``Block`` of a few-token step as one native call: x [B, S, D] bf16 -> the block's
+    output, caches written at layer ``layer`` (``layer_args`` gives ``args``)."""
+    (d, h, kv, e, f), (n1, n2, eps), (wqkv, bqkv, wo, w13, w2), _ = args
+    bsz, s, _ = x.shape
+    plan = _plan(caches, s, masks)
+    x = x.contiguous()
+    cos, sin = cos.to(torch.bfloat16).contiguous(), sin.to(torch.bfloat16).contiguous()
+    out = torch.empty_like(x)
+    rc = _lib.decode_layer(bsz, s, d, h, kv, e, f, layer, _ELSIZE[plan.dtype], x.data_ptr(), n1, n2, eps, wqkv, bqkv,
+                           wo, w13, w2, cos.data_ptr(), sin.data_ptr(), plan.k, plan.v, plan.cap, plan.len,
+                           plan.masks, e ** -0.5, CHUNK, out.data_ptr())
+    if rc != 0:
+        raise MemoryError("native decode layer: out of scratch memory")
+    return out

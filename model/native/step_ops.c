@@ -170,3 +170,41 @@ int qkv_attention(int B, int K, int G, int E, int S, int layer, int el_kv, int e
     free(kv);
     return rc;
 }
+
+void linear_bf16(int M, int N, int K, const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y);
+
+/* A whole transformer layer of a few-token step of a bf16 model in one call (what
+ * Block.forward does, without ~15 Python-level calls a layer):
+ *   h = norm1(x); qkv = h Wqkv^T (+ b); att = attention(rope(qkv)) (caches written);
+ *   x1 = x + att Wo^T; h = norm2(x1); out = x1 + (silu(gate) * up) W2^T, [gate|up] = h W13^T
+ * x, out [M, D] with M = B * S rows; weights packed for linear_bf16 (bqkv: [(H + 2K) E] or
+ * NULL); norm weights [D]; cos, sin [B, S, E]; caches and masks as in qkv_attention; all
+ * activations bf16, rounded where the PyTorch path rounds.  Returns 0, or -1 when scratch
+ * memory could not be had (the caches may then hold this step's keys for some layers; the
+ * caller fails the step). */
+int decode_layer(int B, int S, int D, int H, int K, int E, int F, int layer, int el_kv, const uint16_t *x,
+                 const uint16_t *norm1, const uint16_t *norm2, float eps, const uint16_t *wqkv, const uint16_t *bqkv,
+                 const uint16_t *wo, const uint16_t *w13, const uint16_t *w2, const uint16_t *cs, const uint16_t *sn,
+                 void *const *kbase, void *const *vbase, const int64_t *cap, const int64_t *len,
+                 const uint8_t *const *masks, float scale, int chunk, uint16_t *out) {
+    const int M = B * S, W = (H + 2 * K) * E;
+    const size_t n = (size_t)M * ((size_t)D + W + (size_t)H * E + D + 2 * (size_t)F + F + D);
+    uint16_t *h = malloc(sizeof(uint16_t) * n);
+    if (!h) return -1;
+    uint16_t *qkv = h + (size_t)M * D, *att = qkv + (size_t)M * W, *a = att + (size_t)M * H * E;
+    uint16_t *gu = a + (size_t)M * D, *g = gu + (size_t)M * 2 * F, *m = g + (size_t)M * F;
+    rms_norm(M, D, 2, x, NULL, NULL, norm1, eps, h);
+    linear_bf16(M, W, D, h, wqkv, bqkv, qkv);
+    int rc = qkv_attention(B, K, H / K, E, S, layer, el_kv, 2, qkv, cs, sn, kbase, vbase, cap, len, masks, scale,
+                           chunk, att);
+    if (rc == 0) {
+        linear_bf16(M, D, H * E, att, wo, NULL, a);
+        rms_norm(M, D, 2, x, a, out, norm2, eps, h); /* out = x + a, h = norm2(out) */
+        linear_bf16(M, 2 * F, D, h, w13, NULL, gu);
+        silu_mul(M, F, 2, gu, g);
+        linear_bf16(M, D, F, g, w2, NULL, m);
+        for (size_t i = 0; i < (size_t)M * D; i++) out[i] = to_bf16(ld(out, i, 2) + ld(m, i, 2));
+    }
+    free(h);
+    return rc;
+}
