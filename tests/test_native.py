@@ -264,26 +264,33 @@ def test_native_linear_matches_f_linear(rows, n, k, bias):
     assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
 
 
+def random_bf16_model(seed: int, std: float, tie: bool, unit_norms: bool, **dims):
+    """A small bf16 Transformer with N(0, std) weights (qkv bias on), for the step tests."""
+    from codecomplete.model.transformer import ModelArgs, Transformer
+
+    torch.manual_seed(seed)
+    args = ModelArgs(**dims, norm_eps=1e-5, rope_theta=1e4, rope_scaling=None, qkv_bias=True, tie_embeddings=tie,
+                     max_positions=512)
+    model = Transformer(args)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, std)
+        if unit_norms:
+            for mod in model.modules():
+                if hasattr(mod, "eps"):
+                    mod.weight.fill_(1.0)
+        if tie:
+            model.head.weight = model.embed.weight
+    return model.to(torch.bfloat16).eval()
+
+
 @needs_kernel
 def test_bf16_model_native_step_agrees_with_the_torch_path():
     """A bf16 model's decode steps (each layer one native call) and a 6-token verification
     (linear layers in oneDNN, fused norms, gate and attention) through the native kernels
     against the same model in PyTorch: the same greedy tokens and logits within bf16 noise."""
-    from codecomplete.model.transformer import ModelArgs, Transformer
-
-    torch.manual_seed(6)
-    args = ModelArgs(vocab_size=300, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=320,
-                     norm_eps=1e-5, rope_theta=1e4, rope_scaling=None, qkv_bias=True, tie_embeddings=True,
-                     max_positions=512)
-    model = Transformer(args)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.08)
-        for mod in model.modules():
-            if hasattr(mod, "eps"):
-                mod.weight.fill_(1.0)
-        model.head.weight = model.embed.weight
-    model = model.to(torch.bfloat16).eval()
+    model = random_bf16_model(6, 0.08, tie=True, unit_norms=True, vocab_size=300, dim=128, n_layers=4, n_heads=4,
+                              n_kv_heads=2, head_dim=32, hidden_dim=320)
     prompt = torch.randint(0, 300, (1, 40))
 
     def run(on: bool):
@@ -314,17 +321,8 @@ def test_one_call_layer_equals_the_per_op_native_path():
     """``decode_layer`` (a whole block in C) against the same block through the separate
     native ops, batch of 3 one-token steps over caches of different lengths: identical output
     and identical keys and values written (the same kernels, in the same order)."""
-    from codecomplete.model.transformer import ModelArgs, Transformer
-
-    torch.manual_seed(7)
-    args = ModelArgs(vocab_size=100, dim=96, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=16, hidden_dim=200,
-                     norm_eps=1e-5, rope_theta=1e4, rope_scaling=None, qkv_bias=True, tie_embeddings=False,
-                     max_positions=512)
-    model = Transformer(args)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
-    model = model.to(torch.bfloat16).eval()
+    model = random_bf16_model(7, 0.1, tie=False, unit_norms=False, vocab_size=100, dim=96, n_layers=2, n_heads=6,
+                              n_kv_heads=2, head_dim=16, hidden_dim=200)
     assert model.native_decode(True)
     block = model.layers[1]
     assert block.native_args is not None

@@ -29,6 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("decode_attention.c", "step_ops.c", "linear.c")]
+_HEADER = Path(__file__).with_name("common.h")  # included by each source
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast", "-fno-math-errno",
           "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 _ELSIZE = {torch.float32: 4, torch.bfloat16: 2}
@@ -63,7 +64,7 @@ def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not cc:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    src = b"".join(p.read_bytes() for p in _SOURCES)
+    src = b"".join(p.read_bytes() for p in (*_SOURCES, _HEADER))
     key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
     out = _cache_dir() / f"codecomplete_native-{key}.so"
     if not out.exists():

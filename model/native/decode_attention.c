@@ -18,31 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* exp(x) for x <= 0 (softmax after subtracting the max): Cephes-style range reduction
- * and a degree-6 polynomial, written so the compiler vectorises it; relative error ~1e-7. */
-static inline float exp_neg(float x) {
-    if (x < -87.0f) x = -87.0f;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float s;
-    memcpy(&s, &e, 4);
-    return p * s;
-}
+#include "common.h"
 
 /* Rows [t0, t1) of a [T, E] fp32 or bf16 matrix as fp32: a pointer into it, or into `buf`
  * after converting. */
@@ -52,6 +28,37 @@ static inline const float *rows_f32(const void *base, int elsize, int E, int64_t
 #pragma omp simd
     for (int64_t i = 0; i < n * E; i++) buf[i] = bf16_to_f32(src[i]);
     return buf;
+}
+
+/* Mask and softmax one query row's scores s[0, n) over cache positions [t0, t0 + n): row i
+ * of the S new positions sees position t when mask[i * T + t] (mask: [S, T], T = len + S)
+ * or, without a mask, when t <= len + i.  Leaves unnormalised probabilities in s (zeros
+ * where hidden), their max in *m (-inf: nothing visible) and their sum in *l. */
+static inline void mask_softmax(float *s, int64_t n, int64_t i, const uint8_t *mask, int64_t T, int64_t len,
+                                int64_t t0, float *m, float *l) {
+    if (mask) {
+        const uint8_t *mi = mask + i * T + t0;
+#pragma omp simd
+        for (int64_t t = 0; t < n; t++) s[t] = mi[t] ? s[t] : -INFINITY;
+    } else {
+        for (int64_t t = len + i + 1 - t0 > 0 ? len + i + 1 - t0 : 0; t < n; t++) s[t] = -INFINITY;
+    }
+    float mr = -INFINITY;
+#pragma omp simd reduction(max : mr)
+    for (int64_t t = 0; t < n; t++) mr = s[t] > mr ? s[t] : mr;
+    float sum = 0.0f;
+    if (mr == -INFINITY) {
+        for (int64_t t = 0; t < n; t++) s[t] = 0.0f;
+    } else {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; t++) {
+            float p = s[t] == -INFINITY ? 0.0f : exp_neg(s[t] - mr);
+            s[t] = p;
+            sum += p;
+        }
+    }
+    *m = mr;
+    *l = sum;
 }
 
 /* One work item: the R = G * S query rows that share one KV head (row r is query head
@@ -77,27 +84,7 @@ static inline const float *rows_f32(const void *base, int elsize, int E, int64_t
                 _Pragma("omp simd reduction(+ : d)") for (int e = 0; e < E; e++) d += qr[e] * kt[e];       \
                 s[t] = d * scale;                                                                          \
             }                                                                                              \
-            const int64_t i = r % S;                                                                       \
-            if (mask) {                                                                                    \
-                const uint8_t *mi = mask + i * T + t0;                                                     \
-                _Pragma("omp simd") for (int64_t t = 0; t < n; t++) s[t] = mi[t] ? s[t] : -INFINITY;       \
-            } else {                                                                                       \
-                for (int64_t t = len + i + 1 - t0 > 0 ? len + i + 1 - t0 : 0; t < n; t++) s[t] = -INFINITY; \
-            }                                                                                              \
-            float mr = -INFINITY;                                                                          \
-            _Pragma("omp simd reduction(max : mr)") for (int64_t t = 0; t < n; t++) mr = s[t] > mr ? s[t] : mr;  \
-            float sum = 0.0f;                                                                              \
-            if (mr == -INFINITY) {                                                                         \
-                for (int64_t t = 0; t < n; t++) s[t] = 0.0f;                                               \
-            } else {                                                                                       \
-                _Pragma("omp simd reduction(+ : sum)") for (int64_t t = 0; t < n; t++) {                   \
-                    float p = s[t] == -INFINITY ? 0.0f : exp_neg(s[t] - mr);                               \
-                    s[t] = p;                                                                              \
-                    sum += p;                                                                              \
-                }                                                                                          \
-            }                                                                                              \
-            m[r] = mr;                                                                                     \
-            l[r] = sum;                                                                                    \
+            mask_softmax(s, n, r % S, mask, T, len, t0, m + r, l + r);                                    \
         }                                                                                                  \
         const float *v = rows_f32(vals, elsize, E, t0, n, buf);                                            \
         for (int r = 0; r < R; r++) {                                                                      \
@@ -189,30 +176,7 @@ static inline __m512 sum16(const __m512 *a) {
                 scores[(size_t)r * n + t] = _mm512_reduce_add_ps(d) * scale;                               \
             }                                                                                              \
         }                                                                                                  \
-        for (int r = 0; r < R; r++) {                                                                      \
-            float *s = scores + (size_t)r * n;                                                             \
-            const int64_t i = r % S;                                                                       \
-            if (mask) {                                                                                    \
-                const uint8_t *mi = mask + i * T + t0;                                                     \
-                _Pragma("omp simd") for (int64_t u = 0; u < n; u++) s[u] = mi[u] ? s[u] : -INFINITY;       \
-            } else {                                                                                       \
-                for (int64_t u = len + i + 1 - t0 > 0 ? len + i + 1 - t0 : 0; u < n; u++) s[u] = -INFINITY; \
-            }                                                                                              \
-            float mr = -INFINITY;                                                                          \
-            _Pragma("omp simd reduction(max : mr)") for (int64_t u = 0; u < n; u++) mr = s[u] > mr ? s[u] : mr;  \
-            float sum = 0.0f;                                                                              \
-            if (mr == -INFINITY) {                                                                         \
-                for (int64_t u = 0; u < n; u++) s[u] = 0.0f;                                               \
-            } else {                                                                                       \
-                _Pragma("omp simd reduction(+ : sum)") for (int64_t u = 0; u < n; u++) {                   \
-                    float p = s[u] == -INFINITY ? 0.0f : exp_neg(s[u] - mr);                               \
-                    s[u] = p;                                                                              \
-                    sum += p;                                                                              \
-                }                                                                                          \
-            }                                                                                              \
-            m[r] = mr;                                                                                     \
-            l[r] = sum;                                                                                    \
-        }                                                                                                  \
+        for (int r = 0; r < R; r++) mask_softmax(scores + (size_t)r * n, n, r % S, mask, T, len, t0, m + r, l + r); \
         /* values: each row converted once for a block of RB query rows (rows with nothing visible \
          * have all-zero probabilities and get zeros) */                                               \
         enum { RB = NE <= 4 ? 4 : 2 };                                                                     \

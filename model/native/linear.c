@@ -21,30 +21,14 @@
  *
  * Built together with decode_attention.c (see model/native/__init__.py).
  */
-#include <stdint.h>
-#include <string.h>
+#include "common.h"
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
 
-static inline float bf(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t to_bf(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* y[m, n0 + i] = s[i] + bias, for the rows of the group that exist (n0 + i < N) */
 static inline void store4(const float *s, const uint16_t *bias, uint16_t *y, int N, int n0, int m) {
-    for (int i = 0; i < 4 && n0 + i < N; i++) y[(size_t)m * N + n0 + i] = to_bf(s[i] + (bias ? bf(bias[n0 + i]) : 0.0f));
+    for (int i = 0; i < 4 && n0 + i < N; i++) y[(size_t)m * N + n0 + i] = f32_to_bf16(s[i] + (bias ? bf16_to_f32(bias[n0 + i]) : 0.0f));
 }
 
 #ifdef __AVX512BF16__
@@ -121,7 +105,7 @@ static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t 
                 const uint16_t *wr = w + (size_t)kb * 128 + i * 32;
                 float d = 0.0f;
 #pragma omp simd reduction(+ : d)
-                for (int e = 0; e < n; e++) d += bf(wr[e]) * bf(xr[e]);
+                for (int e = 0; e < n; e++) d += bf16_to_f32(wr[e]) * bf16_to_f32(xr[e]);
                 s[i] += d;
             }
         }

@@ -18,53 +18,23 @@ int decode_attention(int B, int K, int G, int E, int S, int layer, int elsize, c
                      const void *newv, void *const *kbase, void *const *vbase, const int64_t *cap,
                      const int64_t *len, const uint8_t *const *masks, float scale, int chunk, float *out);
 
-static inline float ld(const void *p, size_t i, int el) {
-    if (el == 4) return ((const float *)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "common.h"
 
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as PyTorch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+static inline float ld(const void *p, size_t i, int el) {
+    return el == 4 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
 }
 
 /* f rounded to the activation dtype (bf16: to its nearest bf16, as a float) */
 static inline float rnd(float f, int el) {
     if (el == 4) return f;
-    uint32_t u = (uint32_t)to_bf16(f) << 16;
-    memcpy(&f, &u, 4);
-    return f;
+    return bf16_to_f32(f32_to_bf16(f));
 }
 
 static inline void st(void *p, size_t i, float f, int el) {
     if (el == 4)
         ((float *)p)[i] = f;
     else
-        ((uint16_t *)p)[i] = to_bf16(f);
-}
-
-/* exp(x) for x <= 0; see decode_attention.c */
-static inline float exp_nonpos(float x) {
-    if (x < -87.0f) x = -87.0f;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float s;
-    memcpy(&s, &e, 4);
-    return p * s;
+        ((uint16_t *)p)[i] = f32_to_bf16(f);
 }
 
 /* RMSNorm of `rows` rows of width D, HF Llama's order: normalise in fp32, round to the
@@ -73,8 +43,7 @@ static inline float exp_nonpos(float x) {
  * that sum is what gets normalised.  out may not alias x; xsum may. */
 void rms_norm(int rows, int D, int el, const void *x, const void *h, void *xsum, const void *w, float eps,
               void *out) {
-    float *row = malloc(sizeof(float) * D);
-    if (!row) abort();
+    const void *src = h ? xsum : x; /* what gets normalised, read again in the second pass */
     for (int r = 0; r < rows; r++) {
         size_t o = (size_t)r * D;
         float ss = 0.0f;
@@ -84,13 +53,11 @@ void rms_norm(int rows, int D, int el, const void *x, const void *h, void *xsum,
                 v = rnd(v + ld(h, o + d, el), el);
                 st(xsum, o + d, v, el);
             }
-            row[d] = v;
             ss += v * v;
         }
         const float inv = 1.0f / sqrtf(ss / (float)D + eps);
-        for (int d = 0; d < D; d++) st(out, o + d, ld(w, d, el) * rnd(row[d] * inv, el), el);
+        for (int d = 0; d < D; d++) st(out, o + d, ld(w, d, el) * rnd(ld(src, o + d, el) * inv, el), el);
     }
-    free(row);
 }
 
 /* The MLP's gate: gu [rows, 2F] holds gate | up; out [rows, F] = silu(gate) * up, each
@@ -100,7 +67,7 @@ void silu_mul(int rows, int F, int el, const void *gu, void *out) {
         const size_t gi = (size_t)r * 2 * F, oi = (size_t)r * F;
         for (int j = 0; j < F; j++) {
             float g = ld(gu, gi + j, el), u = ld(gu, gi + F + j, el);
-            float e = exp_nonpos(-fabsf(g)); /* sigmoid without overflow */
+            float e = exp_neg(-fabsf(g)); /* sigmoid without overflow */
             float sig = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
             st(out, oi + j, rnd(rnd(g * sig, el) * u, el), el);
         }
@@ -203,7 +170,7 @@ int decode_layer(int B, int S, int D, int H, int K, int E, int F, int layer, int
         linear_bf16(M, 2 * F, D, h, w13, NULL, gu);
         silu_mul(M, F, 2, gu, g);
         linear_bf16(M, D, F, g, w2, NULL, m);
-        for (size_t i = 0; i < (size_t)M * D; i++) out[i] = to_bf16(ld(out, i, 2) + ld(m, i, 2));
+        for (size_t i = 0; i < (size_t)M * D; i++) out[i] = f32_to_bf16(ld(out, i, 2) + ld(m, i, 2));
     }
     free(h);
     return rc;
