@@ -271,7 +271,7 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     native = False  # few-token steps through the fused native ops (Transformer.native_decode)
-    native_args: tuple | None = None  # native.layer_args, set by Transformer.native_decode
+    native_stack: "native.Stack | None" = None  # the model's, set by Transformer.native_decode (bf16 weights)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -283,8 +283,8 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, layer, caches, masks):
         if self.native and x.shape[1] <= 64 and x.dtype in native.ACT_DTYPES and not torch.is_grad_enabled() \
                 and self.attn_norm.weight.dtype == x.dtype:
-            if self.native_args is not None and x.shape[0] * x.shape[1] <= native.LINEAR_ROWS:
-                return native.decode_layer(self.native_args, x, cos, sin, layer, caches, masks)  # one call
+            if self.native_stack is not None and x.shape[0] * x.shape[1] <= native.STACK_ROWS:  # the block in one call
+                return native.decode_stack(self.native_stack, x, cos, sin, caches, masks, layer=layer, logits=None)[0]
             # a few-token step: norms (with the residual add), rotary and attention, and the MLP's
             # gate are one native call each, the same arithmetic as below in ~8 calls instead of ~40
             h = native.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
@@ -306,6 +306,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.head = Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
+        self.native_stack: native.Stack | None = None  # Transformer.native_decode
 
     @property
     def dtype(self) -> torch.dtype:
@@ -341,8 +342,9 @@ class Transformer(nn.Module):
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.native_weight = native.pack_linear(mod.weight) if lin else None
-        for layer in self.layers:  # steps of up to LINEAR_ROWS rows: a layer in one call
-            layer.native_args = native.layer_args(layer) if lin else None
+        self.native_stack = native.Stack(self) if lin else None  # steps of up to STACK_ROWS rows: one call
+        for layer in self.layers:
+            layer.native_stack = self.native_stack
         return on
 
     @property
@@ -395,6 +397,12 @@ class Transformer(nn.Module):
             caches = native.StepCaches(caches)  # carries the kernels' view of the caches across layers
         cos, sin = self.rope(positions)
         x = self.embed(tokens)
+        if self.native_stack is not None and bsz * s <= native.STACK_ROWS and not torch.is_grad_enabled():
+            # a few-token step of a bf16 model: every layer, the norm and the head in one native call
+            _, logits = native.decode_stack(self.native_stack, x, cos, sin, caches, masks, logits=logits_for)
+            for c in caches:
+                c.length += s
+            return logits
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, caches, masks)
         for c in caches:

@@ -29,7 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("decode_attention.c", "step_ops.c", "linear.c")]
-_HEADER = Path(__file__).with_name("common.h")  # included by each source
+_HEADERS = [Path(__file__).with_name(n) for n in ("common.h", "attention.h")]  # included by the sources
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast", "-fno-math-errno",
           "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 _ELSIZE = {torch.float32: 4, torch.bfloat16: 2}
@@ -64,7 +64,7 @@ def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not cc:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    src = b"".join(p.read_bytes() for p in (*_SOURCES, _HEADER))
+    src = b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
     key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
     out = _cache_dir() / f"codecomplete_native-{key}.so"
     if not out.exists():
@@ -97,9 +97,9 @@ def _build() -> ctypes.CDLL:
     lib.linear_bf16.restype = None
     lib.linear_bf16.argtypes = [i32] * 3 + [ptr] * 4
     lib.linear_bf16_native.restype = i32
-    lib.decode_layer.restype = i32
-    lib.decode_layer.argtypes = [i32] * 9 + [ptr] * 3 + [ctypes.c_float] + [ptr] * 7 + [ctypes.POINTER(ptr)] * 2 + [
-        i64p] * 2 + [ctypes.POINTER(ptr), ctypes.c_float, i32, ptr]
+    lib.decode_stack.restype = i32
+    lib.decode_stack.argtypes = [i32] * 9 + [ctypes.POINTER(ptr), ctypes.c_float, i32] + [ptr] * 3 + [
+        ctypes.POINTER(ptr)] * 2 + [i64p] * 2 + [ctypes.POINTER(ptr), ctypes.c_float, i32, ptr, ptr, i32, i32, ptr]
     return lib
 
 
@@ -274,36 +274,67 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     return y
 
 
-def layer_args(block) -> tuple | None:
-    """What ``decode_layer`` needs of a ``Block`` that does not change between steps (its
-    sizes and weights' addresses), or None when the block cannot run as one native call:
-    its weights are not bf16 or not repacked (``Transformer.native_decode``)."""
+def layer_weights(block) -> list[int] | None:
+    """The addresses ``decode_stack`` reads of a ``Block`` (its norms, repacked linear weights and
+    qkv bias, in step_ops.c's W_* order), or None when the block cannot run natively: its
+    weights are not bf16 or not repacked (``Transformer.native_decode``)."""
     attn, mlp = block.attn, block.mlp
-    linears = (attn.wqkv, attn.wo, mlp.w13, mlp.w2)
-    if any(lin.native_weight is None for lin in linears) or block.attn_norm.weight.dtype != torch.bfloat16:
+    if any(lin.native_weight is None for lin in (attn.wqkv, attn.wo, mlp.w13, mlp.w2)) \
+            or block.attn_norm.weight.dtype != torch.bfloat16:
         return None
-    a = attn.args
     bias = attn.wqkv.bias
-    return ((a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim),
-            (block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr(), block.attn_norm.eps),
-            (attn.wqkv.native_weight.data_ptr(), bias.data_ptr() if bias is not None else None,
-             attn.wo.native_weight.data_ptr(), mlp.w13.native_weight.data_ptr(), mlp.w2.native_weight.data_ptr()),
-            linears)  # the tensors themselves, kept alive with the addresses
+    return [block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr(), attn.wqkv.native_weight.data_ptr(),
+            bias.data_ptr() if bias is not None else None, attn.wo.native_weight.data_ptr(),
+            mlp.w13.native_weight.data_ptr(), mlp.w2.native_weight.data_ptr()]
 
 
-def decode_layer(args: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, caches,
-                 masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
-    """One ``Block`` of a few-token step as one native call: x [B, S, D] bf16 -> the block's
-    output, caches written at layer ``layer`` (``layer_args`` gives ``args``)."""
-    (d, h, kv, e, f), (n1, n2, eps), (wqkv, bqkv, wo, w13, w2), _ = args
+class Stack:
+    """What ``decode_stack`` needs of a bf16 model that does not change between steps: its sizes
+    and every layer's weights' addresses (as one C array, and one per layer for single-layer
+    calls), the final norm and the repacked head.  Built by ``Transformer.native_decode``; it
+    holds the weights' tensors so the addresses stay valid."""
+
+    def __init__(self, model):
+        a = model.args
+        self.dims = (a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim)
+        self.eps = a.norm_eps
+        per = [layer_weights(b) for b in model.layers]
+        if any(p is None for p in per) or model.head.native_weight is None:
+            raise ValueError("every layer and the head need bf16 weights in the native layout")
+        ptrs = ctypes.c_void_p * (len(per) * len(per[0]))
+        self.weights = ptrs(*[w for p in per for w in p])
+        self.layer = [(ctypes.c_void_p * len(p))(*p) for p in per]
+        self.norm, self.head, self.vocab = model.norm.weight.data_ptr(), model.head.native_weight.data_ptr(), a.vocab_size
+        self._keep = [p for m in (model.norm, model.head, *model.layers) for p in m.parameters()] + [
+            mod.native_weight for mod in model.modules() if getattr(mod, "native_weight", None) is not None]
+
+
+STACK_ROWS = 64  # rows (batch x new tokens) up to which a step runs as one decode_stack call
+
+
+def decode_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches,
+                 masks: list[torch.Tensor | None] | None = None, layer: int | None = None,
+                 logits: str | None = "last") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A few-token step of a bf16 model in one native call: x [B, S, D] bf16 (the embeddings)
+    through every layer (or only ``layer``), the caches written at each layer; cos and sin
+    [B, 1, S, E] from ``Transformer.rope``.  Returns the hidden state after the layers [B, S, D]
+    and, when ``logits`` is "last" or "all", the head's logits of each sequence's last row
+    [B, V] or of every row [B, S, V] (bf16).  Cache lengths are left to the caller."""
+    if not available():
+        raise RuntimeError(f"native kernels unavailable: {_error}")
+    d, h, kv, e, f = stack.dims
     bsz, s, _ = x.shape
     plan = _plan(caches, s, masks)
-    x = x.contiguous()
+    x = x.contiguous().clone()  # updated in place by the kernel
     cos, sin = cos.to(torch.bfloat16).contiguous(), sin.to(torch.bfloat16).contiguous()
-    out = torch.empty_like(x)
-    rc = _lib.decode_layer(bsz, s, d, h, kv, e, f, layer, _ELSIZE[plan.dtype], x.data_ptr(), n1, n2, eps, wqkv, bqkv,
-                           wo, w13, w2, cos.data_ptr(), sin.data_ptr(), plan.k, plan.v, plan.cap, plan.len,
-                           plan.masks, e ** -0.5, CHUNK, out.data_ptr())
+    weights, first, count = (stack.weights, 0, len(stack.layer)) if layer is None else (stack.layer[layer], layer, 1)
+    out = None
+    if logits is not None:
+        out = torch.empty((bsz, stack.vocab) if logits == "last" else (bsz, s, stack.vocab), dtype=torch.bfloat16)
+    rc = _lib.decode_stack(bsz, s, d, h, kv, e, f, first, count, weights, stack.eps, _ELSIZE[plan.dtype], x.data_ptr(),
+                           cos.data_ptr(), sin.data_ptr(), plan.k, plan.v, plan.cap, plan.len, plan.masks, e ** -0.5,
+                           CHUNK, stack.norm if out is not None else None, stack.head if out is not None else None,
+                           stack.vocab, int(logits == "last"), out.data_ptr() if out is not None else None)
     if rc != 0:
-        raise MemoryError("native decode layer: out of scratch memory")
-    return out
+        raise MemoryError("native decode step: out of scratch memory")
+    return x, out

@@ -1,7 +1,9 @@
-/* The small element-wise parts of a few-token step (decode, verification) fused into one
- * call each, so that a layer of a decode step is four linear layers and four native calls
- * instead of ~40 PyTorch ops (each costs ~5-10 us of dispatch on this CPU, about as much as
- * the linear layers' weight reads at batch 1).
+/* A few-token step (decode, verification) of a bf16 model in one call: ``decode_stack`` runs
+ * every layer, the final norm and the head in one parallel region (the threads meet at barriers,
+ * no fork and join per op), instead of ~40 PyTorch ops a layer (each ~5-10 us of dispatch on
+ * this CPU, about as much as the linear layers' weight reads at batch 1).  The element-wise
+ * parts (RMSNorm with the residual, the SiLU gate, rotary + cache writes + attention) are also
+ * callable one by one, for fp32 models and the PyTorch-linear path.
  *
  * Activations are bf16 (el = 2) or fp32 (el = 4).  Where the PyTorch path rounds to bf16
  * between ops (HF Llama's order), these round at the same places, so the two paths agree to
@@ -14,10 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-int decode_attention(int B, int K, int G, int E, int S, int layer, int elsize, const float *q, const void *newk,
-                     const void *newv, void *const *kbase, void *const *vbase, const int64_t *cap,
-                     const int64_t *len, const uint8_t *const *masks, float scale, int chunk, float *out);
+#include <omp.h>
 
+#include "attention.h"
 #include "common.h"
 
 static inline float ld(const void *p, size_t i, int el) {
@@ -84,94 +85,204 @@ static inline float rope_at(const void *x, size_t xo, const void *cs, const void
     return rnd(a + b, el);
 }
 
-/* A few-token step's attention straight from the fused qkv projection:
+/* Queries, keys and values of rows [r0, r1) of a step from the fused qkv projection:
  *   qkv [B, S, (K*G + 2K) * E] in the activation dtype (queries, then keys, then values)
  *   cos, sin [B, S, E] in the activation dtype (Transformer.rope)
- * applies the rotary embedding to queries and keys, writes keys and values into the caches
- * (dtype el_kv) and attends as decode_attention does (causal, or masks[b]); writes
- * out [B, S, K*G*E] in the activation dtype, ready for the output projection.
+ * Rotary embedding on queries and keys (rounded as PyTorch rounds); the queries go to
+ * q [B, K, G*S, E] fp32 (attention's layout: row (h % G) * S + i of KV head h / G), the keys
+ * and values straight into the caches (dtype el_kv) at positions len[b] + i. */
+static void rope_rows(int r0, int r1, int S, int K, int G, int E, int layer, int el_kv, int el, const void *qkv,
+                      const void *cs, const void *sn, void *const *kbase, void *const *vbase, const int64_t *cap,
+                      const int64_t *len, float *q) {
+    const int H = K * G, R = G * S, W = (H + 2 * K) * E;
+    for (int row = r0; row < r1; row++) {
+        const int b = row / S, i = row % S;
+        const size_t xo = (size_t)row * W, co = (size_t)row * E;
+        for (int h = 0; h < H; h++) {
+            float *dst = q + (((size_t)b * K + h / G) * R + (size_t)(h % G) * S + i) * E;
+            for (int e = 0; e < E; e++) dst[e] = rope_at(qkv, xo + (size_t)h * E, cs, sn, co, e, E, el);
+        }
+        for (int h = 0; h < K; h++) {
+            const size_t d = (((size_t)layer * K + h) * cap[b] + len[b] + i) * E;
+            const size_t ko = xo + (size_t)(H + h) * E, vo = xo + (size_t)(H + K + h) * E;
+            for (int e = 0; e < E; e++) {
+                st(kbase[b], d + e, rope_at(qkv, ko, cs, sn, co, e, E, el), el_kv);
+                st(vbase[b], d + e, ld(qkv, vo + e, el), el_kv);
+            }
+        }
+    }
+}
+
+/* attention's output o [B, K, G*S, E] fp32 as out [B, S, K*G*E] in the activation dtype, rows [r0, r1) */
+static void heads_out(int r0, int r1, int S, int K, int G, int E, int el, const float *o, void *out) {
+    const int H = K * G, R = G * S;
+    for (int row = r0; row < r1; row++) {
+        const int b = row / S, i = row % S;
+        for (int h = 0; h < H; h++) {
+            const float *src = o + (((size_t)b * K + h / G) * R + (size_t)(h % G) * S + i) * E;
+            const size_t d = ((size_t)row * H + h) * E;
+            for (int e = 0; e < E; e++) st(out, d + e, src[e], el);
+        }
+    }
+}
+
+/* Scratch of one step's attention: the queries and outputs (fp32), the work items' partial
+ * results and each thread's scores; one malloc, freed by the caller. */
+typedef struct {
+    AttnStep a;
+    float *q, *o, *scratch;
+    size_t per;
+    int threads;
+    void *mem;
+} AttnScratch;
+
+static int attn_alloc(AttnScratch *s, int B, int K, int G, int E, int S, int el_kv, int chunk, float scale,
+                      void *const *kbase, void *const *vbase, const int64_t *cap, const int64_t *len,
+                      const uint8_t *const *masks) {
+    AttnStep a = {B, K, G, E, S, 0, el_kv, chunk, scale, NULL, kbase, vbase, cap, len, masks};
+    int64_t *first = malloc(sizeof(int64_t) * (B + 1));
+    if (!first) return -1;
+    const int64_t W = attn_items(&a, first); /* items depend on the lengths only: the same for every layer */
+    const size_t R = (size_t)G * S, nq = (size_t)B * K * R * E;
+    s->threads = omp_get_max_threads();
+    s->per = attn_scratch(&a);
+    float *f = malloc(sizeof(float) * (2 * nq + (size_t)W * R * (E + 2) + s->per * s->threads));
+    if (!f) {
+        free(first);
+        return -1;
+    }
+    s->q = f;
+    s->o = f + nq;
+    a.acc = s->o + nq;
+    a.ms = a.acc + W * R * E;
+    a.ls = a.ms + W * R;
+    s->scratch = a.ls + W * R;
+    a.q = s->q;
+    s->a = a;
+    s->mem = f;
+    return 0;
+}
+
+static void attn_free(AttnScratch *s) {
+    free(s->a.first);
+    free(s->mem);
+}
+
+/* One layer's attention inside a parallel region: rotary and cache writes for the step's M
+ * rows, attention, and its output in the activation dtype (out [M, H*E]). */
+static void attention_team(AttnScratch *s, int layer, int el, const void *qkv, const void *cs, const void *sn,
+                           void *out) {
+    AttnStep *a = &s->a;
+    const int M = a->B * a->S;
+#pragma omp single
+    a->layer = layer; /* the implied barrier publishes it */
+#pragma omp for schedule(static)
+    for (int row = 0; row < M; row++)
+        rope_rows(row, row + 1, a->S, a->K, a->G, a->E, layer, a->elsize, el, qkv, cs, sn, a->kbase, a->vbase, a->cap,
+                  a->len, s->q);
+    attn_team(a, s->scratch + s->per * omp_get_thread_num(), s->o);
+#pragma omp for schedule(static)
+    for (int row = 0; row < M; row++) heads_out(row, row + 1, a->S, a->K, a->G, a->E, el, s->o, out);
+}
+
+/* A few-token step's attention straight from the fused qkv projection (qkv, cos, sin as for
+ * rope_rows): rotary embedding, keys and values written into the caches (dtype el_kv),
+ * attention as decode_attention computes it (causal, or masks[b]); writes out
+ * [B, S, K*G*E] in the activation dtype, ready for the output projection.
  * Returns 0, or -1 when scratch memory could not be had. */
 int qkv_attention(int B, int K, int G, int E, int S, int layer, int el_kv, int el, const void *qkv, const void *cs,
                   const void *sn, void *const *kbase, void *const *vbase, const int64_t *cap, const int64_t *len,
                   const uint8_t *const *masks, float scale, int chunk, void *out) {
-    const int H = K * G, R = G * S, W = (H + 2 * K) * E;
-    const size_t nq = (size_t)B * H * S * E, nk = (size_t)B * K * S * E;
-    float *q = malloc(sizeof(float) * nq * 2);
-    char *kv = malloc((size_t)el_kv * nk * 2);
-    if (!q || !kv) {
-        free(q);
-        free(kv);
-        return -1;
-    }
-    float *o = q + nq;
-    char *nkey = kv, *nval = kv + (size_t)el_kv * nk;
-    for (int b = 0; b < B; b++) {
-        for (int i = 0; i < S; i++) {
-            const size_t xo = ((size_t)b * S + i) * W, co = ((size_t)b * S + i) * E;
-            for (int h = 0; h < H; h++) { /* q[b, h / G, (h % G) * S + i, :] */
-                float *dst = q + (((size_t)b * K + h / G) * R + (size_t)(h % G) * S + i) * E;
-                for (int e = 0; e < E; e++) dst[e] = rope_at(qkv, xo + (size_t)h * E, cs, sn, co, e, E, el);
-            }
-            for (int h = 0; h < K; h++) { /* new keys and values [b, h, i, :] in the cache dtype */
-                const size_t d = (((size_t)b * K + h) * S + i) * E;
-                const size_t ko = xo + (size_t)(H + h) * E, vo = xo + (size_t)(H + K + h) * E;
-                for (int e = 0; e < E; e++) {
-                    st(nkey, d + e, rope_at(qkv, ko, cs, sn, co, e, E, el), el_kv);
-                    st(nval, d + e, ld(qkv, vo + e, el), el_kv);
-                }
-            }
-        }
-    }
-    int rc = decode_attention(B, K, G, E, S, layer, el_kv, q, nkey, nval, kbase, vbase, cap, len, masks, scale, chunk,
-                              o);
-    if (rc == 0) {
-        for (int b = 0; b < B; b++)
-            for (int h = 0; h < H; h++)
-                for (int i = 0; i < S; i++) {
-                    const float *src = o + (((size_t)b * K + h / G) * R + (size_t)(h % G) * S + i) * E;
-                    const size_t d = (((size_t)b * S + i) * H + h) * E;
-                    for (int e = 0; e < E; e++) st(out, d + e, src[e], el);
-                }
-    }
-    free(q);
-    free(kv);
-    return rc;
+    AttnScratch s;
+    if (attn_alloc(&s, B, K, G, E, S, el_kv, chunk, scale, kbase, vbase, cap, len, masks) != 0) return -1;
+#pragma omp parallel num_threads(s.threads)
+    attention_team(&s, layer, el, qkv, cs, sn, out);
+    attn_free(&s);
+    return 0;
 }
 
-void linear_bf16(int M, int N, int K, const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y);
+void linear_team(int M, int N, int K, const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y);
 
-/* A whole transformer layer of a few-token step of a bf16 model in one call (what
- * Block.forward does, without ~15 Python-level calls a layer):
+/* silu(gate) * up of rows [0, M) inside a parallel region, split in pieces of 256 columns */
+static void silu_team(int M, int F, const uint16_t *gu, uint16_t *out) {
+    const int pieces = (F + 255) / 256;
+#pragma omp for schedule(static)
+    for (int p = 0; p < M * pieces; p++) {
+        const int r = p / pieces, j0 = p % pieces * 256, n = F - j0 < 256 ? F - j0 : 256;
+        const uint16_t *g = gu + (size_t)r * 2 * F + j0;
+        uint16_t *o = out + (size_t)r * F + j0;
+        for (int j = 0; j < n; j++) {
+            float gv = bf16_to_f32(g[j]), u = bf16_to_f32(g[F + j]);
+            float e = exp_neg(-fabsf(gv));
+            float sig = gv >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            o[j] = f32_to_bf16(rnd(rnd(gv * sig, 2) * u, 2));
+        }
+    }
+}
+
+/* What decode_stack reads of one layer: norm weights [D], linear weights packed for linear_bf16,
+ * the qkv bias [(H + 2K) E] or NULL; all bf16. */
+enum { W_NORM1, W_NORM2, W_QKV, W_BQKV, W_O, W_13, W_2, W_PER_LAYER };
+
+/* Layers layer0 .. layer0 + L of a few-token step of a bf16 model in one call and one parallel
+ * region (what Block.forward does per layer, without ~15 Python-level calls and five thread
+ * fork/joins a layer): per layer
  *   h = norm1(x); qkv = h Wqkv^T (+ b); att = attention(rope(qkv)) (caches written);
- *   x1 = x + att Wo^T; h = norm2(x1); out = x1 + (silu(gate) * up) W2^T, [gate|up] = h W13^T
- * x, out [M, D] with M = B * S rows; weights packed for linear_bf16 (bqkv: [(H + 2K) E] or
- * NULL); norm weights [D]; cos, sin [B, S, E]; caches and masks as in qkv_attention; all
- * activations bf16, rounded where the PyTorch path rounds.  Returns 0, or -1 when scratch
- * memory could not be had (the caches may then hold this step's keys for some layers; the
- * caller fails the step). */
-int decode_layer(int B, int S, int D, int H, int K, int E, int F, int layer, int el_kv, const uint16_t *x,
-                 const uint16_t *norm1, const uint16_t *norm2, float eps, const uint16_t *wqkv, const uint16_t *bqkv,
-                 const uint16_t *wo, const uint16_t *w13, const uint16_t *w2, const uint16_t *cs, const uint16_t *sn,
-                 void *const *kbase, void *const *vbase, const int64_t *cap, const int64_t *len,
-                 const uint8_t *const *masks, float scale, int chunk, uint16_t *out) {
-    const int M = B * S, W = (H + 2 * K) * E;
-    const size_t n = (size_t)M * ((size_t)D + W + (size_t)H * E + D + 2 * (size_t)F + F + D);
+ *   x1 = x + att Wo^T; h = norm2(x1); x = x1 + (silu(gate) * up) W2^T, [gate|up] = h W13^T
+ * x [M, D] with M = B * S rows, updated in place; w: L * W_PER_LAYER pointers; cos, sin
+ * [B, S, E]; caches and masks as in qkv_attention; activations bf16, rounded where the PyTorch
+ * path rounds.  With `head` (not NULL): logits [B or M, V] = head(norm(x)) (normf [D], head packed
+ * for linear_bf16) of each sequence's last row (`last_only`) or of every row.  Returns 0, or
+ * -1 when scratch memory could not be had (then nothing is written). */
+int decode_stack(int B, int S, int D, int H, int K, int E, int F, int layer0, int L, const uint16_t *const *w,
+                 float eps, int el_kv, uint16_t *x, const uint16_t *cs, const uint16_t *sn, void *const *kbase,
+                 void *const *vbase, const int64_t *cap, const int64_t *len, const uint8_t *const *masks, float scale,
+                 int chunk, const uint16_t *normf, const uint16_t *head, int V, int last_only, uint16_t *logits) {
+    const int M = B * S, W = (H + 2 * K) * E, HR = last_only ? B : M;
+    const size_t n = (size_t)M * ((size_t)D + W + (size_t)H * E + D + 2 * (size_t)F + F + D) + (size_t)HR * D * 2;
     uint16_t *h = malloc(sizeof(uint16_t) * n);
-    if (!h) return -1;
+    AttnScratch s;
+    if (!h || attn_alloc(&s, B, K, H / K, E, S, el_kv, chunk, scale, kbase, vbase, cap, len, masks) != 0) {
+        free(h);
+        return -1;
+    }
     uint16_t *qkv = h + (size_t)M * D, *att = qkv + (size_t)M * W, *a = att + (size_t)M * H * E;
     uint16_t *gu = a + (size_t)M * D, *g = gu + (size_t)M * 2 * F, *m = g + (size_t)M * F;
-    rms_norm(M, D, 2, x, NULL, NULL, norm1, eps, h);
-    linear_bf16(M, W, D, h, wqkv, bqkv, qkv);
-    int rc = qkv_attention(B, K, H / K, E, S, layer, el_kv, 2, qkv, cs, sn, kbase, vbase, cap, len, masks, scale,
-                           chunk, att);
-    if (rc == 0) {
-        linear_bf16(M, D, H * E, att, wo, NULL, a);
-        rms_norm(M, D, 2, x, a, out, norm2, eps, h); /* out = x + a, h = norm2(out) */
-        linear_bf16(M, 2 * F, D, h, w13, NULL, gu);
-        silu_mul(M, F, 2, gu, g);
-        linear_bf16(M, D, F, g, w2, NULL, m);
-        for (size_t i = 0; i < (size_t)M * D; i++) out[i] = f32_to_bf16(ld(out, i, 2) + ld(m, i, 2));
+    uint16_t *last = m + (size_t)M * D, *hn = last + (size_t)HR * D;
+#pragma omp parallel num_threads(s.threads)
+    {
+        for (int l = 0; l < L; l++) {
+            const uint16_t *const *lw = w + (size_t)l * W_PER_LAYER;
+#pragma omp for schedule(static)
+            for (int r = 0; r < M; r++) rms_norm(1, D, 2, x + (size_t)r * D, NULL, NULL, lw[W_NORM1], eps, h + (size_t)r * D);
+            linear_team(M, W, D, h, lw[W_QKV], lw[W_BQKV], qkv);
+#pragma omp barrier
+            attention_team(&s, layer0 + l, 2, qkv, cs, sn, att);
+            linear_team(M, D, H * E, att, lw[W_O], NULL, a);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int r = 0; r < M; r++) /* x = x + a, h = norm2(x) */
+                rms_norm(1, D, 2, x + (size_t)r * D, a + (size_t)r * D, x + (size_t)r * D, lw[W_NORM2], eps,
+                         h + (size_t)r * D);
+            linear_team(M, 2 * F, D, h, lw[W_13], NULL, gu);
+#pragma omp barrier
+            silu_team(M, F, gu, g);
+            linear_team(M, D, F, g, lw[W_2], NULL, m);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (size_t i = 0; i < (size_t)M * D; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(m[i]));
+        }
+        if (head) {
+#pragma omp for schedule(static)
+            for (int r = 0; r < HR; r++) {
+                const uint16_t *src = x + (size_t)(last_only ? r * S + S - 1 : r) * D;
+                memcpy(last + (size_t)r * D, src, sizeof(uint16_t) * D);
+                rms_norm(1, D, 2, last + (size_t)r * D, NULL, NULL, normf, eps, hn + (size_t)r * D);
+            }
+            linear_team(HR, V, D, hn, head, NULL, logits);
+        }
     }
+    attn_free(&s);
     free(h);
-    return rc;
+    return 0;
 }
