@@ -249,7 +249,13 @@ def run_llamacpp(users, out_len: int) -> dict | str:
 def decode_speed(rounds: int = 5) -> dict:
     """Per-token decode (batch 1, 1k-token context): the own forward with and without
     prepacked weights, and transformers, interleaved over ``rounds`` (this machine's speed
-    drifts within minutes; medians are reported), and the weight-bandwidth bound."""
+    drifts within minutes; medians are reported), and the weight-bandwidth bound.
+
+    This machine's streaming bandwidth moves between ~30 and ~60 GB/s from minute to minute
+    (other tenants), so the bound is measured in each round right before and right after the
+    native decode rounds (the best of three 256 MB reads each time, the larger of the two
+    taken: the stricter bound) and the ratio is taken per round; the median of those ratios is
+    the result.  The ratio against the best bandwidth seen in the whole run is reported too."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -261,6 +267,20 @@ def decode_speed(rounds: int = 5) -> dict:
     tok = torch.tensor([[5]])
     _, ckpt = resolve_checkpoint(MODEL)
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=lm.dtype).eval()
+    model = lm.model
+    # bytes one decode step must read: every layer and the head; of the embedding table
+    # only one row (the head is the tied table, read whole once)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("embed"))
+    weight_bytes += model.head.weight.numel() * model.head.weight.element_size()
+    big = torch.randn(64 * 2**20)  # 256 MB, well past the caches
+
+    def stream() -> float:  # bytes/s, the best of three reads
+        best = 0.0
+        for _ in range(3):
+            t = time.perf_counter()
+            big.sum()
+            best = max(best, big.numel() * 4 / (time.perf_counter() - t))
+        return best
 
     def own(mode: str) -> float:
         # native: the loader's defaults (native kernels, oneDNN-packed weights for larger
@@ -280,31 +300,43 @@ def decode_speed(rounds: int = 5) -> dict:
         return (time.perf_counter() - t) / 20 * 1000
 
     times: dict[str, list[float]] = {"native": [], "packed": [], "plain": [], "transformers": []}
+    rates, ratios = [], []
     with torch.inference_mode():
         for _ in range(rounds):
-            for mode in ("native", "packed", "plain"):
+            for mode in ("packed", "plain"):
                 times[mode].append(own(mode))
             times["transformers"].append(ref())
+            before = stream()
+            times["native"].append(own("native"))
+            rate = max(before, stream())
+            rates.append(rate)
+            ratios.append(times["native"][-1] / (weight_bytes / rate * 1000))
         lm.model.pack(True)
         lm.model.native_decode(True)
-        big = torch.randn(64 * 2**20)  # 256 MB, well past the caches
-        rates = []
-        for _ in range(5):
-            t = time.perf_counter()
-            big.sum()
-            rates.append(big.numel() * 4 / (time.perf_counter() - t))
-    bandwidth = max(rates)  # the best streaming rate this machine gave
-    model = lm.model
-    # bytes one decode step must read: every layer and the head; of the embedding table
-    # only one row (the head is the tied table, read whole once)
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("embed"))
-    weight_bytes += model.head.weight.numel() * model.head.weight.element_size()
+    bandwidth = max(rates)  # the best streaming rate this run saw
     med = {k: round(statistics.median(v), 2) for k, v in times.items()}
     return {"own_ms": med["native"], "own_onednn_ms": med["packed"], "own_plain_ms": med["plain"],
             "kv_dtype": str(model.kv_dtype or model.default_kv_dtype), "transformers_ms": med["transformers"],
             "runs_ms": {k: [round(x, 2) for x in v] for k, v in times.items()}, "dtype": str(lm.dtype),
             "weight_mb": round(weight_bytes / 2**20, 1), "bandwidth_gb_s": round(bandwidth / 1e9, 1),
-            "bound_ms": round(weight_bytes / bandwidth * 1000, 2)}
+            "bound_ms": round(weight_bytes / bandwidth * 1000, 2),
+            "round_bandwidth_gb_s": [round(r / 1e9, 1) for r in rates],
+            "round_ratio": [round(r, 2) for r in ratios], "ratio_median": round(statistics.median(ratios), 2)}
+
+
+def decode_lines(speed: dict) -> list[str]:
+    return ["## Decode, batch 1, 1k-token context (medians of interleaved rounds)", "",
+            f"- own forward: {speed['own_ms']} ms/token with the native kernels (as served), "
+            f"{speed['own_onednn_ms']} with oneDNN-prepacked weights and PyTorch attention, "
+            f"{speed['own_plain_ms']} with neither; transformers: {speed['transformers_ms']} ms/token "
+            f"({speed['own_ms'] / speed['transformers_ms']:.2f}x); weights {speed['dtype']}, "
+            f"own KV {speed['kv_dtype']}",
+            f"- weight-bandwidth bound, measured in each round around the native decode rounds: "
+            f"{speed['weight_mb']} MiB read per token at {speed['round_bandwidth_gb_s']} GB/s; own forward "
+            f"at {speed['round_ratio']}x the bound of its round, **median {speed['ratio_median']}x**",
+            f"- against the best streaming read of the whole run ({speed['bandwidth_gb_s']} GB/s, "
+            f"{speed['bound_ms']} ms/token): the median decode is {speed['own_ms'] / speed['bound_ms']:.2f}x",
+            f"- every round (ms/token): {speed['runs_ms']}", ""]
 
 
 def table(rows: dict[str, dict]) -> list[str]:
@@ -328,10 +360,20 @@ def main() -> int:
     ap.add_argument("--sweep", default="", help="user counts for the sweep, e.g. 1,2,4,8,16,32")
     ap.add_argument("--sweep-budget-mb", type=int, default=256)
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode section (and its bound)")
+    ap.add_argument("--decode-rounds", type=int, default=5)
     ap.add_argument("--out", type=Path, default=RESULTS / "efim_serving.md")
     args = ap.parse_args()
     global MODEL
     MODEL = args.model
+    if args.decode_only:
+        speed = decode_speed(args.decode_rounds)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join([header("Decode speed against the weight-bandwidth bound"), ""]
+                                      + decode_lines(speed)))
+        args.out.with_suffix(".json").write_text(json.dumps({"decode": speed}, indent=2))
+        print(args.out.read_text())
+        return 0
     if args.quick:
         args.users, args.rounds, args.out_len = 4, 3, [32]
     from transformers import AutoTokenizer
@@ -393,18 +435,9 @@ def main() -> int:
                 f"{results['sweep'][s][n]['mean_ms']} | {results['sweep'][s][n]['req_per_s']}" for s in SCHEMES) + " |")
         lines += ["", f"![sweep]({png.name})", ""]
     print("decode speed ...", file=sys.stderr)
-    speed = decode_speed()
+    speed = decode_speed(args.decode_rounds)
     results["decode"] = speed
-    lines += ["## Decode, batch 1, 1k-token context (medians of interleaved rounds)", "",
-              f"- own forward: {speed['own_ms']} ms/token with the native kernels (as served), "
-              f"{speed['own_onednn_ms']} with oneDNN-prepacked weights and PyTorch attention, "
-              f"{speed['own_plain_ms']} with neither; transformers: {speed['transformers_ms']} ms/token "
-              f"({speed['own_ms'] / speed['transformers_ms']:.2f}x); weights {speed['dtype']}, "
-              f"own KV {speed['kv_dtype']}",
-              f"- weight-bandwidth bound: {speed['bound_ms']} ms/token ({speed['weight_mb']} MiB read per token / "
-              f"{speed['bandwidth_gb_s']} GB/s, the best of 5 measured streaming reads); own forward at "
-              f"{speed['own_ms'] / speed['bound_ms']:.1f}x the bound",
-              f"- every round (ms/token): {speed['runs_ms']}", ""]
+    lines += decode_lines(speed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))

@@ -84,7 +84,8 @@ static inline void store4v(__m128 s, const uint16_t *bias, uint16_t *y, int N, i
         store4v(reduce4(a##J##0, a##J##1, a##J##2, a##J##3), bias, y, N, n0, m0 + J);                          \
     }
 static inline __attribute__((always_inline)) void group(int MR, int K, int Kb, const uint16_t *x, const uint16_t *w,
-                                                        const uint16_t *bias, uint16_t *y, int N, int n0, int m0) {
+                                                        const uint16_t *bias, uint16_t *y, int N, int n0, int m0,
+                                                        const char *pf) {
     __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
     __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
     __m512 a40 = a00, a41 = a00, a42 = a00, a43 = a00, a50 = a00, a51 = a00, a52 = a00, a53 = a00;
@@ -94,6 +95,10 @@ static inline __attribute__((always_inline)) void group(int MR, int K, int Kb, c
         const int k = kb * 32, tail = TAIL;                                                                      \
         const __mmask32 km = TAIL ? (__mmask32)((1u << (K - k)) - 1u) : (__mmask32)0xffffffffu;                  \
         const uint16_t *wb = w + (size_t)kb * 128;                                                               \
+        if (pf) {                                                                                                \
+            _mm_prefetch(pf + kb * 256, _MM_HINT_T1), _mm_prefetch(pf + kb * 256 + 64, _MM_HINT_T1);             \
+            _mm_prefetch(pf + kb * 256 + 128, _MM_HINT_T1), _mm_prefetch(pf + kb * 256 + 192, _MM_HINT_T1);      \
+        }                                                                                                        \
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb), w1 = (__m512bh)_mm512_loadu_si512(wb + 32);       \
         const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wb + 64), w3 = (__m512bh)_mm512_loadu_si512(wb + 96);   \
         DOT4(0) DOT4(1) DOT4(2) DOT4(3) DOT4(4) DOT4(5)                                                          \
@@ -112,19 +117,22 @@ static inline __attribute__((always_inline)) void group(int MR, int K, int Kb, c
 }
 
 /* all M input rows against one group, in blocks of at most six rows of near-equal size
- * (8 rows: 4 + 4, not 6 + 2) */
+ * (8 rows: 4 + 4, not 6 + 2).  With more than one block, the first block also prefetches the
+ * next group's weights (into L2): the later blocks compute from L1 and would otherwise leave
+ * the memory idle (16 rows over all of SmolLM2-135M's weights, from memory: 17.8 -> 10.7 ms; oneDNN 12.4). */
 static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                  int n0) {
     const int blocks = (M + 5) / 6;
     for (int b = 0, m0 = 0; b < blocks; b++) {
         const int mr = (M - m0) / (blocks - b) + ((M - m0) % (blocks - b) ? 1 : 0);
+        const char *pf = blocks > 1 && b == 0 ? (const char *)(w + (size_t)Kb * 128) : NULL;
         switch (mr) {
-        case 6: group(6, K, Kb, x, w, bias, y, N, n0, m0); break;
-        case 5: group(5, K, Kb, x, w, bias, y, N, n0, m0); break;
-        case 4: group(4, K, Kb, x, w, bias, y, N, n0, m0); break;
-        case 3: group(3, K, Kb, x, w, bias, y, N, n0, m0); break;
-        case 2: group(2, K, Kb, x, w, bias, y, N, n0, m0); break;
-        default: group(1, K, Kb, x, w, bias, y, N, n0, m0); break;
+        case 6: group(6, K, Kb, x, w, bias, y, N, n0, m0, pf); break;
+        case 5: group(5, K, Kb, x, w, bias, y, N, n0, m0, pf); break;
+        case 4: group(4, K, Kb, x, w, bias, y, N, n0, m0, pf); break;
+        case 3: group(3, K, Kb, x, w, bias, y, N, n0, m0, pf); break;
+        case 2: group(2, K, Kb, x, w, bias, y, N, n0, m0, pf); break;
+        default: group(1, K, Kb, x, w, bias, y, N, n0, m0, pf); break;
         }
         m0 += mr;
     }
