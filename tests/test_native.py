@@ -415,3 +415,39 @@ def test_one_call_layer_equals_the_per_op_native_path():
     assert torch.equal(one, per_op)
     for a, b in zip(first, second):
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+@needs_kernel
+def test_bf16_verification_rows_equal_one_token_steps():
+    """In bf16 the native kernels compute each row alone (the linear layers' sums and the
+    attention's do not depend on how many rows a step has), so a draft tree's rows along the
+    greedy path give the very logits of one-token decoding, bit for bit: retrieval speculation
+    then reproduces bf16 greedy decoding, not only fp32 (within one chunk of cache positions)."""
+    from codecomplete.model.speculate import Tree, tree_mask
+
+    model = random_bf16_model(9, 0.08, tie=True, unit_norms=True, vocab_size=300, dim=128, n_layers=3, n_heads=4,
+                              n_kv_heads=2, head_dim=32, hidden_dim=320)
+    assert model.native_decode(True)
+    prompt = torch.randint(0, 300, (1, 70))
+    with torch.no_grad():
+        c = model.new_cache()
+        root = int(model(prompt, [c]).argmax())
+        start, toks, steps = c.length, [root], []
+        for _ in range(5):
+            out = model(torch.tensor([[toks[-1]]]), [c])
+            steps.append(out[0])
+            toks.append(int(out.argmax()))
+        c.length = start  # the same cache, back to before the root
+        # the greedy chain with a decoy branch at every level: rows 1, 3, 5, 7 are the chain
+        tree = Tree()
+        parent = -1
+        for d, tok in enumerate(toks[1:5], 1):
+            tree.tokens += [tok, (tok + 1) % 300]
+            tree.parents += [parent, parent]
+            tree.depths += [d, d]
+            parent = len(tree.tokens) - 2
+        tokens = torch.tensor([[root] + tree.tokens])
+        positions = torch.tensor([[start] + [start + d for d in tree.depths]])
+        logits = model(tokens, [c], positions, [tree_mask(tree, start, len(tree) + 1, "cpu")], logits_for="all")[0]
+    for row, want in zip([0, 1, 3, 5, 7], steps):
+        assert torch.equal(logits[row], want)
