@@ -111,7 +111,7 @@ ATTEND_CHUNK(attend_chunk_any, 0)
 /* Scratch of one ATTEND_CHUNK_AVX512 call, in floats, after the scores: a block of 16 keys as fp32,
  * the block transposed in bf16 pairs and the query rows as bf16 pairs. */
 #define KBLK_FLOATS(E) (16 * (E))
-#define KT_FLOATS(E) (8 * (E))
+#define KT_FLOATS(E) (16 * (E))
 #define QB_FLOATS(R, E) ((size_t)(R) * (E) / 2)
 
 #ifdef __AVX512F__
@@ -180,25 +180,90 @@ static inline void keys_in_pairs(const uint32_t *kb, int E, uint32_t *kt) {
     }
 }
 
-/* Scores of query rows r0 .. r0 + RB (bf16 pairs qb [R][E/2]) against 16 keys transposed in pairs
- * (kt [E/2][16]: key j's dims 2p, 2p + 1 in lane j of row p): one dpbf16 per pair of dims for 16
- * keys at once, no reduction.  RB is a constant at each call site. */
-static inline __attribute__((always_inline)) void scores_pairs(int RB, int E, const uint32_t *qb, const uint32_t *kt,
-                                                               int r0, __m512 sc, float *scores, int64_t n, int64_t t) {
-    __m512 a[8];
+/* Scores of query rows r0 .. r0 + RB (bf16 pairs qb [R][E/2]) against KB blocks of 16 keys
+ * transposed in pairs (kt [KB][E/2][16]: key j's dims 2p, 2p + 1 in lane j of row p): one
+ * dpbf16 per pair of dims for 16 keys at once, no reduction; each broadcast query pair serves
+ * KB blocks.  RB and KB are constants at each call site. */
+static inline __attribute__((always_inline)) void scores_pairs(int RB, int KB, int E, const uint32_t *qb,
+                                                               const uint32_t *kt, int r0, __m512 sc, float *scores,
+                                                               int64_t n, int64_t t) {
+    __m512 a[2][8];
+#pragma GCC unroll 2
+    for (int b = 0; b < 2; b++)
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+        for (int j = 0; j < 8; j++) a[b][j] = _mm512_setzero_ps();
     for (int p = 0; p < E / 2; p++) {
-        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + 16 * p);
+        __m512bh kv[2];
+#pragma GCC unroll 2
+        for (int b = 0; b < 2; b++)
+            if (b < KB) kv[b] = (__m512bh)_mm512_loadu_si512(kt + (size_t)b * 8 * E + 16 * p);
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++)
-            if (j < RB) a[j] = _mm512_dpbf16_ps(a[j], kv, (__m512bh)_mm512_set1_epi32((int)qb[(size_t)(r0 + j) * (E / 2) + p]));
+            if (j < RB) {
+                const __m512bh qv = (__m512bh)_mm512_set1_epi32((int)qb[(size_t)(r0 + j) * (E / 2) + p]);
+#pragma GCC unroll 2
+                for (int b = 0; b < 2; b++)
+                    if (b < KB) a[b][j] = _mm512_dpbf16_ps(a[b][j], kv[b], qv);
+            }
     }
+#pragma GCC unroll 2
+    for (int b = 0; b < 2; b++)
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; j++)
-        if (j < RB) _mm512_storeu_ps(scores + (size_t)(r0 + j) * n + t, _mm512_mul_ps(a[j], sc));
+        for (int j = 0; j < 8; j++)
+            if (j < RB && b < KB) _mm512_storeu_ps(scores + (size_t)(r0 + j) * n + t + 16 * b, _mm512_mul_ps(a[b][j], sc));
+}
+
+/* scores_pairs over every query row: blocks of eight, then the rest */
+static inline __attribute__((always_inline)) void scores_rows(int KB, int R, int E, const uint32_t *qb,
+                                                              const uint32_t *kt, __m512 sc, float *scores, int64_t n,
+                                                              int64_t t) {
+    int r0 = 0;
+    for (; r0 + 8 <= R; r0 += 8) scores_pairs(8, KB, E, qb, kt, r0, sc, scores, n, t);
+    switch (R - r0) {
+    case 7: scores_pairs(7, KB, E, qb, kt, r0, sc, scores, n, t); break;
+    case 6: scores_pairs(6, KB, E, qb, kt, r0, sc, scores, n, t); break;
+    case 5: scores_pairs(5, KB, E, qb, kt, r0, sc, scores, n, t); break;
+    case 4: scores_pairs(4, KB, E, qb, kt, r0, sc, scores, n, t); break;
+    case 3: scores_pairs(3, KB, E, qb, kt, r0, sc, scores, n, t); break;
+    case 2: scores_pairs(2, KB, E, qb, kt, r0, sc, scores, n, t); break;
+    case 1: scores_pairs(1, KB, E, qb, kt, r0, sc, scores, n, t); break;
+    default: break;
+    }
 }
 #endif
+
+/* The values' part of a chunk for query rows r0 .. r0 + RB (RB a constant at each call site):
+ * acc[r] = sum over the chunk's n positions of p[r, u] * v[u], each value row converted from
+ * bf16 once for the RB rows. */
+static inline __attribute__((always_inline)) void pv_rows(int RB, int NE, const void *vals, int elsize, int64_t t0,
+                                                          int64_t n, const float *scores, int r0, float *acc) {
+    const int E = 16 * NE;
+    __m512 o[6][8];
+#pragma GCC unroll 6
+    for (int j = 0; j < 6; j++)
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++)
+            if (j < RB && c < NE) o[j][c] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < n; u++) {
+        __m512 vv[8];
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++)
+            if (c < NE) vv[c] = ld16(vals, elsize, (t0 + u) * E + 16 * c);
+#pragma GCC unroll 6
+        for (int j = 0; j < 6; j++)
+            if (j < RB) {
+                const __m512 p = _mm512_set1_ps(scores[(size_t)(r0 + j) * n + u]);
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++)
+                    if (c < NE) o[j][c] = _mm512_fmadd_ps(p, vv[c], o[j][c]);
+            }
+    }
+#pragma GCC unroll 6
+    for (int j = 0; j < 6; j++)
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++)
+            if (j < RB && c < NE) _mm512_storeu_ps(acc + (size_t)(r0 + j) * E + 16 * c, o[j][c]);
+}
 
 /* ATTEND_CHUNK for head sizes E = 16 * NE with AVX-512: scores for 16 keys at a time (each
  * key block is read once for all R query rows while it is in L1), keys and values converted
@@ -251,30 +316,24 @@ static inline __attribute__((always_inline)) void scores_pairs(int RB, int E, co
             }                                                                                              \
         }                                                                                                  \
         for (int r = 0; r < R; r++) mask_softmax(scores + (size_t)r * n, n, r % S, mask, T, len, t0, m + r, l + r); \
-        /* values: each row converted once for a block of RB query rows (rows with nothing visible \
+        /* values: each row converted once for a block of query rows (rows with nothing visible  \
          * have all-zero probabilities and get zeros); converting the chunk once into a buffer    \
          * instead measured slower (the buffer is read back from L2) */                           \
-        enum { RB = NE <= 4 ? 6 : 2 };                                                                   \
-        const void *vsrc = vals;                                                                           \
-        const int vel = elsize;                                                                            \
-        const int64_t vt0 = t0;                                                                            \
-        for (int r0 = 0; r0 < R; r0 += RB) {                                                               \
-            const int rb = R - r0 < RB ? R - r0 : RB;                                                      \
-            __m512 o[RB][NE];                                                                              \
-            _Pragma("GCC unroll 8") for (int j = 0; j < RB; j++)                                           \
-                _Pragma("GCC unroll 8") for (int c = 0; c < NE; c++) o[j][c] = _mm512_setzero_ps();        \
-            for (int64_t u = 0; u < n; u++) {                                                              \
-                __m512 vv[NE];                                                                             \
-                _Pragma("GCC unroll 8") for (int c = 0; c < NE; c++)                                       \
-                    vv[c] = ld16(vsrc, vel, (vt0 + u) * E + 16 * c);                                       \
-                _Pragma("GCC unroll 8") for (int j = 0; j < RB; j++) {                                     \
-                    if (j >= rb) break;                                                                    \
-                    const __m512 p = _mm512_set1_ps(scores[(size_t)(r0 + j) * n + u]);                     \
-                    _Pragma("GCC unroll 8") for (int c = 0; c < NE; c++) o[j][c] = _mm512_fmadd_ps(p, vv[c], o[j][c]); \
-                }                                                                                          \
+        if (NE <= 4) { /* six rows at a time: 24 accumulators */                                          \
+            int r0 = 0;                                                                                    \
+            for (; r0 + 6 <= R; r0 += 6) pv_rows(6, NE, vals, elsize, t0, n, scores, r0, acc);             \
+            switch (R - r0) {                                                                              \
+            case 5: pv_rows(5, NE, vals, elsize, t0, n, scores, r0, acc); break;                           \
+            case 4: pv_rows(4, NE, vals, elsize, t0, n, scores, r0, acc); break;                           \
+            case 3: pv_rows(3, NE, vals, elsize, t0, n, scores, r0, acc); break;                           \
+            case 2: pv_rows(2, NE, vals, elsize, t0, n, scores, r0, acc); break;                           \
+            case 1: pv_rows(1, NE, vals, elsize, t0, n, scores, r0, acc); break;                           \
+            default: break;                                                                                \
             }                                                                                              \
-            for (int j = 0; j < rb; j++)                                                                   \
-                for (int c = 0; c < NE; c++) _mm512_storeu_ps(acc + (size_t)(r0 + j) * E + 16 * c, o[j][c]); \
+        } else { /* two rows at a time: 2 * NE accumulators */                                            \
+            int r0 = 0;                                                                                    \
+            for (; r0 + 2 <= R; r0 += 2) pv_rows(2, NE, vals, elsize, t0, n, scores, r0, acc);             \
+            if (r0 < R) pv_rows(1, NE, vals, elsize, t0, n, scores, r0, acc);                              \
         }                                                                                                  \
     }
 
@@ -296,21 +355,15 @@ static inline __attribute__((always_inline)) void scores_pairs(int RB, int E, co
             memcpy(&hi, q + 2 * i + 1, 4);                                                               \
             qb[i] = (lo >> 16) | (hi & 0xffff0000u);                                                     \
         }                                                                                                \
-        for (; t + 16 <= n; t += 16) {                                                                   \
-            keys_in_pairs((const uint32_t *)keys + (t0 + t) * (E / 2), E, kt);                           \
-            int r0 = 0;                                                                                  \
-            for (; r0 + 8 <= R; r0 += 8) scores_pairs(8, E, qb, kt, r0, sc, scores, n, t);               \
-            switch (R - r0) {                                                                            \
-            case 7: scores_pairs(7, E, qb, kt, r0, sc, scores, n, t); break;                             \
-            case 6: scores_pairs(6, E, qb, kt, r0, sc, scores, n, t); break;                             \
-            case 5: scores_pairs(5, E, qb, kt, r0, sc, scores, n, t); break;                             \
-            case 4: scores_pairs(4, E, qb, kt, r0, sc, scores, n, t); break;                             \
-            case 3: scores_pairs(3, E, qb, kt, r0, sc, scores, n, t); break;                             \
-            case 2: scores_pairs(2, E, qb, kt, r0, sc, scores, n, t); break;                             \
-            case 1: scores_pairs(1, E, qb, kt, r0, sc, scores, n, t); break;                             \
-            default: break;                                                                              \
-            }                                                                                            \
-        }                                                                                                \
+        for (; t + 32 <= n; t += 32) { /* two blocks of 16 keys share each broadcast query pair */   \
+            keys_in_pairs((const uint32_t *)keys + (t0 + t) * (E / 2), E, kt);                       \
+            keys_in_pairs((const uint32_t *)keys + (t0 + t + 16) * (E / 2), E, kt + 8 * E);          \
+            scores_rows(2, R, E, qb, kt, sc, scores, n, t);                                          \
+        }                                                                                            \
+        for (; t + 16 <= n; t += 16) {                                                               \
+            keys_in_pairs((const uint32_t *)keys + (t0 + t) * (E / 2), E, kt);                       \
+            scores_rows(1, R, E, qb, kt, sc, scores, n, t);                                          \
+        }                                                                                            \
     }
 #else
 #define SCORES_PAIRS
