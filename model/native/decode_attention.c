@@ -265,13 +265,89 @@ static inline __attribute__((always_inline)) void pv_rows(int RB, int NE, const 
             if (j < RB && c < NE) _mm512_storeu_ps(acc + (size_t)(r0 + j) * E + 16 * c, o[j][c]);
 }
 
+#ifdef __AVX512BF16__
+/* A chunk's values in pairs of positions: vp [(n + 1) / 2][NE][16] u32, lane d of vector c of
+ * pair i = (v[2i][16c + d], v[2i + 1][16c + d]) as bf16 (an odd last position pairs with zero). */
+static inline void values_in_pairs(const uint16_t *v, int64_t n, int NE, uint32_t *vp) {
+    const int E = 16 * NE;
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t i = 0; i < (n + 1) / 2; i++)
+        for (int c = 0; c < NE; c++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(v + 2 * i * E + 16 * c));
+            const __m256i b = 2 * i + 1 < n ? _mm256_loadu_si256((const __m256i *)(v + (2 * i + 1) * E + 16 * c))
+                                            : _mm256_setzero_si256();
+            const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+            _mm512_storeu_si512(vp + (i * NE + c) * 16, _mm512_permutexvar_epi16(idx, z));
+        }
+}
+
+/* A row's n probabilities (fp32) rounded to bf16 in place, so that u32 i holds the pair of
+ * positions 2i, 2i + 1 (zero after an odd last one); rounding to nearest even, as PyTorch's
+ * bf16 attention rounds its probabilities before the values' product. */
+static inline void probs_in_pairs(float *s, int64_t n) {
+    uint16_t *d = (uint16_t *)s;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) /* reads floats i .. i + 32, writes the bytes of floats i / 2 .. i / 2 + 16 */
+        _mm512_storeu_si512(d + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i + 16), _mm512_loadu_ps(s + i)));
+    for (; i < n; i++) d[i] = f32_to_bf16(s[i]);
+    if (n & 1) d[n] = 0;
+}
+
+/* The values' part of a chunk from the pairs above (vp), or made from the values v on the fly
+ * (v not NULL: a single block of rows, where building vp would not pay), for query rows r0 ..
+ * r0 + RB: one dpbf16 per pair of positions and 16 dims (RB a constant at each call site). */
+static inline __attribute__((always_inline)) void pv_pairs(int RB, int NE, const uint32_t *vp, const uint16_t *v,
+                                                           const float *scores, int64_t n, int r0, float *acc) {
+    const int E = 16 * NE;
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 o[6][8];
+#pragma GCC unroll 6
+    for (int j = 0; j < 6; j++)
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++)
+            if (j < RB && c < NE) o[j][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < (n + 1) / 2; i++) {
+        __m512bh vv[8];
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++)
+            if (c < NE) {
+                if (v) { /* one block of rows: the pairs in registers, as values_in_pairs makes them */
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(v + 2 * i * E + 16 * c));
+                    const __m256i b = 2 * i + 1 < n ? _mm256_loadu_si256((const __m256i *)(v + (2 * i + 1) * E + 16 * c))
+                                                    : _mm256_setzero_si256();
+                    vv[c] = (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+                } else {
+                    vv[c] = (__m512bh)_mm512_loadu_si512(vp + (i * NE + c) * 16);
+                }
+            }
+#pragma GCC unroll 6
+        for (int j = 0; j < 6; j++)
+            if (j < RB) {
+                const __m512bh p = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(scores + (size_t)(r0 + j) * n))[i]);
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++)
+                    if (c < NE) o[j][c] = _mm512_dpbf16_ps(o[j][c], vv[c], p);
+            }
+    }
+#pragma GCC unroll 6
+    for (int j = 0; j < 6; j++)
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++)
+            if (j < RB && c < NE) _mm512_storeu_ps(acc + (size_t)(r0 + j) * E + 16 * c, o[j][c]);
+}
+#endif
+
 /* ATTEND_CHUNK for head sizes E = 16 * NE with AVX-512: scores for 16 keys at a time (each
  * key block is read once for all R query rows while it is in L1), keys and values converted
  * from bf16 in registers.  Over bf16 keys, when the queries are bf16 numbers (a bf16 model's
  * always are), the key block is transposed in pairs once (16 x 16 register transposes) and each
  * row's 16 scores are 32 dpbf16 (products exact in fp32, as before; only the order of the fp32
  * sums differs).  Measured over 1k keys, a layer: 1 new token 25 -> 21 us, 8 tokens 117 -> 68 us,
- * 16 tokens 187 -> 124 us.  Each query row is computed the same way whatever the number of rows,
+ * 16 tokens 187 -> 124 us.  bf16 values likewise: the probabilities are rounded to bf16 (as
+ * PyTorch's bf16 attention rounds them before its values' product) and each pair of positions
+ * is one dpbf16 per 16 dims (9 tokens over 1.9k keys 117 -> 106 us, 16 over 1k 111 -> 94 us).  Each query row is computed the same way whatever the number of rows,
  * so a verification pass's rows equal the one-token steps they stand for (but for the grouping of
  * cache positions into chunks).  Same contract as ATTEND_CHUNK; `buf` holds the scratch above. */
 #define ATTEND_CHUNK_AVX512(NAME, NE)                                                                    \
@@ -316,9 +392,10 @@ static inline __attribute__((always_inline)) void pv_rows(int RB, int NE, const 
             }                                                                                              \
         }                                                                                                  \
         for (int r = 0; r < R; r++) mask_softmax(scores + (size_t)r * n, n, r % S, mask, T, len, t0, m + r, l + r); \
-        /* values: each row converted once for a block of query rows (rows with nothing visible  \
-         * have all-zero probabilities and get zeros); converting the chunk once into a buffer    \
-         * instead measured slower (the buffer is read back from L2) */                           \
+        /* values (rows with nothing visible have all-zero probabilities and get zeros) */         \
+        PV_PAIRS                                                                                           \
+        /* fp32 values: each row converted once for a block of query rows; converting the chunk   \
+         * once into a buffer instead measured slower (the buffer is read back from L2) */         \
         if (NE <= 4) { /* six rows at a time: 24 accumulators */                                          \
             int r0 = 0;                                                                                    \
             for (; r0 + 6 <= R; r0 += 6) pv_rows(6, NE, vals, elsize, t0, n, scores, r0, acc);             \
@@ -365,8 +442,33 @@ static inline __attribute__((always_inline)) void pv_rows(int RB, int NE, const 
             scores_rows(1, R, E, qb, kt, sc, scores, n, t);                                          \
         }                                                                                            \
     }
+/* bf16 values: the chunk's values in pairs of positions (once, in L1) and the probabilities in
+ * bf16 pairs, so that each pair of positions is one dpbf16 per 16 dims instead of two fp32 FMAs */
+#define PV_PAIRS                                                                                         \
+    if (elsize == 2) {                                                                                   \
+        const uint16_t *v0 = (const uint16_t *)vals + t0 * E;                                            \
+        for (int r = 0; r < R; r++) probs_in_pairs(scores + (size_t)r * n, n);                           \
+        const int rb = E <= 64 ? 6 : 2; /* rows a block: 6 x 4 or 2 x 8 accumulators */                \
+        uint32_t *vp = (uint32_t *)(qb + QB_FLOATS(R, E));                                               \
+        if (R > rb) values_in_pairs(v0, n, E / 16, vp);                                                  \
+        const uint16_t *direct = R > rb ? NULL : v0;                                                     \
+        int r0 = 0;                                                                                      \
+        for (; r0 + rb <= R; r0 += rb) {                                                                 \
+            if (E <= 64) pv_pairs(6, E / 16, vp, direct, scores, n, r0, acc);                            \
+            else pv_pairs(2, E / 16, vp, direct, scores, n, r0, acc);                                    \
+        }                                                                                                \
+        switch (R - r0) {                                                                                \
+        case 5: pv_pairs(5, E / 16, vp, direct, scores, n, r0, acc); break;                              \
+        case 4: pv_pairs(4, E / 16, vp, direct, scores, n, r0, acc); break;                              \
+        case 3: pv_pairs(3, E / 16, vp, direct, scores, n, r0, acc); break;                              \
+        case 2: pv_pairs(2, E / 16, vp, direct, scores, n, r0, acc); break;                              \
+        case 1: pv_pairs(1, E / 16, vp, direct, scores, n, r0, acc); break;                              \
+        default: break;                                                                                  \
+        }                                                                                                \
+    } else
 #else
 #define SCORES_PAIRS
+#define PV_PAIRS
 #endif
 
 ATTEND_CHUNK_AVX512(attend_chunk_avx512_64, 4)
