@@ -85,6 +85,45 @@ static inline float rope_at(const void *x, size_t xo, const void *cs, const void
     return rnd(a + b, el);
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 16 bf16 as fp32 */
+static inline __m512 ld_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* rnd() of 16 floats at once: to the nearest bf16 (even on ties), NaN to f32_to_bf16's quiet NaN */
+static inline __m512 rnd_bf16x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000)));
+}
+
+/* 16 floats that are bf16 numbers (rnd_bf16x16's output) stored as bf16 */
+static inline void st_bf16x16(uint16_t *p, __m512 f) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
+}
+
+/* rope_at for a whole bf16 head (E a multiple of 32) into out[0, E) as floats (bf16 numbers) */
+static inline void rope_head_bf16(const uint16_t *x, const uint16_t *cs, const uint16_t *sn, int E, float *out) {
+    const int half = E / 2;
+    for (int c = 0; c < half; c += 16) {
+        const __m512 x1 = ld_bf16x16(x + c), x2 = ld_bf16x16(x + half + c);
+        const __m512 a1 = rnd_bf16x16(_mm512_mul_ps(x1, ld_bf16x16(cs + c)));
+        const __m512 b1 = rnd_bf16x16(_mm512_mul_ps(x2, ld_bf16x16(sn + c)));
+        const __m512 a2 = rnd_bf16x16(_mm512_mul_ps(x2, ld_bf16x16(cs + half + c)));
+        const __m512 b2 = rnd_bf16x16(_mm512_mul_ps(x1, ld_bf16x16(sn + half + c)));
+        _mm512_storeu_ps(out + c, rnd_bf16x16(_mm512_add_ps(a1, b1)));
+        _mm512_storeu_ps(out + half + c, rnd_bf16x16(_mm512_add_ps(a2, b2)));
+    }
+}
+#endif
+
 /* Queries, keys and values of rows [r0, r1) of a step from the fused qkv projection:
  *   qkv [B, S, (K*G + 2K) * E] in the activation dtype (queries, then keys, then values)
  *   cos, sin [B, S, E] in the activation dtype (Transformer.rope)
@@ -98,6 +137,27 @@ static void rope_rows(int r0, int r1, int S, int K, int G, int E, int layer, int
     for (int row = r0; row < r1; row++) {
         const int b = row / S, i = row % S;
         const size_t xo = (size_t)row * W, co = (size_t)row * E;
+#ifdef __AVX512F__
+        if (el == 2 && E % 32 == 0 && E <= 256) { /* bf16 activations: 16 lanes at a time, the same roundings */
+            const uint16_t *x = (const uint16_t *)qkv + xo, *c = (const uint16_t *)cs + co, *sv = (const uint16_t *)sn + co;
+            float kr[256];
+            for (int h = 0; h < H; h++)
+                rope_head_bf16(x + (size_t)h * E, c, sv, E, q + (((size_t)b * K + h / G) * R + (size_t)(h % G) * S + i) * E);
+            for (int h = 0; h < K; h++) {
+                const size_t d = (((size_t)layer * K + h) * cap[b] + len[b] + i) * E;
+                const uint16_t *v = x + (size_t)(H + K + h) * E;
+                rope_head_bf16(x + (size_t)(H + h) * E, c, sv, E, kr);
+                if (el_kv == 2) {
+                    for (int e = 0; e < E; e += 16) st_bf16x16((uint16_t *)kbase[b] + d + e, _mm512_loadu_ps(kr + e));
+                    memcpy((uint16_t *)vbase[b] + d, v, sizeof(uint16_t) * E);
+                } else {
+                    memcpy((float *)kbase[b] + d, kr, sizeof(float) * E);
+                    for (int e = 0; e < E; e += 16) _mm512_storeu_ps((float *)vbase[b] + d + e, ld_bf16x16(v + e));
+                }
+            }
+            continue;
+        }
+#endif
         for (int h = 0; h < H; h++) {
             float *dst = q + (((size_t)b * K + h / G) * R + (size_t)(h % G) * S + i) * E;
             for (int e = 0; e < E; e++) dst[e] = rope_at(qkv, xo + (size_t)h * E, cs, sn, co, e, E, el);
@@ -121,6 +181,12 @@ static void heads_out(int r0, int r1, int S, int K, int G, int E, int el, const 
         for (int h = 0; h < H; h++) {
             const float *src = o + (((size_t)b * K + h / G) * R + (size_t)(h % G) * S + i) * E;
             const size_t d = ((size_t)row * H + h) * E;
+#ifdef __AVX512F__
+            if (el == 2 && E % 16 == 0) {
+                for (int e = 0; e < E; e += 16) st_bf16x16((uint16_t *)out + d + e, rnd_bf16x16(_mm512_loadu_ps(src + e)));
+                continue;
+            }
+#endif
             for (int e = 0; e < E; e++) st(out, d + e, src[e], el);
         }
     }
