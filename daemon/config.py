@@ -96,6 +96,8 @@ class SpeculationConfig:
     alpha: float = field(default=1.0, metadata=_range(0, None))  # repository weight
     beta: float = field(default=0.1, metadata=_range(0, None))  # common datastore weight
     gamma: float = field(default=1.5, metadata=_range(0, None))  # verified cache weight
+    delta: float = field(default=1.0, metadata=_range(0, None))  # weight of the request's own tokens
+    use_live: bool = True  # draft from the request's own prompt and output (prompt lookup)
     tau: int = field(default=8, metadata=_range(0, None))  # cache first once it holds more sequences
     p: float = field(default=1.0, metadata=_range(0, 1))  # retrieval probability at a line's first token
 
@@ -265,5 +267,5 @@ def engine_settings(cfg: Config):
                           max_batch=e.max_batch, kv_dtype=e.kv_dtype,
                           speculation=SpecSettings(enabled=sp.enabled, max_nodes=sp.max_nodes, depth=sp.depth,
                                                    top_k=sp.top_k, alpha=sp.alpha, beta=sp.beta, gamma=sp.gamma,
-                                                   tau=sp.tau, p=sp.p),
+                                                   delta=sp.delta, use_live=sp.use_live, tau=sp.tau, p=sp.p),
                           early_exit=ExitSettings(**dataclasses.asdict(cfg.early_exit)))

@@ -59,6 +59,7 @@ class SpecSettings:
     alpha: float = 1.0  # repository weight
     beta: float = 0.1  # common datastore weight
     gamma: float = 1.5  # verified cache weight
+    delta: float = 1.0  # weight of the request's own tokens (prompt and output so far)
     tau: int = 8  # the cache is consulted first once it holds more than tau sequences
     p: float = 1.0  # retrieval probability at a skip token
     min_match: int = 2  # shortest context suffix a datastore match may have
@@ -66,6 +67,7 @@ class SpecSettings:
     use_repository: bool = True
     use_common: bool = True
     use_cache: bool = True
+    use_live: bool = True
     skip_tokens: bool = True
     missing_table: bool = True
 

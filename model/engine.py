@@ -31,7 +31,7 @@ from .early_exit import Exits, ExitPolicy, ExitsError, exit_forward, load_exits,
 from .kvstore import KVStore, Node
 from .loader import LoadedModel, ModelLoadError, load_model, model_identity
 from .prompts import PromptPlan, SessionPool, Tokens
-from .speculate import Drafter, Tree, verify
+from .speculate import Drafter, LiveIndex, Tree, verify
 from .stops import CompletionShape, StopRules
 from .transformer import SeqKV
 
@@ -83,6 +83,7 @@ class Live:
     spec_steps: int = 0
     accepted: int = 0
     passes: int = 0  # decode forward passes
+    live: "LiveIndex | None" = None  # the request's own tokens indexed for drafting (speculation)
     layers: int = 0  # transformer layers run by decode steps
 
 
@@ -272,7 +273,9 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
         if lv.pending or room <= 0 or lv.request.cancel.is_set():
             trees.append(Tree())  # healing constrains the choice: plain greedy steps
         else:
-            trees.append(drafter.draft(lv.fed + [lv.generated[-1]], limit=room))
+            if lv.live is None:
+                lv.live = LiveIndex()
+            trees.append(drafter.draft(lv.fed + [lv.generated[-1]], limit=room, live=lv.live))
     if not any(len(t) for t in trees):
         step(lm, lives)
         return lives

@@ -3,7 +3,10 @@
 Per decode step of a request whose last picked token is ``t0``:
 
 1. **Draft**: continuations of the context's suffix from the sources, queried together:
-   the verified cache (consulted first once it holds more than ``tau`` sequences), the
+   the request's own tokens so far (its prompt and its output: where the last three tokens
+   occurred before, what followed; prompt-lookup decoding's source, and what catches a
+   model repeating itself within one completion), the verified cache (consulted first once
+   it holds more than ``tau`` sequences), the
    repository datastore (open buffers included) and the common datastore (both through
    the retriever the daemon gives the engine: ``RepoIndex.lookup``).  At a *skip token*
    (the first non-whitespace token of a line, where code is least predictable) the
@@ -170,6 +173,53 @@ class VerifiedCache:
         return []
 
 
+class LiveIndex:
+    """One request's own tokens (prompt, then output) indexed by their trigrams: where the
+    last three tokens occurred before and what followed them.  ``update`` takes the whole
+    sequence so far (it only grows while a request decodes); ``lookup`` ranks the earlier
+    occurrences by how far back they match (then by recency) and returns their distinct
+    continuations with counts."""
+
+    N = 3
+    SCAN = 64  # most recent occurrences looked at per lookup
+    BACK = 16  # longest match measured
+
+    def __init__(self):
+        self.seq: list[int] = []
+        self.ends: dict[tuple, list[int]] = {}  # trigram -> positions just after its occurrences
+
+    def update(self, context: list[int]) -> None:
+        n = len(self.seq)
+        if n > len(context) or (n and context[n - 1] != self.seq[-1]):  # not an extension: start again
+            self.seq, self.ends, n = [], {}, 0
+        for i in range(n, len(context)):
+            self.seq.append(context[i])
+            if i + 1 >= self.N:
+                self.ends.setdefault(tuple(self.seq[i + 1 - self.N:i + 1]), []).append(i + 1)
+
+    def lookup(self, depth: int, top_k: int) -> list[tuple[tuple[int, ...], int]]:
+        seq, n = self.seq, len(self.seq)
+        if n < self.N + 1:
+            return []
+        scored = []
+        for end in reversed(self.ends.get(tuple(seq[-self.N:]), [])[-self.SCAN - 1:]):
+            if end >= n:  # the suffix itself
+                continue
+            back = self.N
+            while back < self.BACK and end - back - 1 >= 0 and seq[end - back - 1] == seq[n - back - 1]:
+                back += 1
+            scored.append((back, end))
+        counts: Counter = Counter()
+        best: dict[tuple, tuple] = {}
+        for back, end in sorted(scored, reverse=True):
+            cont = tuple(seq[end:end + depth])
+            if cont:
+                counts[cont] += 1
+                best.setdefault(cont, (back, end))
+        ranked = sorted(counts, key=lambda c: best[c], reverse=True)[:top_k]
+        return [(c, counts[c] * best[c][0]) for c in ranked]
+
+
 class Drafter:
     """Draft trees for one engine (one model/tokenizer); keeps the verified cache."""
 
@@ -193,19 +243,27 @@ class Drafter:
         head = cur[: len(cur) - len(cur.lstrip())]
         return not head.strip() and prev.rstrip(" \t").endswith("\n")
 
-    def draft(self, context: list[int], limit: int | None = None) -> Tree:
-        """A draft tree for what follows ``context`` (the last token is t0)."""
+    def draft(self, context: list[int], limit: int | None = None, live: LiveIndex | None = None) -> Tree:
+        """A draft tree for what follows ``context`` (the last token is t0); ``live``: the
+        request's own index of its tokens (updated here with ``context``)."""
         t0 = time.perf_counter()
         try:
-            return self._draft(context, limit)
+            return self._draft(context, limit, live)
         finally:
             self.stats["drafts"] += 1
             self.stats["draft_ms"] += (time.perf_counter() - t0) * 1000
 
-    def _draft(self, context: list[int], limit: int | None) -> Tree:
+    def _draft(self, context: list[int], limit: int | None, live: LiveIndex | None) -> Tree:
         s = self.settings
         depth = max(1, min(s.depth, limit if limit is not None else s.depth))
         weighted: list[tuple[tuple[int, ...], float]] = []
+        if live is not None and s.use_live:
+            live.update(context)
+            own = live.lookup(depth, s.top_k)
+            if own:
+                total = sum(n for _, n in own)
+                weighted += [(seq, s.delta * n / total) for seq, n in own]
+                self.stats["live_hits"] += 1
         from_cache = s.use_cache and self.cache.lookup(context, s.top_k)
         if from_cache:
             total = sum(n for _, n in from_cache)

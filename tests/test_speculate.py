@@ -15,8 +15,8 @@ from codecomplete.model.api import CompletionRequest, EngineSettings, SpecSettin
 from codecomplete.model.engine import Engine, _Vocab, advance, generate, plan_prompt, spec_step, start, step
 from codecomplete.model.loader import load_model
 from codecomplete.model.prompts import SessionPool, Tokens
-from codecomplete.model.speculate import (Drafter, Tree, VerifiedCache, accept, build_tree, validate_tree,
-                                          tree_mask)
+from codecomplete.model.speculate import (Drafter, LiveIndex, Tree, VerifiedCache, accept, build_tree,
+                                          validate_tree, tree_mask)
 
 NO_HEAL = EngineSettings(token_healing=False)
 
@@ -74,6 +74,45 @@ def test_verified_cache_answers_the_longest_known_context():
     got = dict(cache.lookup([7, 2, 3], 4))
     assert (4, 5, 6, 7) in got and (8, 8) in got  # the 2-gram (2, 3) is shared
     assert cache.lookup([0, 0], 4) == []
+
+
+def test_live_index_finds_what_followed_the_last_three_tokens():
+    """The request's own tokens: the longest earlier match (then the most recent) ranks first;
+    the suffix itself is never a match; an update that is not an extension starts again."""
+    live = LiveIndex()
+    seq = [1, 2, 3, 4, 5, 6, 9, 9, 2, 3, 4, 7, 8, 0, 1, 2, 3, 4]
+    live.update(seq)
+    got = live.lookup(depth=3, top_k=4)
+    # (2, 3, 4) occurred twice before: after 1 2 3 4 (a 4-token match, "1 2 3 4" again) and after 9 2 3 4
+    assert [c for c, _ in got] == [(5, 6, 9), (7, 8, 0)]
+    assert got[0][1] > got[1][1]
+    live.update(seq + [5])  # an extension: incremental
+    assert live.lookup(depth=2, top_k=4)[0][0] == (6, 9)
+    live.update([7, 7, 7])  # another sequence: rebuilt, and nothing before its suffix matches
+    assert live.lookup(depth=2, top_k=4) == []
+    assert LiveIndex().lookup(4, 4) == []
+
+
+def test_a_completion_repeating_itself_is_drafted_from_its_own_output(lm):
+    """With no datastore and no cache, the request's own tokens still give drafts: a prompt
+    whose text repeats is drafted from, the output stays the greedy output, and drafts are
+    accepted."""
+    vocab = _Vocab(lm.tokenizer)
+    prefix = "x = [\n" + "    'abc',\n" * 12
+    request = CompletionRequest(prefix, "", mode="multi", max_tokens=24, max_lines=200, ignore_eos=True)
+    with torch.inference_mode():
+        plan = plan_prompt(lm, request, NO_HEAL, None, None)
+        slow = greedy_plain(lm, request, plan, None)
+        drafter = Drafter(SpecSettings(use_cache=False, use_repository=False, use_common=False), None, vocab.texts)
+        live = start(lm, request, plan, None)
+        while advance(lm, live, None):
+            if not spec_step(lm, [live], drafter, None):
+                break
+    assert live.result.token_ids == slow.token_ids
+    assert drafter.stats["live_hits"] > 0 and live.accepted > 0
+    off = Drafter(SpecSettings(use_cache=False, use_repository=False, use_common=False, use_live=False), None,
+                  vocab.texts)
+    assert len(off.draft(plan.ids, live=LiveIndex())) == 0
 
 
 def greedy_plain(lm, request, plan, vocab):
