@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .transformer import SeqKV, Transformer, apply_rope, causal_mask
 
 FORMAT = "codecomplete-exits/1"
@@ -197,10 +198,15 @@ def fill_kv(model: Transformer, h: torch.Tensor, cache: SeqKV, first: int, pos: 
     qd, kd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     for j in range(first, a.n_layers):
         layer = model.layers[j]
-        x = layer.attn_norm(h.view(1, -1))
-        w = layer.attn.wqkv.weight[qd:]
-        b = layer.attn.wqkv.bias[qd:] if layer.attn.wqkv.bias is not None else None
-        k, v = F.linear(x, w, b).split([kd, kd], -1)
+        wqkv = layer.attn.wqkv
+        b = wqkv.bias[qd:] if wqkv.bias is not None else None
+        if wqkv.native_weight is not None and qd % 4 == 0 and h.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+            # the K and V rows of the repacked projection (groups of four rows: qd / 4 onward)
+            x = native.rms_norm(h.view(1, -1), layer.attn_norm.weight, layer.attn_norm.eps)
+            kvp = native.linear(x, wqkv.native_weight[qd // 4:], b, 2 * kd)
+        else:
+            kvp = F.linear(layer.attn_norm(h.view(1, -1)), wqkv.weight[qd:], b)
+        k, v = kvp.split([kd, kd], -1)
         k = apply_rope(k.view(1, 1, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)
         cache.k[j, :, pos] = k[0, :, 0]
         cache.v[j, :, pos] = v.view(a.n_kv_heads, a.head_dim)
@@ -238,14 +244,25 @@ def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: l
     out: list[torch.Tensor | None] = [None] * bsz
     ran = [n_layers] * bsz
     exit_at = {n for n in exits.layers if n in policy.thresholds and 0 < n < n_layers}
-    for i, layer in enumerate(model.layers):
-        before = x
-        x = layer(x, cos, sin, i, [caches[b] for b in active], [None] * len(active))
-        n = i + 1
+    stack = model.native_stack if len(active) <= native.STACK_ROWS and not torch.is_grad_enabled() else None
+    n = 0
+    while n < n_layers:
+        # the layers up to the next exit point in one native call where the model has one (the
+        # cosine measure needs the state before the exit layer: that layer runs alone)
+        end = min([e for e in exit_at if e > n] or [n_layers])
+        group = [caches[b] for b in active]
+        if stack is not None and end - n > 1 and policy.measure != "cosine":
+            x = native.decode_stack(stack, x, cos, sin, native.StepCaches(group), None, logits=None,
+                                    layers=(n, end))[0]
+            before, n = None, end
+        else:
+            before = x
+            x = model.layers[n](x, cos, sin, n, group, [None] * len(active))
+            n += 1
         if n not in exit_at:
             continue
         h = x[:, -1]
-        conf, logits = exits.confidence(model, policy.measure, n, h, before[:, -1])
+        conf, logits = exits.confidence(model, policy.measure, n, h, before[:, -1] if before is not None else None)
         ok = _confident(policy, n, conf, active, steps, allow)
         if not any(ok):
             continue

@@ -103,7 +103,8 @@ class Linear(nn.Linear):
     the weights at 14-31 GB/s, the prepacked oneDNN kernel at 37-75 GB/s when they are in
     cache; results are bit-identical.  A whole decode step, streaming from memory, ran
     oneDNN at ~17 GB/s, so steps of up to ``native.LINEAR_ROWS`` rows use ``native.linear``
-    on its own copy of the weight where it is built (~30 GB/s; see model/native/linear.c).
+    on its own copy of the weight where it is built (~30-40 GB/s at one row; up to 32 rows
+    it is also at least as fast as oneDNN, see model/native/linear.c).
     The copies are used only without autograd (inference)."""
 
     packed: torch.Tensor | None = None
@@ -331,10 +332,10 @@ class Transformer(nn.Module):
         """Run few-token steps (decode steps, speculation's verification: up to 64 new tokens
         per sequence, causal or masked) through the native CPU kernels (``model/native``,
         built on first use): attention with its rotary embedding, the norms and the MLP's
-        gate fused into one call each, and, for bf16 weights, the linear layers of steps of
-        up to ``native.LINEAR_ROWS`` rows on a repacked copy of the weights (one more copy
-        in memory).  ``on=False``: PyTorch throughout.  Call it again after changing the
-        weights.  Returns whether the kernels are in use: CPU and a C compiler."""
+        gate fused into one call each, and, for bf16 weights, the whole step of up to
+        ``native.STACK_ROWS`` rows (every layer, the norm and the head) in one call with its own
+        linear kernel on a repacked copy of the weights (one more copy in memory).
+        ``on=False``: PyTorch throughout.  Call it again after changing the weights.  Returns whether the kernels are in use: CPU and a C compiler."""
         on = on and self.device.type == "cpu" and native.available()
         for layer in self.layers:
             layer.native = layer.attn.native = on

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from codecomplete.model import native
 from codecomplete.model.api import CompletionRequest, EngineSettings, ExitSettings, SpecSettings
 from codecomplete.model.early_exit import Exits, ExitPolicy, ExitsError, exit_forward, load_exits, untrained_exits
 from codecomplete.model.engine import Engine, ExitRuntime, advance, generate, plan_prompt, self_spec_step, start
@@ -237,3 +238,44 @@ def test_missing_or_broken_exits_keep_serving(tiny_model, trained, tmp_path):
             engine.close()
     with pytest.raises(ExitsError):
         load_exits(tmp_path, load_model(str(tiny_model), device="cpu", dtype="float32").model)
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+def test_native_segments_between_exits_equal_the_layer_loop():
+    """A bf16 model runs the layers between two exit points as one native call; against the
+    same steps one layer a call: identical logits, layers run, caches and filled KV (exits at
+    layers 2 and 4 of 6, thresholds that let some tokens leave and keep others)."""
+    from tests.test_native import random_bf16_model
+
+    model = random_bf16_model(11, 0.1, tie=True, unit_norms=True, vocab_size=200, dim=64, n_layers=6, n_heads=4,
+                              n_kv_heads=2, head_dim=16, hidden_dim=128)
+    assert model.native_decode(True) and model.native_stack is not None
+    exits = untrained_exits(model, [2, 4])
+    prompt = torch.randint(0, 200, (1, 30))
+
+    def run(segments: bool):
+        saved = model.native_stack
+        if not segments:
+            model.native_stack = None  # exit_forward then calls Block.forward layer by layer
+        try:
+            caches = [model.new_cache(64), model.new_cache(64)]
+            with torch.inference_mode():
+                for c in caches:
+                    model(prompt, [c])
+                toks, out = [3, 7], []
+                for step in range(6):
+                    logits, ran = exit_forward(model, exits, ExitPolicy("softmax", {2: 0.02, 4: 0.01}), toks, caches,
+                                               [step, step])
+                    out.append((logits, ran))
+                    toks = [int(t) for t in logits.argmax(-1)]
+            return out, caches
+        finally:
+            model.native_stack = saved
+
+    (a, ca), (b, cb) = run(True), run(False)
+    assert any(r < 6 for _, ran in a for r in ran) and any(r == 6 for _, ran in a for r in ran)
+    for (la, ra), (lb, rb) in zip(a, b):
+        assert ra == rb and torch.equal(la, lb)
+    for x, y in zip(ca, cb):
+        n = x.length
+        assert n == y.length and torch.equal(x.k[:, :, :n], y.k[:, :, :n]) and torch.equal(x.v[:, :, :n], y.v[:, :, :n])

@@ -248,7 +248,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-LINEAR_ROWS = 4  # input rows up to which ``linear`` beats oneDNN here (measured; see linear.c)
+LINEAR_ROWS = 32  # rows up to which ``linear`` is at least as fast as oneDNN, weights from memory (measured)
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
@@ -314,9 +314,11 @@ STACK_ROWS = 64  # rows (batch x new tokens) up to which a step runs as one deco
 
 def decode_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches,
                  masks: list[torch.Tensor | None] | None = None, layer: int | None = None,
-                 logits: str | None = "last") -> tuple[torch.Tensor, torch.Tensor | None]:
+                 logits: str | None = "last", layers: tuple[int, int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A few-token step of a bf16 model in one native call: x [B, S, D] bf16 (the embeddings)
-    through every layer (or only ``layer``), the caches written at each layer; cos and sin
+    through every layer (or only ``layer``, or layers ``first`` .. ``end`` - 1 for ``layers`` =
+    (first, end)), the caches written at each layer; cos and sin
     [B, 1, S, E] from ``Transformer.rope``.  Returns the hidden state after the layers [B, S, D]
     and, when ``logits`` is "last" or "all", the head's logits of each sequence's last row
     [B, V] or of every row [B, S, V] (bf16).  Cache lengths are left to the caller."""
@@ -327,7 +329,14 @@ def decode_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     plan = _plan(caches, s, masks)
     x = x.contiguous().clone()  # updated in place by the kernel
     cos, sin = cos.to(torch.bfloat16).contiguous(), sin.to(torch.bfloat16).contiguous()
-    weights, first, count = (stack.weights, 0, len(stack.layer)) if layer is None else (stack.layer[layer], layer, 1)
+    if layer is not None:
+        weights, first, count = stack.layer[layer], layer, 1
+    elif layers is not None:
+        first, count = layers[0], layers[1] - layers[0]
+        weights = ctypes.cast(ctypes.byref(stack.weights, first * len(stack.layer[0]) * ctypes.sizeof(ctypes.c_void_p)),
+                              ctypes.POINTER(ctypes.c_void_p))
+    else:
+        weights, first, count = stack.weights, 0, len(stack.layer)
     out = None
     if logits is not None:
         out = torch.empty((bsz, stack.vocab) if logits == "last" else (bsz, s, stack.vocab), dtype=torch.bfloat16)
