@@ -151,20 +151,29 @@ def methods(best: SpecSettings) -> dict[str, SpecSettings | None]:
     }
 
 
+def _row(c, drafter, before: float) -> dict:
+    return {"ids": c.token_ids, "decode_ms": c.timings.get("decode_ms", 0.0), "n": c.generated_tokens,
+            "passes": c.forward_passes, "spec_steps": c.spec_steps, "accepted": c.accepted_tokens,
+            "draft_ms": (drafter.stats["draft_ms"] - before) if drafter else 0.0}
+
+
 def run_engine(lm, settings: EngineSettings, tasks: list[dict], store: Datastore | None,
-               spec: SpecSettings | None, vocab, max_new: int) -> list[dict]:
+               spec: SpecSettings | None, vocab, max_new: int, paired: bool = False):
+    """Each task generated with ``spec`` (None: autoregressive).  ``paired``: each task is also
+    generated autoregressively right before (this machine's speed drifts by 10-20 % within
+    minutes, so a speedup is only fair between runs made next to each other); returns
+    (autoregressive rows, rows)."""
     drafter = Drafter(spec, store.retrieve if store else None, vocab.texts) if spec else None
-    out = []
+    out, plain = [], []
     for t in tasks:
-        before = drafter.stats["draft_ms"] if drafter else 0.0
         req = CompletionRequest(t["context"], "", mode="multi", max_tokens=max_new, max_lines=100000,
                                 time_budget_ms=600000, ignore_eos=True)
         with torch.inference_mode():
-            c = generate(lm, req, settings, vocab, None, None, drafter)
-        out.append({"ids": c.token_ids, "decode_ms": c.timings.get("decode_ms", 0.0), "n": c.generated_tokens,
-                    "passes": c.forward_passes, "spec_steps": c.spec_steps, "accepted": c.accepted_tokens,
-                    "draft_ms": (drafter.stats["draft_ms"] - before) if drafter else 0.0})
-    return out
+            if paired:
+                plain.append(_row(generate(lm, req, settings, vocab, None, None, None), None, 0.0))
+            before = drafter.stats["draft_ms"] if drafter else 0.0
+            out.append(_row(generate(lm, req, settings, vocab, None, None, drafter), drafter, before))
+    return (plain, out) if paired else out
 
 
 def summarize(rows: list[dict], reference: list[dict] | None) -> dict:
@@ -249,12 +258,14 @@ def main() -> None:
     run_engine(lm, settings, warm, repos[0]["store"], best, vocab, 8)
     for label, spec in methods(best).items():
         # this machine's speed drifts by 10-20 % within minutes: each method's speedup is taken
-        # against an autoregressive run of the same tasks made right before it
+        # against autoregressive runs of the same tasks, each made right before the task's run
         rows_all, plain_all = [], []
         for r in repos:
-            if spec is not None:
-                plain_all += run_engine(lm, settings, r["test"], r["store"], None, vocab, args.max_new)
-            rows = run_engine(lm, settings, r["test"], r["store"], spec, vocab, args.max_new)
+            if spec is None:
+                rows = run_engine(lm, settings, r["test"], r["store"], spec, vocab, args.max_new)
+            else:
+                plain, rows = run_engine(lm, settings, r["test"], r["store"], spec, vocab, args.max_new, paired=True)
+                plain_all += plain
             if spec is None:
                 reference[r["name"]] = rows
             per_repo.setdefault(label, {})[r["name"]] = summarize(rows, reference.get(r["name"]))
@@ -307,7 +318,7 @@ def tune_grid(lm, settings, repos, vocab, args, out: Path) -> None:
     """Coordinate search on the tune split, one group of parameters at a time (the tree's
     size first: on a CPU a wide verification pass is not free).  This machine's speed drifts
     by 10-20 % within minutes, so each configuration's speedup is taken against an
-    autoregressive run of the same tasks made right before it."""
+    autoregressive run of each task made right before the task's run."""
     ref = {r["name"]: run_engine(lm, settings, r["tune"], r["store"], None, vocab, args.max_new) for r in repos}
     base = summarize([x for v in ref.values() for x in v], None)["ms_per_token"]
     stages = [{"max_nodes": [4, 8, 12]},
@@ -325,8 +336,9 @@ def tune_grid(lm, settings, repos, vocab, args, out: Path) -> None:
                                 alpha=cfg["ab"][0], beta=cfg["ab"][1], delta=cfg["delta"], p=cfg["p"], tau=cfg["tau"])
             plain, got = [], []
             for r in repos:
-                plain += run_engine(lm, settings, r["tune"], r["store"], None, vocab, args.max_new)
-                got += run_engine(lm, settings, r["tune"], r["store"], spec, vocab, args.max_new)
+                a, b = run_engine(lm, settings, r["tune"], r["store"], spec, vocab, args.max_new, paired=True)
+                plain += a
+                got += b
             res = summarize(got, [x for r in repos for x in ref[r["name"]]])
             res["autoregressive_ms"] = summarize(plain, None)["ms_per_token"]
             res["speedup"] = round(res["autoregressive_ms"] / res["ms_per_token"], 3)
@@ -339,7 +351,7 @@ def tune_grid(lm, settings, repos, vocab, args, out: Path) -> None:
              f"{sum(len(r['tune']) for r in repos)} from {', '.join(r['name'] for r in repos)} (disjoint from "
              f"the test functions); {args.max_new} tokens each; autoregressive {base} ms/token at the start.  One "
              "group of parameters at a time, in this order, each stage keeping the best of the previous ones; "
-             "each speedup is against an autoregressive run of the same tasks right before it.", "",
+             "each speedup is against autoregressive runs of the same tasks, each right before the task's run.", "",
              "| max_nodes | depth | top_k | alpha | beta | delta | p | tau | ms/token | speedup | tokens/pass | "
              "acceptance | identical |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -361,9 +373,10 @@ def write(out: Path, args, lm, repos, results, per_repo, peers, best: SpecSettin
                  f"{r['name']} ({r['files']} files, {r['tokens']:,} datastore tokens, {len(r['test'])} test functions)"
                  for r in repos) + ".",
              f"Settings (tuned on a disjoint split, speculation_tuning.md): {best}.", "",
-             "Speedup: against an autoregressive run of the same tasks right before each method (its ms/token in "
-             "the second column; this machine's speed drifts by 10-20 % within minutes).", "",
-             "| method | ms/token | autoregressive ms/token before it | speedup | tokens/pass | acceptance length | "
+             "Speedup: against autoregressive runs of the same tasks, each made right before the task's run with "
+             "the method (their ms/token in the second column; this machine's speed drifts by 10-20 % within "
+             "minutes).", "",
+             "| method | ms/token | autoregressive ms/token (paired) | speedup | tokens/pass | acceptance length | "
              "drafting share of decode | identical to greedy |",
              "|---|---|---|---|---|---|---|---|"]
     for label, r in results.items():

@@ -53,11 +53,11 @@ class SpecSettings:
     """Retrieval speculation (``codecomplete.model.speculate``); this project's tuned defaults."""
 
     enabled: bool = True
-    max_nodes: int = 8  # draft tokens verified per step (the tree's size)
-    depth: int = 8  # longest draft sequence
-    top_k: int = 4  # continuations taken per source
+    max_nodes: int = 4  # draft tokens verified per step (the tree's size)
+    depth: int = 12  # longest draft sequence
+    top_k: int = 8  # continuations taken per source
     alpha: float = 1.0  # repository weight
-    beta: float = 0.1  # common datastore weight
+    beta: float = 0.5  # common datastore weight
     gamma: float = 1.5  # verified cache weight
     delta: float = 1.0  # weight of the request's own tokens (prompt and output so far)
     tau: int = 8  # the cache is consulted first once it holds more than tau sequences
