@@ -372,7 +372,8 @@ def write(out: Path, args, lm, repos, results, per_repo, peers, best: SpecSettin
              "Repositories (HEAD, code not committed): " + "; ".join(
                  f"{r['name']} ({r['files']} files, {r['tokens']:,} datastore tokens, {len(r['test'])} test functions)"
                  for r in repos) + ".",
-             f"Settings (tuned on a disjoint split, speculation_tuning.md): {best}.", "",
+             f"Settings (the defaults; tuned on a disjoint split of the default model, "
+             f"speculation_default_tuning.md): {best}.", "",
              "Speedup: against autoregressive runs of the same tasks, each made right before the task's run with "
              "the method (their ms/token in the second column; this machine's speed drifts by 10-20 % within "
              "minutes).", "",
