@@ -78,7 +78,7 @@ class Exits(nn.Module):
         of a layer, not ~0.3 ms of PyTorch's bf16 matrix-vector product."""
         if (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and not torch.is_grad_enabled() and x.numel() <= native.LINEAR_ROWS * x.shape[-1] and native.available()):
-            key = (w.data_ptr(), w._version)
+            key = (w.data_ptr(), w._version if not w.is_inference() else 0)  # inference tensors are never trained
             got = self._packed.get(name)
             if got is None or got[0] != key:
                 got = self._packed[name] = (key, native.pack_linear(w))
