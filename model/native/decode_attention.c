@@ -347,9 +347,9 @@ static inline __attribute__((always_inline)) void pv_pairs(int RB, int NE, const
  * sums differs).  Measured over 1k keys, a layer: 1 new token 25 -> 21 us, 8 tokens 117 -> 68 us,
  * 16 tokens 187 -> 124 us.  bf16 values likewise: the probabilities are rounded to bf16 (as
  * PyTorch's bf16 attention rounds them before its values' product) and each pair of positions
- * is one dpbf16 per 16 dims (9 tokens over 1.9k keys 117 -> 106 us, 16 over 1k 111 -> 94 us).  Each query row is computed the same way whatever the number of rows,
- * so a verification pass's rows equal the one-token steps they stand for (but for the grouping of
- * cache positions into chunks).  Same contract as ATTEND_CHUNK; `buf` holds the scratch above. */
+ * is one dpbf16 per 16 dims (9 tokens over 1.9k keys 117 -> 106 us, 16 over 1k 111 -> 94 us).
+ * Each query row is computed the same way whatever the other rows are.  Same contract as
+ * ATTEND_CHUNK; `buf` holds the scratch above. */
 #define ATTEND_CHUNK_AVX512(NAME, NE)                                                                    \
     static void NAME(const float *q, const void *keys, const void *vals, int elsize, int R, int S,        \
                      int E_, int64_t len, const uint8_t *mask, int64_t t0, int64_t t1, float scale,        \
