@@ -322,18 +322,21 @@ def tune_grid(lm, settings, repos, vocab, args, out: Path) -> None:
     ref = {r["name"]: run_engine(lm, settings, r["tune"], r["store"], None, vocab, args.max_new) for r in repos}
     base = summarize([x for v in ref.values() for x in v], None)["ms_per_token"]
     stages = [{"max_nodes": [4, 8, 12]},
-              {"depth": [8, 12]},
+              {"live_chain": [0, 4, 8]},
+              {"depth": [8, 12, 16]},
               {"top_k": [4, 8], "ab": [(1.0, 0.5), (1.0, 0.1)]},
               {"delta": [0.5, 1.0, 3.0]},
               {"p": [0.5, 1.0], "tau": [8, 64]}]
-    best = {"max_nodes": 8, "depth": 8, "top_k": 4, "ab": (1.0, 0.1), "delta": 1.0, "p": 1.0, "tau": 8}
+    best = {"max_nodes": 8, "depth": 8, "top_k": 4, "ab": (1.0, 0.1), "delta": 1.0, "live_chain": 0, "p": 1.0,
+            "tau": 8}
     rows = []
     for stage in stages:
         scored = []
         for values in itertools.product(*stage.values()):
             cfg = dict(best, **dict(zip(stage.keys(), values)))
             spec = SpecSettings(max_nodes=cfg["max_nodes"], depth=cfg["depth"], top_k=cfg["top_k"],
-                                alpha=cfg["ab"][0], beta=cfg["ab"][1], delta=cfg["delta"], p=cfg["p"], tau=cfg["tau"])
+                                alpha=cfg["ab"][0], beta=cfg["ab"][1], delta=cfg["delta"], live_chain=cfg["live_chain"],
+                                p=cfg["p"], tau=cfg["tau"])
             plain, got = [], []
             for r in repos:
                 a, b = run_engine(lm, settings, r["tune"], r["store"], spec, vocab, args.max_new, paired=True)
@@ -352,12 +355,13 @@ def tune_grid(lm, settings, repos, vocab, args, out: Path) -> None:
              f"the test functions); {args.max_new} tokens each; autoregressive {base} ms/token at the start.  One "
              "group of parameters at a time, in this order, each stage keeping the best of the previous ones; "
              "each speedup is against autoregressive runs of the same tasks, each right before the task's run.", "",
-             "| max_nodes | depth | top_k | alpha | beta | delta | p | tau | ms/token | speedup | tokens/pass | "
-             "acceptance | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| max_nodes | depth | top_k | alpha | beta | delta | live_chain | p | tau | ms/token | speedup | "
+             "tokens/pass | acceptance | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cfg, r in rows:
         lines.append(f"| {cfg['max_nodes']} | {cfg['depth']} | {cfg['top_k']} | {cfg['ab'][0]} | {cfg['ab'][1]} | "
-                     f"{cfg['delta']} | {cfg['p']} | {cfg['tau']} | {r['ms_per_token']} | {r['speedup']} | "
+                     f"{cfg['delta']} | {cfg['live_chain']} | {cfg['p']} | {cfg['tau']} | {r['ms_per_token']} | "
+                     f"{r['speedup']} | "
                      f"{r['tokens_per_pass']} | {r['acceptance_length']} | {r['identical']}/{r['tasks']} |")
     lines += ["", f"Chosen: {best}"]
     Path(str(out) + "_tuning.md").write_text("\n".join(lines) + "\n")

@@ -68,6 +68,7 @@ class SpecSettings:
     use_common: bool = True
     use_cache: bool = True
     use_live: bool = True
+    live_chain: int = 4  # when the own tokens match this far back, verify up to ``depth`` nodes (0: never)
     skip_tokens: bool = True
     missing_table: bool = True
 

@@ -185,6 +185,7 @@ class LiveIndex:
     BACK = 16  # longest match measured
 
     def __init__(self):
+        self.longest = 0  # how far back the last lookup's best occurrence matched
         self.seq: list[int] = []
         self.ends: dict[tuple, list[int]] = {}  # trigram -> positions just after its occurrences
 
@@ -217,6 +218,7 @@ class LiveIndex:
                 counts[cont] += 1
                 best.setdefault(cont, (back, end))
         ranked = sorted(counts, key=lambda c: best[c], reverse=True)[:top_k]
+        self.longest = best[ranked[0]][0] if ranked else 0
         return [(c, counts[c] * best[c][0]) for c in ranked]
 
 
@@ -295,7 +297,10 @@ class Drafter:
                         self.missing.popitem(last=False)
         if not weighted:
             return Tree()
-        return build_tree(weighted, s.max_nodes, depth)
+        nodes = s.max_nodes
+        if live is not None and s.use_live and s.live_chain and live.longest >= s.live_chain:
+            nodes = max(nodes, depth)  # the request repeats a stretch of itself: room for a whole chain
+        return build_tree(weighted, nodes, depth)
 
     def learn(self, context: list[int], accepted: list[int]) -> None:
         if self.settings.use_cache and accepted:

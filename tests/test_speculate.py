@@ -5,6 +5,7 @@ with a real suffix-array datastore, alone and batched."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -113,6 +114,16 @@ def test_a_completion_repeating_itself_is_drafted_from_its_own_output(lm):
     off = Drafter(SpecSettings(use_cache=False, use_repository=False, use_common=False, use_live=False), None,
                   vocab.texts)
     assert len(off.draft(plan.ids, live=LiveIndex())) == 0
+
+
+def test_a_long_own_match_gets_a_whole_chain():
+    """When the request's own tokens match far back, the draft may hold up to ``depth`` nodes
+    (a chain) instead of ``max_nodes``; otherwise ``max_nodes`` bounds it."""
+    seq = list(range(100, 130)) + list(range(100, 112))  # the last 12 tokens occurred before
+    spec = SpecSettings(max_nodes=4, depth=10, use_cache=False, use_repository=False, use_common=False)
+    assert len(Drafter(spec).draft(seq, live=LiveIndex())) == 10
+    assert len(Drafter(replace(spec, live_chain=0)).draft(seq, live=LiveIndex())) == 4
+    assert len(Drafter(replace(spec, live_chain=13)).draft(seq, live=LiveIndex())) == 4
 
 
 def greedy_plain(lm, request, plan, vocab):
