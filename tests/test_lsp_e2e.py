@@ -268,3 +268,32 @@ async def test_early_exit_serves_inline_completions(repo, tiny_model, tiny_exits
     finally:
         await c.shutdown_session()
         await c.stop()
+
+
+async def test_bf16_daemon_serves_through_the_native_step(repo, tiny_model, model_cache):
+    """Guards the path the default model takes: bf16 weights, whose decode steps run as one
+    native call (model/native) where a compiler is present; the daemon answers what an
+    in-process bf16 engine with the same settings answers."""
+    from codecomplete.model import native
+    from codecomplete.model.api import SpecSettings
+
+    off = {"speculation": {"enabled": False}}  # drafts come from the daemon's index: compare plain decoding
+    ref = Engine(EngineSettings(model=str(tiny_model), dtype="bfloat16", speculation=SpecSettings(enabled=False)))
+    ref.start()
+    try:
+        want = expected(ref, POINT, "")
+        assert ref.lm.model.dtype.is_floating_point and str(ref.lm.dtype) == "torch.bfloat16"
+        assert (ref.lm.model.native_stack is not None) == native.available()
+    finally:
+        ref.close()
+    c = await start_daemon(repo, tiny_model, init_options={"codecomplete": off}, extra_args=("--dtype", "bfloat16"))
+    try:
+        uri = (repo / "bf16.py").as_uri()
+        open_doc(c, uri, POINT)
+        lines = POINT.split("\n")
+        items = await complete(c, uri, len(lines) - 1, len(lines[-1]))
+        assert want.strip() and proposed(items, LAST) == [want]
+        assert (await stats(c))["engine"]["dtype"] == "bfloat16"
+    finally:
+        await c.shutdown_session()
+        await c.stop()
