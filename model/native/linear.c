@@ -96,8 +96,8 @@ static inline __attribute__((always_inline)) void group(int MR, int K, int Kb, c
         const __mmask32 km = TAIL ? (__mmask32)((1u << (K - k)) - 1u) : (__mmask32)0xffffffffu;                  \
         const uint16_t *wb = w + (size_t)kb * 128;                                                               \
         if (pf) {                                                                                                \
-            _mm_prefetch(pf + kb * 256, _MM_HINT_T1), _mm_prefetch(pf + kb * 256 + 64, _MM_HINT_T1);             \
-            _mm_prefetch(pf + kb * 256 + 128, _MM_HINT_T1), _mm_prefetch(pf + kb * 256 + 192, _MM_HINT_T1);      \
+            _mm_prefetch(pf + kb * 256, _MM_HINT_T0), _mm_prefetch(pf + kb * 256 + 64, _MM_HINT_T0);             \
+            _mm_prefetch(pf + kb * 256 + 128, _MM_HINT_T0), _mm_prefetch(pf + kb * 256 + 192, _MM_HINT_T0);      \
         }                                                                                                        \
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb), w1 = (__m512bh)_mm512_loadu_si512(wb + 32);       \
         const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wb + 64), w3 = (__m512bh)_mm512_loadu_si512(wb + 96);   \
@@ -117,15 +117,19 @@ static inline __attribute__((always_inline)) void group(int MR, int K, int Kb, c
 }
 
 /* all M input rows against one group, in blocks of at most six rows of near-equal size
- * (8 rows: 4 + 4, not 6 + 2).  With more than one block, the first block also prefetches the
- * next group's weights (into L2): the later blocks compute from L1 and would otherwise leave
- * the memory idle (16 rows over all of SmolLM2-135M's weights, from memory: 17.8 -> 10.7 ms; oneDNN 12.4). */
+ * (8 rows: 4 + 4, not 6 + 2).  The first block also prefetches the next group's weights (into
+ * L1): with several blocks the later ones compute from L1 and would otherwise leave the memory
+ * idle (16 rows over all of SmolLM2-135M's weights, from memory: 17.8 -> 10.7 ms; oneDNN 12.4),
+ * and with one block the hardware prefetchers alone kept ~0.8x of the machine's streaming rate
+ * (one row over all weights, interleaved A/B: 7.5 -> 6.6 ms at ~39 GB/s, 6.2 -> 5.2 at ~53;
+ * the next group, 4.6-12 KB ahead, beat 2 and 8 KB ahead, and L1 beat L2 and non-temporal;
+ * prefetching the next matrix's first group before each barrier of decode_stack gained nothing). */
 static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                  int n0) {
     const int blocks = (M + 5) / 6;
     for (int b = 0, m0 = 0; b < blocks; b++) {
         const int mr = (M - m0) / (blocks - b) + ((M - m0) % (blocks - b) ? 1 : 0);
-        const char *pf = blocks > 1 && b == 0 ? (const char *)(w + (size_t)Kb * 128) : NULL;
+        const char *pf = b == 0 ? (const char *)(w + (size_t)Kb * 128) : NULL;
         switch (mr) {
         case 6: group(6, K, Kb, x, w, bias, y, N, n0, m0, pf); break;
         case 5: group(5, K, Kb, x, w, bias, y, N, n0, m0, pf); break;
