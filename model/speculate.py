@@ -103,16 +103,16 @@ def tree_mask(tree: Tree, cached: int, width: int, device) -> torch.Tensor:
     the cache, the root and its ancestors; rows past the tree (batch padding) see the
     cache and themselves."""
     n = len(tree)
-    block = torch.zeros(width, width, dtype=torch.bool)
-    block[0, 0] = True
+    block = [[False] * width for _ in range(width)]
+    block[0][0] = True
     for i, par in enumerate(tree.parents):
-        row = block[par + 1].clone() if par >= 0 else block[0].clone()
+        row = list(block[par + 1])  # the parent's row: the root and its ancestors (par = -1: the root)
         row[i + 1] = True
         block[i + 1] = row
     for j in range(n + 1, width):
-        block[j, j] = True
+        block[j][j] = True
     mask = torch.ones(width, cached + width, dtype=torch.bool)
-    mask[:, cached:] = block
+    mask[:, cached:] = torch.tensor(block, dtype=torch.bool)
     return mask.to(device)
 
 
@@ -345,12 +345,14 @@ def verify(model, roots: list[int], trees: list[Tree], caches: list) -> list[tup
         positions[b, 1:n + 1] += torch.tensor(tree.depths, dtype=torch.long)
         masks.append(tree_mask(tree, cache.length, width, dev))
     starts = [c.length for c in caches]
-    logits = model(tokens.to(dev), caches, positions.to(dev), masks, logits_for="all").float()
+    logits = model(tokens.to(dev), caches, positions.to(dev), masks, logits_for="all")
+    # the greedy picks straight from the model's logits (bf16 -> fp32 is exact, so the argmax is
+    # the same); only the rows handed back are converted
+    greedy_all = logits.argmax(-1).tolist()
     out = []
     for b, (tree, cache) in enumerate(zip(trees, caches)):
-        greedy = logits[b, : len(tree) + 1].argmax(-1).tolist()
-        rows = accept(tree, greedy)
+        rows = accept(tree, greedy_all[b][: len(tree) + 1])
         compact(cache, starts[b], rows)
         keep = [0] + rows
-        out.append(([tree.tokens[r - 1] for r in rows], logits[b, keep]))
+        out.append(([tree.tokens[r - 1] for r in rows], logits[b, keep].float()))
     return out
