@@ -195,15 +195,19 @@ class Segment:
             pos = pos[self.alive[doc]]
         return pos
 
-    def continuations(self, pos: np.ndarray, skip: int, length: int) -> Counter:
-        """Distinct token sequences that follow the positions, cut at a document's end."""
+    def continuations(self, pos: np.ndarray, skip: int, length: int, top: int | None = None) -> Counter:
+        """Distinct token sequences that follow the positions, cut at a document's end;
+        ``top``: only the ``top`` most frequent (ties in the order of the full count's
+        ``most_common``), which spares building the rest."""
         idx = pos[:, None] + skip + np.arange(length)[None, :]
         rows = self.tok[idx].astype(np.int64)
         ended = np.maximum.accumulate(rows == self.sentinel, axis=1)
         rows[ended] = -1
-        uniq, counts = np.unique(rows, axis=0, return_counts=True)
+        items = sorted(Counter(map(tuple, rows.tolist())).items())  # distinct rows in ascending order
+        if top is not None and len(items) > top + 1:  # + 1: an all-ended row is dropped below
+            items = sorted(items, key=lambda it: -it[1])[:top + 1]  # stable: ties keep the row order
         out: Counter = Counter()
-        for row, n in zip(uniq.tolist(), counts.tolist()):
+        for row, n in items:
             seq = tuple(t for t in row if t >= 0)
             if seq:
                 out[seq] += n
@@ -272,7 +276,8 @@ def lookup(segments: list[Segment], context: list[int], *, min_len: int = 2,
             if pos is None:  # a range not yet sampled
                 pos, n = seg.positions(n[0], n[1], max_positions), n[1] - n[0]
             occurrences += len(pos) if seg.dead else n
-            counts.update(seg.continuations(pos, length, draft_len))
+            # one segment: its top_k are the answer; several: counts add up across them
+            counts.update(seg.continuations(pos, length, draft_len, top_k if len(found) == 1 else None))
         if counts:
             return Match(length, occurrences, [Continuation(t, c) for t, c in counts.most_common(top_k)])
         # every occurrence ends its document: a shorter suffix may have a continuation

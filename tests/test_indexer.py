@@ -217,6 +217,26 @@ def test_suffix_lookup_equals_brute_force_through_updates(width: int):
     assert index.stats()["documents"] == len(docs)
 
 
+@pytest.mark.parametrize("segments", [1, 3])
+def test_a_small_top_k_is_the_full_counts_most_common(segments: int):
+    """Guards the shortcut that builds only the top continuations of a single segment: the
+    answer (order of ties included) must be what counting them all and keeping top_k gives."""
+    rng = random.Random(segments)
+    docs = {f"f{i}": np.array([rng.randrange(6) for _ in range(rng.randrange(20, 200))]) for i in range(40)}
+    index = DraftIndex.from_documents(list(docs.items()), 2, max_small=8, delta_min_tokens=10**9, background=False)
+    for i in range(segments - 1):  # small segments beside the base: counts add up across them
+        index.update(f"f{i}", docs[f"f{i}"])
+    assert len(index.segments()) == segments
+    for _ in range(60):
+        ctx = [rng.randrange(6) for _ in range(rng.randrange(1, 6))]
+        full = index.lookup(ctx, top_k=10**6, draft_len=4)
+        for k in (1, 2, 5):
+            m = index.lookup(ctx, top_k=k, draft_len=4)
+            assert (m is None) == (full is None)
+            if m is not None:
+                assert m.length == full.length and m.continuations == full.continuations[:k]
+
+
 def test_background_compaction_keeps_updates_made_meanwhile():
     rng = random.Random(7)
     docs = {f"f{i}": np.array([rng.randrange(10) for _ in range(400)]) for i in range(200)}
