@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import native
+from .sampling import greedy_tokens
 from .transformer import SeqKV, Transformer, apply_rope, causal_mask
 
 FORMAT = "codecomplete-exits/1"
@@ -361,7 +362,7 @@ def self_spec(model: Transformer, exits: Exits, layer: int, root: int, cache: Se
     for i in range(layer, a.n_layers):
         x = model.layers[i](x, cos, sin, i, [cache], mask)
     logits = model.head(model.norm(x[0])).float()  # [s, V]
-    greedy = logits.argmax(-1).tolist()
+    greedy = greedy_tokens(logits)
     acc = 0
     while acc < len(drafts) and greedy[acc] == drafts[acc]:
         acc += 1

@@ -31,6 +31,7 @@ from .early_exit import Exits, ExitPolicy, ExitsError, exit_forward, load_exits,
 from .kvstore import KVStore, Node
 from .loader import LoadedModel, ModelLoadError, load_model, model_identity
 from .prompts import PromptPlan, SessionPool, Tokens
+from .sampling import greedy_tokens
 from .speculate import Drafter, LiveIndex, Tree, verify
 from .stops import CompletionShape, StopRules
 from .transformer import SeqKV
@@ -95,8 +96,8 @@ def pick_token(logits: torch.Tensor, pending: str, vocab: "_Vocab | None") -> in
     if pending and vocab is not None:
         allowed = vocab.candidates(pending).to(logits.device)
         if len(allowed):
-            return int(allowed[logits[allowed].argmax()])
-    return int(logits.argmax())
+            return int(allowed[greedy_tokens(logits[allowed])])
+    return greedy_tokens(logits)
 
 
 def plan_prompt(lm: LoadedModel, request: CompletionRequest, settings: EngineSettings,

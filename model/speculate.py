@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from .api import SpecSettings
+from .sampling import greedy_tokens
 
 # What a retriever returns per source: objects with .source ("repository" | "common"),
 # .length (matched context tokens) and .continuations [(tokens, count)] (indexer.suffix.Match).
@@ -346,9 +347,7 @@ def verify(model, roots: list[int], trees: list[Tree], caches: list) -> list[tup
         masks.append(tree_mask(tree, cache.length, width, dev))
     starts = [c.length for c in caches]
     logits = model(tokens.to(dev), caches, positions.to(dev), masks, logits_for="all")
-    # the greedy picks straight from the model's logits (bf16 -> fp32 is exact, so the argmax is
-    # the same); only the rows handed back are converted
-    greedy_all = logits.argmax(-1).tolist()
+    greedy_all = greedy_tokens(logits)
     out = []
     for b, (tree, cache) in enumerate(zip(trees, caches)):
         rows = accept(tree, greedy_all[b][: len(tree) + 1])
