@@ -98,6 +98,7 @@ class SpeculationConfig:
     gamma: float = field(default=1.5, metadata=_range(0, None))  # verified cache weight
     delta: float = field(default=1.0, metadata=_range(0, None))  # weight of the request's own tokens
     use_live: bool = True  # draft from the request's own prompt and output (prompt lookup)
+    live_chain: int = field(default=4, metadata=_range(0, 64))  # own tokens match this far back: a chain (0: off)
     tau: int = field(default=8, metadata=_range(0, None))  # cache first once it holds more sequences
     p: float = field(default=1.0, metadata=_range(0, 1))  # retrieval probability at a line's first token
 
@@ -265,7 +266,5 @@ def engine_settings(cfg: Config):
                           max_suffix_tokens=c.max_suffix_tokens, token_healing=c.token_healing,
                           kv_budget_mb=e.kv_budget_mb, efim=e.efim, inc_bound=e.inc_bound, head_lines=e.head_lines,
                           max_batch=e.max_batch, kv_dtype=e.kv_dtype,
-                          speculation=SpecSettings(enabled=sp.enabled, max_nodes=sp.max_nodes, depth=sp.depth,
-                                                   top_k=sp.top_k, alpha=sp.alpha, beta=sp.beta, gamma=sp.gamma,
-                                                   delta=sp.delta, use_live=sp.use_live, tau=sp.tau, p=sp.p),
+                          speculation=SpecSettings(**dataclasses.asdict(sp)),
                           early_exit=ExitSettings(**dataclasses.asdict(cfg.early_exit)))

@@ -1,6 +1,9 @@
 """Typed configuration: layering, validation, fallbacks."""
 
-from codecomplete.daemon.config import Config, editor_settings, engine_settings, load_config, merge
+import dataclasses
+
+from codecomplete.daemon.config import Config, SpeculationConfig, editor_settings, engine_settings, load_config, merge
+from codecomplete.model.api import SpecSettings
 
 
 def test_invalid_values_keep_the_default_and_warn():
@@ -58,3 +61,16 @@ def test_early_exit_section_reaches_the_engine():
     assert es.enabled and es.measure == "cosine" and es.lossless and es.draft_tokens == 6
     assert es.batch_rule == "all" and len(warnings) == 1 and "batch_rule" in warnings[0]
     assert not engine_settings(Config()).early_exit.enabled  # off by default
+
+
+def test_every_speculation_setting_reaches_the_engine_with_the_engines_defaults():
+    """Guards against a setting the config offers but the engine never gets (live_chain was
+    missing), and against the two sets of defaults drifting apart."""
+    defaults = SpecSettings()
+    for f in dataclasses.fields(SpeculationConfig):
+        assert getattr(SpeculationConfig(), f.name) == getattr(defaults, f.name), f.name
+    warnings: list[str] = []
+    cfg = merge(Config(), editor_settings({"codecomplete": {"speculation": {"liveChain": 0, "maxNodes": 2}}}),
+                "editor", warnings)
+    spec = engine_settings(cfg).speculation
+    assert warnings == [] and spec.live_chain == 0 and spec.max_nodes == 2
