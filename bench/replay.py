@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("repos", nargs="+", type=Path)
     ap.add_argument("--commits", type=int, default=4)
     ap.add_argument("--max-requests", type=int, default=8)
-    ap.add_argument("--schemes", default="baseline,efim")
+    ap.add_argument("--schemes", default="baseline,efim,efim-nospec")
     ap.add_argument("--model", default="default")
     args = ap.parse_args()
     out_root = RESULTS / "replay"
@@ -64,11 +64,14 @@ def main() -> None:
         sessions.unlink()  # derived from the repository's code: not committed
     lines = [header("Replay of editing sessions from git history"),
              "Sessions: `sessions from-git` on recent commits (synthetic, human-like typing with typos; "
-             "docs/sessions.md). Default model: SmolLM2-135M, prefix-only, so `fim` and `efim` build the same "
-             "prompts; `baseline` has no KV reuse. Acceptance = the completion is a prefix of what was typed next.",
+             f"docs/sessions.md). Model: `{args.model}`. `baseline` has no KV reuse; `efim` reuses KV with EFIM "
+             "prompts; both use retrieval speculation (the daemon's default), `efim-nospec` is `efim` without it. "
+             "Acceptance = the completion is a prefix of what was typed next. Decode ms/token and tokens/pass are "
+             "the daemon's own counters over the run.",
              "", "Commands:", ""] + [f"    {c}" for c in commands] + [""]
     lines += ["| repository | run | scheme | requests | answered / stale / superseded / empty | latency p50 / p90 / p99 ms "
-              "| acceptance | exact | edit sim. | chars saved | reuse |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| acceptance | exact | edit sim. | chars saved | reuse | decode ms/token | tokens/pass |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, label, folder, summary in sections:
         for s in summary:
             st, lat = s["status"], s["latency_ms"]
@@ -76,7 +79,8 @@ def main() -> None:
             lines.append(f"| {name} | {label} | {s['scheme']} | {s['requests']} | {st['answered']} / {st['stale']} / "
                          f"{st['superseded']} / {st['empty']} | {lat['p50']} / {lat['p90']} / {lat['p99']} | "
                          f"{s['acceptance']:.3f} | {s['exact_match']:.3f} | {es if es is not None else '-'} | "
-                         f"{s['chars_saved']} of {s['chars_typed_after_requests']} | {s['reuse_rate']} |")
+                         f"{s['chars_saved']} of {s['chars_typed_after_requests']} | {s['reuse_rate']} | "
+                         f"{s.get('decode_ms_per_token')} | {s.get('tokens_per_pass')} |")
     lines += ["", "Per-run reports (JSON, Markdown, latency CDF and reuse-per-round plots): "
               + ", ".join(f"[`replay/{f}/`](replay/{f}/report.md)" for _, _, f, _ in sections)]
     (RESULTS / "replay.md").write_text("\n".join(lines) + "\n")

@@ -37,6 +37,8 @@ SCHEMES = {
     "baseline": {"engine": {"kvBudgetMb": 0, "efim": False}},
     "fim": {"engine": {"efim": False}},
     "efim": {"engine": {"efim": True}},
+    # EFIM without retrieval speculation (on by default in the other schemes): what it adds
+    "efim-nospec": {"engine": {"efim": True}, "speculation": {"enabled": False}},
 }
 
 
@@ -286,6 +288,8 @@ def summarize(run: dict) -> dict:
             b[0] += r["reused_tokens"]
             b[1] += r["prompt_tokens"]
     n = len(reqs) or 1
+    eng = (run.get("daemon") or {}).get("engine") or {}
+    gen, passes = eng.get("generated_tokens") or 0, eng.get("decode_passes") or 0
     return {
         "scheme": run["scheme"], "requests": len(reqs),
         "status": {s: sum(r["status"] == s for r in reqs) for s in ("answered", "empty", "stale", "superseded", "error")},
@@ -300,7 +304,16 @@ def summarize(run: dict) -> dict:
         "reuse_rate": round(reused / prompt, 4) if prompt else None,
         "reuse_by_round": {k: round(v[0] / v[1], 4) for k, v in sorted(by_round.items())},
         "wall_seconds": run["wall_seconds"],
+        # the daemon's own counters over the run: decode time per generated token (requests
+        # batched together share it) and tokens per decode pass (speculation's gain in passes)
+        "decode_ms_per_token": round(eng["decode_ms"] / gen, 2) if gen and eng.get("decode_ms") else None,
+        "tokens_per_pass": round(gen / passes, 3) if passes else None,
+        "speculation": eng.get("speculation"),
     }
+
+
+def _dash(value) -> str:
+    return "-" if value is None else str(value)
 
 
 def write_report(out: Path, runs: list[dict], meta: dict) -> dict:
@@ -313,15 +326,16 @@ def write_report(out: Path, runs: list[dict], meta: dict) -> dict:
              f"users: {meta['users']}; speed: {meta['speed']}; model: {meta['model']}",
              f"- command: `{meta['command']}`", f"- machine: {meta.get('machine', '')}\n",
              "| scheme | requests | answered | stale | superseded | empty | latency p50 / p90 / p99 ms | "
-             "acceptance | exact match | edit sim. | chars saved | reuse |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "acceptance | exact match | edit sim. | chars saved | reuse | decode ms/token | tokens/pass |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         st, lat = s["status"], s["latency_ms"]
         lines.append(f"| {s['scheme']} | {s['requests']} | {st['answered']} | {st['stale']} | {st['superseded']} | "
                      f"{st['empty']} | {lat['p50']} / {lat['p90']} / {lat['p99']} | {s['acceptance']:.3f} | "
                      f"{s['exact_match']:.3f} | {s['edit_similarity'] if s['edit_similarity'] is not None else '-'} | "
                      f"{s['chars_saved']} of {s['chars_typed_after_requests']} | "
-                     f"{s['reuse_rate'] if s['reuse_rate'] is not None else '-'} |")
+                     f"{s['reuse_rate'] if s['reuse_rate'] is not None else '-'} | "
+                     f"{_dash(s.get('decode_ms_per_token'))} | {_dash(s.get('tokens_per_pass'))} |")
     lines += ["", "Latency counts requests the daemon answered (with or without items); stale and "
               "superseded requests were dropped because the user typed on.", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots]

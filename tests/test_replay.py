@@ -107,11 +107,11 @@ def test_replay_against_the_real_daemon_reports_every_field(history: Path, tiny_
     write_sessions(sessions, sessions_from_git(history, commits=2, seed=1))
     out = tmp_path / "report"
     done = run_replay(str(sessions), "--model", str(tiny_model), "--dtype", "float32", "--users", "2",
-                      "--speed", "0", "--scheme", "baseline,efim", "--max-requests", "4", "--out", str(out))
+                      "--speed", "0", "--scheme", "baseline,efim,efim-nospec", "--max-requests", "4", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     by = {s["scheme"]: s for s in report["summary"]}
-    assert set(by) == {"baseline", "efim"}
+    assert set(by) == {"baseline", "efim", "efim-nospec"}
     for s in by.values():
         assert s["requests"] == 2 * sum(min(4, len(x.requests)) for x in read_sessions(sessions))
         assert s["status"]["answered"] + s["status"]["empty"] > 0 and s["latency_ms"]["p50"] > 0
@@ -119,6 +119,15 @@ def test_replay_against_the_real_daemon_reports_every_field(history: Path, tiny_
             assert key in s
     assert by["baseline"]["reuse_rate"] == 0.0  # no KV reuse in the baseline
     assert by["efim"]["reuse_rate"] > 0.3
+    # speculation is on by default and lossless: the same completions in fewer decode passes
+    assert by["efim"]["speculation"] is True and by["efim-nospec"]["speculation"] is False
+    assert by["efim"]["decode_ms_per_token"] > 0 and by["efim-nospec"]["decode_ms_per_token"] > 0
+    assert by["efim"]["tokens_per_pass"] >= by["efim-nospec"]["tokens_per_pass"]  # a pass yields >= 1 token
+    runs = {r["scheme"]: r["requests"] for r in report["runs"]}
+    key = lambda r: (r["user"], r["session"], r["ordinal"])  # noqa: E731
+    spec, plain = sorted(runs["efim"], key=key), sorted(runs["efim-nospec"], key=key)
+    assert [r["completion"] for r in spec] == [r["completion"] for r in plain]
+    assert any(r["completion"] for r in spec)
     req = report["runs"][1]["requests"][0]
     for key in ("latency_ms", "status", "completion", "prompt_tokens", "reused_tokens", "accepted",
                 "exact", "edit_similarity", "chars_saved", "truth_line", "user"):
