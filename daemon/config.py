@@ -60,6 +60,11 @@ class CompletionConfig:
     context_snippets: int = field(default=0, metadata=_range(0, 16))
     context_tokens: int = field(default=256, metadata=_range(16, 8192))
     max_document_bytes: int = field(default=2_000_000, metadata=_range(1024, None))
+    # textDocument/completion (a completion-menu item) for clients without inline
+    # completions (Neovim <= 0.11 with nvim-cmp, Helix, Emacs, Sublime): "auto" serves it
+    # only to clients that did not announce inline-completion support, so an editor that
+    # asks both (VS Code) does not run the model twice per keystroke.
+    lsp_completion: str = field(default="auto", metadata=_choice("auto", "always", "never"))
 
 
 @dataclass

@@ -221,29 +221,58 @@ class CodecompleteServer(LanguageServer):
 
     async def inline_completion(self, params: types.InlineCompletionParams) -> types.InlineCompletionList:
         """Answer one request; a failure inside is an empty result and a log line."""
+        automatic = params.context.trigger_kind == types.InlineCompletionTriggerKind.Automatic
+        got = await self._guarded(params.text_document.uri, params.position, automatic)
+        if got is None:
+            return types.InlineCompletionList(items=[])
+        return types.InlineCompletionList(items=self._items(*got))
+
+    async def completion(self, params: types.CompletionParams) -> types.CompletionList:
+        """``textDocument/completion``: the same completion as one menu item, for clients
+        without inline completions (``completion.lsp_completion``).  Incomplete, so the
+        client asks again as the user types on."""
+        setting = self.config.completion.lsp_completion
+        if setting == "never" or (setting == "auto" and self.client_has_inline):
+            return types.CompletionList(is_incomplete=False, items=[])
+        ctx = params.context
+        automatic = ctx is not None and ctx.trigger_kind != types.CompletionTriggerKind.Invoked
+        got = await self._guarded(params.text_document.uri, params.position, automatic)
+        if got is None:
+            return types.CompletionList(is_incomplete=True, items=[])
+        return types.CompletionList(is_incomplete=True, items=self._menu_items(*got))
+
+    @property
+    def client_has_inline(self) -> bool:
+        caps = self.client_capabilities
+        td = caps.text_document if caps is not None else None
+        return td is not None and td.inline_completion is not None
+
+    async def _guarded(self, uri: str, position: types.Position, automatic: bool):
         try:
-            return await self._inline_completion(params)
+            return await self._complete(uri, position, automatic)
         except (JsonRpcException, asyncio.CancelledError):
             raise
         except Exception:
             self.counters.errors += 1
-            log.exception("inline completion failed for %s", params.text_document.uri)
-            return self._empty()
+            log.exception("completion failed for %s", uri)
+            self._count_empty()
+            return None
 
-    async def _inline_completion(self, params: types.InlineCompletionParams) -> types.InlineCompletionList:
+    async def _complete(self, uri: str, position: types.Position, automatic: bool):
+        """One completion at ``position``: (request id, uri, text, cursor, completion,
+        encoding), or None when there is nothing to offer (counted and logged)."""
         started = time.perf_counter()
         self.counters.requests += 1
-        uri = params.text_document.uri
         cfg = self.config.completion
         text = self.document_text(uri)
         if not cfg.enabled:
-            return self._empty()
+            return self._count_empty()
         if len(text) > cfg.max_document_bytes:
             log.info("%s: %d characters, over max_document_bytes; no completion", uri, len(text))
-            return self._empty()
+            return self._count_empty()
         encoding = self.workspace.position_encoding or "utf-16"
         try:
-            cursor = cursor_at(text, params.position.line, params.position.character, encoding)
+            cursor = cursor_at(text, position.line, position.character, encoding)
         except PositionError as exc:
             raise JsonRpcInvalidParams(f"position out of range in {uri}: {exc}") from exc
 
@@ -257,7 +286,7 @@ class CodecompleteServer(LanguageServer):
         self._supersede(uri, superseded=True)
         self.pending[uri] = pending
         try:
-            if params.context.trigger_kind == types.InlineCompletionTriggerKind.Automatic and cfg.debounce_ms:
+            if automatic and cfg.debounce_ms:
                 await asyncio.sleep(cfg.debounce_ms / 1000)
             if request.cancel.is_set():
                 return self._dropped(pending)
@@ -270,8 +299,8 @@ class CodecompleteServer(LanguageServer):
         finally:
             if self.pending.get(uri) is pending:
                 del self.pending[uri]
-        self.recent.append({"id": rid, "uri": uri, "line": params.position.line,
-                            "character": params.position.character,
+        self.recent.append({"id": rid, "uri": uri, "line": position.line,
+                            "character": position.character,
                             "prompt_tokens": completion.prompt_tokens, "reused_tokens": completion.reused_tokens,
                             "prompt_kind": completion.prompt_kind, "stop_reason": completion.stop_reason,
                             "status": "stale" if pending.stale else "superseded" if pending.superseded
@@ -281,16 +310,20 @@ class CodecompleteServer(LanguageServer):
             return self._dropped(pending)
         if completion.error:
             self._report_failure(rid, completion)
-            return self._empty()
+            return self._count_empty()
         latency = (time.perf_counter() - started) * 1000
         self.counters.latencies_ms.append(latency)
-        items = self._items(rid, uri, text, cursor, completion, encoding)
-        self.counters.completions += bool(items)
-        self.counters.empty += not items
         log.info("[%s] %s:%d:%d %.0f ms (%s) -> %r", rid, Path(to_fs_path(uri) or uri).name,
-                 params.position.line + 1, params.position.character + 1, latency,
+                 position.line + 1, position.character + 1, latency,
                  completion.stop_reason, completion.text[:60])
-        return types.InlineCompletionList(items=items)
+        if not completion.text.strip():
+            self._count_empty()
+            return None
+        self.counters.completions += 1
+        self.issued[rid] = {"uri": uri, "chars": len(completion.text), "at": time.time()}
+        while len(self.issued) > 512:
+            self.issued.popitem(last=False)
+        return rid, uri, text, cursor, completion, encoding
 
     async def _context(self, uri: str, text: str, cursor) -> str:
         """Rendered snippets for the prompt's head.  Sticky per document and block of
@@ -319,24 +352,56 @@ class CodecompleteServer(LanguageServer):
         """One item whose range starts at the beginning of the cursor's line and whose
         text repeats what is typed there (Copilot's convention): clients filter it as
         the user keeps typing, and Neovim and VS Code both draw it from there."""
-        if not completion.text.strip():
-            return []
-        typed = text[cursor.line_start:cursor.offset]
-        insert = typed + completion.text
+        insert, rng = self._edit(text, cursor, cursor.line_start, completion, encoding)
+        return [types.InlineCompletionItem(insert_text=insert, range=rng, command=self._accept_command(rid, uri))]
+
+    def _menu_items(self, rid, uri, text, cursor, completion: Completion, encoding) -> list:
+        """One completion-menu item that replaces the word being typed (clients filter menu
+        items by it) with that word and the completion, inserted as is (no re-indenting);
+        the label is its first line, the documentation the whole text."""
+        word = cursor.offset
+        while word > cursor.line_start and (text[word - 1].isalnum() or text[word - 1] == "_"):
+            word -= 1
+        insert, rng = self._edit(text, cursor, word, completion, encoding)
+        lines = insert.split("\n")
+        label = lines[0].strip() or insert.strip().split("\n")[0]
+        if len(label) > 80:
+            label = label[:79] + "\u2026"
+        more = len(lines) - 1
+        lang = language_of(to_fs_path(uri) if uri.startswith("file:") else uri) or ""
+        return [types.CompletionItem(
+            label=label, kind=types.CompletionItemKind.Text, preselect=True, sort_text="0",
+            filter_text=insert, detail="codecomplete" + (f" (+{more} line{'s' if more > 1 else ''})" if more else ""),
+            documentation=(types.MarkupContent(types.MarkupKind.Markdown, f"```{lang}\n{insert}\n```")
+                           if self._client_reads_markdown() else insert),
+            text_edit=types.TextEdit(rng, insert), insert_text_format=types.InsertTextFormat.PlainText,
+            insert_text_mode=types.InsertTextMode.AsIs, command=self._accept_command(rid, uri))]
+
+    def _client_reads_markdown(self) -> bool:
+        caps = self.client_capabilities
+        try:
+            formats = caps.text_document.completion.completion_item.documentation_format
+        except AttributeError:
+            return False
+        return types.MarkupKind.Markdown in (formats or [])
+
+    @staticmethod
+    def _edit(text: str, cursor, start: int, completion: Completion, encoding) -> tuple[str, types.Range]:
+        """The text from ``start`` (at or before the cursor, on its line) through the
+        completion, and the range it replaces: up to the cursor, or to the line's end
+        when the completion rewrote what follows the cursor there."""
+        insert = text[start:cursor.offset] + completion.text
         end = cursor.offset
         rest_of_line = text[cursor.offset:cursor.line_end]
-        # The completion rewrote what follows the cursor on this line: replace it.
         if rest_of_line.strip() and completion.text.rstrip().endswith(rest_of_line.strip()):
             end = cursor.line_end
-        start = position_at(text, cursor.line_start, encoding)
-        end_pos = position_at(text, end, encoding)
-        self.issued[rid] = {"uri": uri, "chars": len(completion.text), "at": time.time()}
-        while len(self.issued) > 512:
-            self.issued.popitem(last=False)
-        rng = types.Range(types.Position(*start), types.Position(*end_pos))
-        command = types.Command(title="Accept completion", command=ACCEPT_COMMAND,
-                                arguments=[{"completionId": rid, "uri": uri}])
-        return [types.InlineCompletionItem(insert_text=insert, range=rng, command=command)]
+        a, b = position_at(text, start, encoding), position_at(text, end, encoding)
+        return insert, types.Range(types.Position(*a), types.Position(*b))
+
+    @staticmethod
+    def _accept_command(rid: str, uri: str) -> types.Command:
+        return types.Command(title="Accept completion", command=ACCEPT_COMMAND,
+                             arguments=[{"completionId": rid, "uri": uri}])
 
     def _supersede(self, uri: str, superseded: bool) -> None:
         old = self.pending.get(uri)
@@ -347,18 +412,17 @@ class CodecompleteServer(LanguageServer):
                 old.stale = True
             old.request.cancel.set()
 
-    def _dropped(self, pending: Pending) -> types.InlineCompletionList:
+    def _dropped(self, pending: Pending) -> None:
         if pending.stale:
             self.counters.stale += 1
         else:
             self.counters.superseded += 1
         log.info("[%s] dropped: %s", pending.request.request_id,
                  "document changed" if pending.stale else "superseded")
-        return self._empty()
+        self._count_empty()
 
-    def _empty(self) -> types.InlineCompletionList:
+    def _count_empty(self) -> None:
         self.counters.empty += 1
-        return types.InlineCompletionList(items=[])
 
     def _report_failure(self, rid: str, completion: Completion) -> None:
         self.counters.errors += 1
@@ -457,6 +521,11 @@ def create_server(engine, config: Config, repo: Path | None = None,
     @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
     async def inline_completion(ls: CodecompleteServer, params: types.InlineCompletionParams):
         return await ls.inline_completion(params)
+
+    @server.feature(types.TEXT_DOCUMENT_COMPLETION, types.CompletionOptions(
+        trigger_characters=[".", "(", "[", "{", ",", ":", "=", " "], resolve_provider=False))
+    async def completion(ls: CodecompleteServer, params: types.CompletionParams):
+        return await ls.completion(params)
 
     @server.command(ACCEPT_COMMAND)
     def accept(ls: CodecompleteServer, *args):

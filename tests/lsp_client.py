@@ -14,7 +14,10 @@ from codecomplete.lsp.server import plain
 
 
 async def start_daemon(repo: Path, model: Path, *, encodings: list[str] | None = None,
-                       init_options: dict | None = None, extra_args: tuple[str, ...] = ()) -> LanguageClient:
+                       init_options: dict | None = None, extra_args: tuple[str, ...] = (),
+                       inline: bool = True, markdown: bool = False) -> LanguageClient:
+    """``inline``: the client announces inline-completion support (False: a client that
+    only has the completion menu, as Neovim 0.11 with nvim-cmp or Helix)."""
     client = make_test_lsp_client()
     env = dict(os.environ)
     await client.start_io(sys.executable, "-m", "codecomplete.daemon", "--repo", str(repo),
@@ -24,7 +27,9 @@ async def start_daemon(repo: Path, model: Path, *, encodings: list[str] | None =
         general=general,
         text_document=T.TextDocumentClientCapabilities(
             synchronization=T.TextDocumentSyncClientCapabilities(did_save=True),
-            inline_completion=T.InlineCompletionClientCapabilities()),
+            inline_completion=T.InlineCompletionClientCapabilities() if inline else None,
+            completion=T.CompletionClientCapabilities(completion_item=T.ClientCompletionItemOptions(
+                documentation_format=[T.MarkupKind.Markdown, T.MarkupKind.PlainText])) if markdown else None),
         window=T.WindowClientCapabilities(show_message=T.ShowMessageRequestClientCapabilities()))
     await client.initialize_session(T.InitializeParams(
         capabilities=caps, root_uri=repo.as_uri(), initialization_options=init_options,
@@ -73,3 +78,12 @@ async def send_raw(client: LanguageClient, body: bytes, msg_id: str | None = Non
     await client._server.stdin.drain()
     if fut is not None:
         return await asyncio.wrap_future(fut)
+
+
+async def menu(client: LanguageClient, uri: str, line: int, char: int) -> T.CompletionList:
+    """textDocument/completion, as a completion-menu client asks while the user types."""
+    result = await client.text_document_completion_async(T.CompletionParams(
+        text_document=T.TextDocumentIdentifier(uri=uri), position=T.Position(line, char),
+        context=T.CompletionContext(trigger_kind=T.CompletionTriggerKind.Invoked)))
+    assert isinstance(result, T.CompletionList), result
+    return result

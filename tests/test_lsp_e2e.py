@@ -15,7 +15,7 @@ from pygls.exceptions import JsonRpcException
 from codecomplete.model.api import CompletionRequest
 from codecomplete.model.engine import Engine, EngineSettings
 
-from .lsp_client import complete, inline_params, insert, open_doc, send_raw, start_daemon, stats
+from .lsp_client import complete, inline_params, insert, menu, open_doc, send_raw, start_daemon, stats
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
@@ -219,6 +219,54 @@ async def test_telemetry_counts_shown_accepted_rejected(client, repo):
     assert (counters["shown"], counters["accepted"], counters["rejected"],
             counters["partially_accepted"]) == (1, 1, 1, 1)
     assert counters["latency_ms"]["n"] >= 1
+
+
+async def test_clients_without_inline_completions_get_a_menu_item(repo, tiny_model, model_cache, reference_engine):
+    """Guards textDocument/completion: a client that has only the completion menu gets the
+    same completion as one item that replaces the word being typed (so the menu's filter
+    keeps it) and is inserted as is; a client with inline completions gets no menu item
+    unless it asks for them (completion.lsp_completion)."""
+    prefix = POINT + "x"  # "        self.x": the word "x" is being typed
+    lines = prefix.split("\n")
+    want = expected(reference_engine, prefix, "")
+    assert want.strip(), "the tiny model should complete this prompt"
+    menu_only = await start_daemon(repo, tiny_model, inline=False)
+    try:
+        uri = (repo / "m.py").as_uri()
+        open_doc(menu_only, uri, prefix)
+        result = await menu(menu_only, uri, len(lines) - 1, len(lines[-1]))
+        assert result.is_incomplete  # the answer changes with every keystroke: ask again
+        [item] = result.items
+        assert item.text_edit.new_text == "x" + want
+        assert item.text_edit.range == T.Range(T.Position(len(lines) - 1, len(lines[-1]) - 1),
+                                               T.Position(len(lines) - 1, len(lines[-1])))
+        assert item.filter_text == item.text_edit.new_text and item.filter_text.startswith("x")
+        assert item.label == ("x" + want).split("\n")[0].strip()[:80] or item.label.endswith("\u2026")
+        assert item.insert_text_mode == T.InsertTextMode.AsIs
+        assert item.command.command == "codecomplete.accept"
+        assert item.documentation == "x" + want  # plain text: this client did not offer markdown
+        # out of range is an error, as for inline requests, and the daemon keeps serving
+        with pytest.raises(JsonRpcException):
+            await menu(menu_only, uri, 99, 0)
+        assert (await menu(menu_only, uri, len(lines) - 1, len(lines[-1]))).items
+    finally:
+        await menu_only.shutdown_session()
+        await menu_only.stop()
+    both = await start_daemon(repo, tiny_model, markdown=True)  # announces inline completions
+    try:
+        uri = (repo / "m.py").as_uri()
+        open_doc(both, uri, prefix)
+        assert not (await menu(both, uri, len(lines) - 1, len(lines[-1]))).items
+        assert proposed(await complete(both, uri, len(lines) - 1, len(lines[-1])), lines[-1]) == [want]
+        both.workspace_did_change_configuration(T.DidChangeConfigurationParams(
+            settings={"codecomplete": {"completion": {"lspCompletion": "always"}}}))
+        [item] = (await menu(both, uri, len(lines) - 1, len(lines[-1]))).items
+        assert item.text_edit.new_text == "x" + want
+        assert item.documentation.kind == T.MarkupKind.Markdown
+        assert item.documentation.value == f"```python\nx{want}\n```"
+    finally:
+        await both.shutdown_session()
+        await both.stop()
 
 
 async def test_invalid_setting_falls_back_with_a_warning(repo, tiny_model, model_cache):

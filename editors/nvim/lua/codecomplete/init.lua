@@ -62,6 +62,11 @@ local function client_config()
     cmd = command(),
     filetypes = M.config.filetypes,
     root_markers = M.config.root_markers,
+    -- Inline completions are this plugin's (or 0.12's built-in client's) job: saying so
+    -- keeps the daemon from also answering textDocument/completion (nvim-cmp and the
+    -- like), which would run the model twice per keystroke.
+    capabilities = vim.tbl_deep_extend('force', vim.lsp.protocol.make_client_capabilities(),
+      { textDocument = { inlineCompletion = { dynamicRegistration = false } } }),
     init_options = { codecomplete = M.config.settings },
     settings = { codecomplete = M.config.settings },
     on_attach = on_attach,
