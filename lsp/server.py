@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import json
 import logging
+import re
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -369,10 +370,11 @@ class CodecompleteServer(LanguageServer):
             label = label[:79] + "\u2026"
         more = len(lines) - 1
         lang = language_of(to_fs_path(uri) if uri.startswith("file:") else uri) or ""
+        fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", insert)), default=0))
         return [types.CompletionItem(
             label=label, kind=types.CompletionItemKind.Text, preselect=True, sort_text="0",
             filter_text=insert, detail="codecomplete" + (f" (+{more} line{'s' if more > 1 else ''})" if more else ""),
-            documentation=(types.MarkupContent(types.MarkupKind.Markdown, f"```{lang}\n{insert}\n```")
+            documentation=(types.MarkupContent(types.MarkupKind.Markdown, f"{fence}{lang}\n{insert}\n{fence}")
                            if self._client_reads_markdown() else insert),
             text_edit=types.TextEdit(rng, insert), insert_text_format=types.InsertTextFormat.PlainText,
             insert_text_mode=types.InsertTextMode.AsIs, command=self._accept_command(rid, uri))]
