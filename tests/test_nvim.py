@@ -74,6 +74,8 @@ def test_type_see_ghost_text_accept(builtin, tmp_path, tiny_model, model_cache, 
     assert result["lines"][3:3 + len(want)] == want
     counters = result["stats"]["counters"]
     assert counters["accepted"] == 1 and counters["completions"] >= 1
+    # the plugin announces its inline client: no duplicate menu item for nvim-cmp and the like
+    assert result["menu_items"] == 0
 
 
 def test_plugin_units_and_health_check(tmp_path):

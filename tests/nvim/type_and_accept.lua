@@ -2,6 +2,15 @@
 -- accept it with a key, and write what happened to $CC_OUT as JSON.
 local env = vim.env
 vim.opt.rtp:prepend(env.CC_PLUGIN)
+if env.CC_BUILTIN ~= '1' then
+  -- as on Neovim 0.10/0.11, whose default client capabilities have no inlineCompletion
+  local make = vim.lsp.protocol.make_client_capabilities
+  vim.lsp.protocol.make_client_capabilities = function()
+    local caps = make()
+    caps.textDocument.inlineCompletion = nil
+    return caps
+  end
+end
 local cc = require('codecomplete')
 cc.setup({
   cmd = vim.json.decode(env.CC_CMD),
@@ -37,6 +46,12 @@ local function finish()
     local res = vim.fn.has('nvim-0.11') == 1 and client:request_sync('codecomplete/stats', {}, 5000, 0)
       or client.request_sync('codecomplete/stats', {}, 5000, 0)
     result.stats = res and res.result
+    -- what a completion-menu plugin (nvim-cmp) attached to the same client would get
+    local params = vim.lsp.util.make_position_params(0, client.offset_encoding)
+    local menu = vim.fn.has('nvim-0.11') == 1 and client:request_sync('textDocument/completion', params, 5000, 0)
+      or client.request_sync('textDocument/completion', params, 5000, 0)
+    local list = menu and menu.result
+    result.menu_items = list and #(list.items or list) or -1
   end
   result.lines = vim.api.nvim_buf_get_lines(0, 0, -1, false)
   local f = assert(io.open(env.CC_OUT, 'w'))
