@@ -36,7 +36,7 @@ from codecomplete.daemon.config import Config, editor_settings, engine_settings,
 from codecomplete.indexer.files import SourceError, language_of, read_source
 from codecomplete.model.api import Completion, CompletionRequest
 
-from .documents import PositionError, cursor_at, position_at
+from .documents import PositionError, cursor_at, offset_at, position_at
 from .protocol import RobustProtocol
 
 log = logging.getLogger(__name__)
@@ -223,7 +223,8 @@ class CodecompleteServer(LanguageServer):
     async def inline_completion(self, params: types.InlineCompletionParams) -> types.InlineCompletionList:
         """Answer one request; a failure inside is an empty result and a log line."""
         automatic = params.context.trigger_kind == types.InlineCompletionTriggerKind.Automatic
-        got = await self._guarded(params.text_document.uri, params.position, automatic)
+        got = await self._guarded(params.text_document.uri, params.position, automatic,
+                                  params.context.selected_completion_info)
         if got is None:
             return types.InlineCompletionList(items=[])
         return types.InlineCompletionList(items=self._items(*got))
@@ -248,9 +249,10 @@ class CodecompleteServer(LanguageServer):
         td = caps.text_document if caps is not None else None
         return td is not None and td.inline_completion is not None
 
-    async def _guarded(self, uri: str, position: types.Position, automatic: bool):
+    async def _guarded(self, uri: str, position: types.Position, automatic: bool,
+                       selected: types.SelectedCompletionInfo | None = None):
         try:
-            return await self._complete(uri, position, automatic)
+            return await self._complete(uri, position, automatic, selected)
         except (JsonRpcException, asyncio.CancelledError):
             raise
         except Exception:
@@ -259,9 +261,13 @@ class CodecompleteServer(LanguageServer):
             self._count_empty()
             return None
 
-    async def _complete(self, uri: str, position: types.Position, automatic: bool):
+    async def _complete(self, uri: str, position: types.Position, automatic: bool,
+                        selected_info: types.SelectedCompletionInfo | None = None):
         """One completion at ``position``: (request id, uri, text, cursor, completion,
-        encoding), or None when there is nothing to offer (counted and logged)."""
+        encoding, selected), or None when there is nothing to offer (counted and logged).
+        ``selected_info``: the item selected in the editor's completion menu (VS Code sends
+        it while the menu is open); the completion then continues the text as if that item
+        were inserted, so that the editor can show both together (Copilot's behaviour)."""
         started = time.perf_counter()
         self.counters.requests += 1
         cfg = self.config.completion
@@ -276,11 +282,16 @@ class CodecompleteServer(LanguageServer):
             cursor = cursor_at(text, position.line, position.character, encoding)
         except PositionError as exc:
             raise JsonRpcInvalidParams(f"position out of range in {uri}: {exc}") from exc
+        selected = self._selected(text, cursor, selected_info, encoding)
+        prefix, suffix = cursor.prefix, cursor.suffix
+        if selected is not None:
+            a, b, item = selected
+            prefix, suffix = text[:a] + item, text[b:]
 
         rid = f"c{next(self._ids)}"
         context = await self._context(uri, text, cursor) if cfg.context_snippets and self.index else ""
         self.counters.with_context += bool(context)
-        request = CompletionRequest(prefix=cursor.prefix, suffix=cursor.suffix, request_id=rid,
+        request = CompletionRequest(prefix=prefix, suffix=suffix, request_id=rid,
                                     mode=cfg.mode, max_tokens=cfg.max_tokens, max_lines=cfg.max_lines,
                                     time_budget_ms=cfg.time_budget_ms, session_key=uri, context=context)
         pending = Pending(request, uri)
@@ -324,7 +335,24 @@ class CodecompleteServer(LanguageServer):
         self.issued[rid] = {"uri": uri, "chars": len(completion.text), "at": time.time()}
         while len(self.issued) > 512:
             self.issued.popitem(last=False)
-        return rid, uri, text, cursor, completion, encoding
+        return rid, uri, text, cursor, completion, encoding, selected
+
+    @staticmethod
+    def _selected(text: str, cursor, info: types.SelectedCompletionInfo | None,
+                  encoding: str) -> tuple[int, int, str] | None:
+        """The menu's selected item as (start, end, text) offsets in ``text`` when it
+        replaces a range of the cursor's line around the cursor with one line of text;
+        None otherwise (then it is ignored)."""
+        if info is None or "\n" in info.text or "\r" in info.text:
+            return None
+        try:
+            a = offset_at(text, info.range.start.line, info.range.start.character, encoding)
+            b = offset_at(text, info.range.end.line, info.range.end.character, encoding)
+        except PositionError:
+            return None
+        if not cursor.line_start <= a <= cursor.offset <= b <= cursor.line_end:
+            return None
+        return a, b, info.text
 
     async def _context(self, uri: str, text: str, cursor) -> str:
         """Rendered snippets for the prompt's head.  Sticky per document and block of
@@ -349,14 +377,15 @@ class CodecompleteServer(LanguageServer):
         self._contexts[uri] = (block, context)
         return context
 
-    def _items(self, rid, uri, text, cursor, completion: Completion, encoding) -> list:
+    def _items(self, rid, uri, text, cursor, completion: Completion, encoding, selected=None) -> list:
         """One item whose range starts at the beginning of the cursor's line and whose
         text repeats what is typed there (Copilot's convention): clients filter it as
-        the user keeps typing, and Neovim and VS Code both draw it from there."""
-        insert, rng = self._edit(text, cursor, cursor.line_start, completion, encoding)
+        the user keeps typing, and Neovim and VS Code both draw it from there.  With a
+        selected menu item, the text has that item in its place, then the completion."""
+        insert, rng = self._edit(text, cursor, cursor.line_start, completion, encoding, selected)
         return [types.InlineCompletionItem(insert_text=insert, range=rng, command=self._accept_command(rid, uri))]
 
-    def _menu_items(self, rid, uri, text, cursor, completion: Completion, encoding) -> list:
+    def _menu_items(self, rid, uri, text, cursor, completion: Completion, encoding, selected=None) -> list:
         """One completion-menu item that replaces the word being typed (clients filter menu
         items by it) with that word and the completion, inserted as is (no re-indenting);
         the label is its first line, the documentation the whole text."""
@@ -388,10 +417,18 @@ class CodecompleteServer(LanguageServer):
         return types.MarkupKind.Markdown in (formats or [])
 
     @staticmethod
-    def _edit(text: str, cursor, start: int, completion: Completion, encoding) -> tuple[str, types.Range]:
+    def _edit(text: str, cursor, start: int, completion: Completion, encoding,
+              selected: tuple[int, int, str] | None = None) -> tuple[str, types.Range]:
         """The text from ``start`` (at or before the cursor, on its line) through the
         completion, and the range it replaces: up to the cursor, or to the line's end
-        when the completion rewrote what follows the cursor there."""
+        when the completion rewrote what follows the cursor there.  ``selected`` (a menu
+        item replacing [a, b) with its text): the text has the item in place of [a, b)
+        and the range runs to b at least."""
+        if selected is not None:
+            a, b, item = selected
+            return (text[start:a] + item + completion.text,
+                    types.Range(types.Position(*position_at(text, start, encoding)),
+                                types.Position(*position_at(text, max(b, cursor.offset), encoding))))
         insert = text[start:cursor.offset] + completion.text
         end = cursor.offset
         rest_of_line = text[cursor.offset:cursor.line_end]

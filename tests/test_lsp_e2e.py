@@ -221,6 +221,33 @@ async def test_telemetry_counts_shown_accepted_rejected(client, repo):
     assert counters["latency_ms"]["n"] >= 1
 
 
+async def test_selected_menu_item_is_continued(client, repo, reference_engine):
+    """Guards VS Code's selectedCompletionInfo: while its suggest widget has an item
+    selected, the inline completion must continue the text with that item in place (the
+    editor shows the ghost text only then); an item that is not on the cursor's line is
+    ignored."""
+    uri = (repo / "sel.py").as_uri()
+    text = POINT + "x"  # "        self.x", the menu offers "x_coord" for the word "x"
+    open_doc(client, uri, text)
+    lines = text.split("\n")
+    line, col = len(lines) - 1, len(lines[-1])
+    want = expected(reference_engine, POINT + "x_coord", "")
+    assert want.strip(), "the tiny model should complete this prompt"
+    selected = T.SelectedCompletionInfo(range=T.Range(T.Position(line, col - 1), T.Position(line, col)),
+                                        text="x_coord")
+    params = inline_params(uri, line, col)
+    params.context.selected_completion_info = selected
+    result = await client.text_document_inline_completion_async(params)
+    [item] = result.items
+    assert item.insert_text == "        self.x_coord" + want
+    assert item.range == T.Range(T.Position(line, 0), T.Position(line, col))
+    # a selected item on another line cannot be continued here: it is ignored
+    params.context.selected_completion_info = T.SelectedCompletionInfo(
+        range=T.Range(T.Position(0, 0), T.Position(0, 5)), text="class")
+    [item] = (await client.text_document_inline_completion_async(params)).items
+    assert item.insert_text == lines[-1] + expected(reference_engine, text, "")
+
+
 async def test_clients_without_inline_completions_get_a_menu_item(repo, tiny_model, model_cache, reference_engine):
     """Guards textDocument/completion: a client that has only the completion menu gets the
     same completion as one item that replaces the word being typed (so the menu's filter
