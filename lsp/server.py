@@ -381,7 +381,7 @@ class CodecompleteServer(LanguageServer):
         """One item whose range starts at the beginning of the cursor's line and whose
         text repeats what is typed there (Copilot's convention): clients filter it as
         the user keeps typing, and Neovim and VS Code both draw it from there.  With a
-        selected menu item, the text has that item in its place, then the completion."""
+        selected menu item: that item's range and text, then the completion."""
         insert, rng = self._edit(text, cursor, cursor.line_start, completion, encoding, selected)
         return [types.InlineCompletionItem(insert_text=insert, range=rng, command=self._accept_command(rid, uri))]
 
@@ -422,13 +422,13 @@ class CodecompleteServer(LanguageServer):
         """The text from ``start`` (at or before the cursor, on its line) through the
         completion, and the range it replaces: up to the cursor, or to the line's end
         when the completion rewrote what follows the cursor there.  ``selected`` (a menu
-        item replacing [a, b) with its text): the text has the item in place of [a, b)
-        and the range runs to b at least."""
-        if selected is not None:
+        item replacing [a, b) with its text): the item's text and the completion, over the
+        item's range [a, b) (inline completions "must extend the text of the selected item
+        and use the same range")."""
+        if selected is not None:  # the item's own range, as LSP 3.18 and VS Code require
             a, b, item = selected
-            return (text[start:a] + item + completion.text,
-                    types.Range(types.Position(*position_at(text, start, encoding)),
-                                types.Position(*position_at(text, max(b, cursor.offset), encoding))))
+            return (item + completion.text, types.Range(types.Position(*position_at(text, a, encoding)),
+                                                         types.Position(*position_at(text, b, encoding))))
         insert = text[start:cursor.offset] + completion.text
         end = cursor.offset
         rest_of_line = text[cursor.offset:cursor.line_end]

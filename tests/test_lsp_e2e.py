@@ -223,7 +223,7 @@ async def test_telemetry_counts_shown_accepted_rejected(client, repo):
 
 async def test_selected_menu_item_is_continued(client, repo, reference_engine):
     """Guards VS Code's selectedCompletionInfo: while its suggest widget has an item
-    selected, the inline completion must continue the text with that item in place (the
+    selected, the inline completion must extend that item's text over its range (the
     editor shows the ghost text only then); an item that is not on the cursor's line is
     ignored."""
     uri = (repo / "sel.py").as_uri()
@@ -239,8 +239,9 @@ async def test_selected_menu_item_is_continued(client, repo, reference_engine):
     params.context.selected_completion_info = selected
     result = await client.text_document_inline_completion_async(params)
     [item] = result.items
-    assert item.insert_text == "        self.x_coord" + want
-    assert item.range == T.Range(T.Position(line, 0), T.Position(line, col))
+    # the selected item's range, its text, then the completion
+    assert item.insert_text == "x_coord" + want
+    assert item.range == selected.range
     # a selected item on another line cannot be continued here: it is ignored
     params.context.selected_completion_info = T.SelectedCompletionInfo(
         range=T.Range(T.Position(0, 0), T.Position(0, 5)), text="class")
