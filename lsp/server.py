@@ -193,6 +193,56 @@ class CodecompleteServer(LanguageServer):
                                           "occurrences": m.occurrences, "continuations": conts})
         return out
 
+    # -- start-up progress ---------------------------------------------------------------
+    async def report_startup(self, poll_s: float = 0.2) -> None:
+        """Work-done progress ($/progress) while the model loads and the first index scan
+        runs, for clients that support it (VS Code's status bar, Neovim's LspProgress):
+        the user sees why the first completions are late, and a failed model load ends its
+        progress with the reason."""
+        caps = self.client_capabilities
+        if not (caps is not None and caps.window is not None and caps.window.work_done_progress):
+            return
+        jobs = [self._progress("codecomplete/model", "codecomplete: loading model", self._model_state, poll_s)]
+        if self.index is not None:
+            jobs.append(self._progress("codecomplete/index", "codecomplete: indexing", self._index_state, poll_s))
+        await asyncio.gather(*jobs)
+
+    def _model_state(self) -> tuple[bool, str]:
+        stats = self.engine.stats() if hasattr(self.engine, "stats") else {"ready": True}
+        if stats.get("load_error"):
+            return True, f"model unavailable: {stats['load_error']}"
+        if stats.get("ready"):
+            return True, f"{stats.get('model') or 'model'} ready ({stats.get('load_seconds') or 0:.1f} s)"
+        return False, str(stats.get("model") or "")
+
+    def _index_state(self) -> tuple[bool, str]:
+        index = self.index
+        st = index.stats()
+        files = st["files_indexed"] + st["files_unchanged"]
+        if index.failed:
+            return True, f"index unavailable: {index.failed}"
+        if index.ready.is_set():
+            return True, f"{files} files indexed"
+        return False, f"{files} files"
+
+    async def _progress(self, token: str, title: str, state, poll_s: float) -> None:
+        done, message = state()
+        if done:
+            return  # nothing to wait for
+        try:
+            await self.work_done_progress.create_async(token)
+        except Exception as exc:  # the client declined: no progress, nothing else changes
+            log.debug("work-done progress %s not created: %s", token, exc)
+            return
+        self.work_done_progress.begin(token, types.WorkDoneProgressBegin(title=title, message=message or None))
+        while not done:
+            await asyncio.sleep(poll_s)
+            done, now = state()
+            if not done and now != message:
+                message = now
+                self.work_done_progress.report(token, types.WorkDoneProgressReport(message=now))
+        self.work_done_progress.end(token, types.WorkDoneProgressEnd(message=now))
+
     # -- configuration ---------------------------------------------------------------
     def apply_settings(self, options: Any, source: str) -> list[str]:
         warnings: list[str] = []
@@ -530,6 +580,13 @@ def create_server(engine, config: Config, repo: Path | None = None,
         ls.start_index()
         log.info("client %s, position encoding %s", params.client_info.name if params.client_info else "?",
                  ls.workspace.position_encoding)
+
+    @server.feature(types.INITIALIZED)
+    async def initialized(ls: CodecompleteServer, params: types.InitializedParams):
+        try:
+            await ls.report_startup()
+        except Exception:  # progress is a courtesy: never a reason to fail
+            log.exception("start-up progress failed")
 
     @server.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)
     def did_change_configuration(ls: CodecompleteServer, params: types.DidChangeConfigurationParams):

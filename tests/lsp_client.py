@@ -15,7 +15,7 @@ from codecomplete.lsp.server import plain
 
 async def start_daemon(repo: Path, model: Path, *, encodings: list[str] | None = None,
                        init_options: dict | None = None, extra_args: tuple[str, ...] = (),
-                       inline: bool = True, markdown: bool = False) -> LanguageClient:
+                       inline: bool = True, markdown: bool = False, progress: bool = False) -> LanguageClient:
     """``inline``: the client announces inline-completion support (False: a client that
     only has the completion menu, as Neovim 0.11 with nvim-cmp or Helix)."""
     client = make_test_lsp_client()
@@ -30,7 +30,8 @@ async def start_daemon(repo: Path, model: Path, *, encodings: list[str] | None =
             inline_completion=T.InlineCompletionClientCapabilities() if inline else None,
             completion=T.CompletionClientCapabilities(completion_item=T.ClientCompletionItemOptions(
                 documentation_format=[T.MarkupKind.Markdown, T.MarkupKind.PlainText])) if markdown else None),
-        window=T.WindowClientCapabilities(show_message=T.ShowMessageRequestClientCapabilities()))
+        window=T.WindowClientCapabilities(show_message=T.ShowMessageRequestClientCapabilities(),
+                                          work_done_progress=progress or None))
     await client.initialize_session(T.InitializeParams(
         capabilities=caps, root_uri=repo.as_uri(), initialization_options=init_options,
         client_info=T.ClientInfo(name="pytest-lsp")))

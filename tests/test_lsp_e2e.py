@@ -297,6 +297,44 @@ async def test_clients_without_inline_completions_get_a_menu_item(repo, tiny_mod
         await both.stop()
 
 
+async def test_startup_progress_while_the_model_loads(repo, model_cache):
+    """Guards work-done progress: a client that supports it sees the model load (the
+    default model takes seconds) and the first index scan begin and end, with the end
+    saying the model is ready; a client without the capability gets none."""
+    c = await start_daemon(repo, "default", progress=True)
+    try:
+        for _ in range(600):
+            reports = c.progress_reports.get("codecomplete/model", [])
+            if reports and isinstance(reports[-1], T.WorkDoneProgressEnd):
+                break
+            await asyncio.sleep(0.1)
+        reports = c.progress_reports["codecomplete/model"]
+        assert isinstance(reports[0], T.WorkDoneProgressBegin) and reports[0].title == "codecomplete: loading model"
+        assert isinstance(reports[-1], T.WorkDoneProgressEnd) and "ready" in reports[-1].message
+        assert (await stats(c))["engine"]["ready"]
+        index = c.progress_reports.get("codecomplete/index")
+        if index:  # a small repository may be indexed before the client is initialized
+            assert isinstance(index[0], T.WorkDoneProgressBegin)
+            for _ in range(300):
+                if isinstance(index[-1], T.WorkDoneProgressEnd):
+                    break
+                await asyncio.sleep(0.1)
+            assert "files indexed" in index[-1].message
+    finally:
+        await c.shutdown_session()
+        await c.stop()
+    quiet = await start_daemon(repo, "default")
+    try:
+        for _ in range(600):
+            if (await stats(quiet))["engine"]["ready"]:
+                break
+            await asyncio.sleep(0.1)
+        assert quiet.progress_reports == {}
+    finally:
+        await quiet.shutdown_session()
+        await quiet.stop()
+
+
 async def test_invalid_setting_falls_back_with_a_warning(repo, tiny_model, model_cache):
     """Guards typed config: a bad value is reported and replaced by its default."""
     c = await start_daemon(repo, tiny_model, init_options={
