@@ -332,9 +332,8 @@ def write_report(out: Path, runs: list[dict], meta: dict) -> dict:
         st, lat = s["status"], s["latency_ms"]
         lines.append(f"| {s['scheme']} | {s['requests']} | {st['answered']} | {st['stale']} | {st['superseded']} | "
                      f"{st['empty']} | {lat['p50']} / {lat['p90']} / {lat['p99']} | {s['acceptance']:.3f} | "
-                     f"{s['exact_match']:.3f} | {s['edit_similarity'] if s['edit_similarity'] is not None else '-'} | "
-                     f"{s['chars_saved']} of {s['chars_typed_after_requests']} | "
-                     f"{s['reuse_rate'] if s['reuse_rate'] is not None else '-'} | "
+                     f"{s['exact_match']:.3f} | {_dash(s['edit_similarity'])} | "
+                     f"{s['chars_saved']} of {s['chars_typed_after_requests']} | {_dash(s['reuse_rate'])} | "
                      f"{_dash(s.get('decode_ms_per_token'))} | {_dash(s.get('tokens_per_pass'))} |")
     lines += ["", "Latency counts requests the daemon answered (with or without items); stale and "
               "superseded requests were dropped because the user typed on.", ""]

@@ -62,6 +62,19 @@ class Pending:
 
 
 @dataclass
+class Answer:
+    """A completion to offer at a cursor, before it is shaped into items."""
+
+    rid: str
+    uri: str
+    text: str  # the document
+    cursor: Any  # documents.Cursor
+    completion: Completion
+    encoding: str
+    selected: tuple[int, int, str] | None  # the menu's selected item: (start, end, text) offsets
+
+
+@dataclass
 class Counters:
     requests: int = 0
     completions: int = 0  # answered with at least one item
@@ -208,7 +221,7 @@ class CodecompleteServer(LanguageServer):
         await asyncio.gather(*jobs)
 
     def _model_state(self) -> tuple[bool, str]:
-        stats = self.engine.stats() if hasattr(self.engine, "stats") else {"ready": True}
+        stats = self.engine.stats()
         if stats.get("load_error"):
             return True, f"model unavailable: {stats['load_error']}"
         if stats.get("ready"):
@@ -277,7 +290,7 @@ class CodecompleteServer(LanguageServer):
                                   params.context.selected_completion_info)
         if got is None:
             return types.InlineCompletionList(items=[])
-        return types.InlineCompletionList(items=self._items(*got))
+        return types.InlineCompletionList(items=self._items(got))
 
     async def completion(self, params: types.CompletionParams) -> types.CompletionList:
         """``textDocument/completion``: the same completion as one menu item, for clients
@@ -291,7 +304,7 @@ class CodecompleteServer(LanguageServer):
         got = await self._guarded(params.text_document.uri, params.position, automatic)
         if got is None:
             return types.CompletionList(is_incomplete=True, items=[])
-        return types.CompletionList(is_incomplete=True, items=self._menu_items(*got))
+        return types.CompletionList(is_incomplete=True, items=self._menu_items(got))
 
     @property
     def client_has_inline(self) -> bool:
@@ -300,7 +313,7 @@ class CodecompleteServer(LanguageServer):
         return td is not None and td.inline_completion is not None
 
     async def _guarded(self, uri: str, position: types.Position, automatic: bool,
-                       selected: types.SelectedCompletionInfo | None = None):
+                       selected: types.SelectedCompletionInfo | None = None) -> Answer | None:
         try:
             return await self._complete(uri, position, automatic, selected)
         except (JsonRpcException, asyncio.CancelledError):
@@ -312,12 +325,11 @@ class CodecompleteServer(LanguageServer):
             return None
 
     async def _complete(self, uri: str, position: types.Position, automatic: bool,
-                        selected_info: types.SelectedCompletionInfo | None = None):
-        """One completion at ``position``: (request id, uri, text, cursor, completion,
-        encoding, selected), or None when there is nothing to offer (counted and logged).
-        ``selected_info``: the item selected in the editor's completion menu (VS Code sends
-        it while the menu is open); the completion then continues the text as if that item
-        were inserted, so that the editor can show both together (Copilot's behaviour)."""
+                        selected_info: types.SelectedCompletionInfo | None = None) -> Answer | None:
+        """One completion at ``position``, or None when there is nothing to offer (counted
+        and logged).  ``selected_info``: the item selected in the editor's completion menu
+        (VS Code sends it while the menu is open); the completion then continues the text
+        as if that item were inserted, so that the editor can show both together."""
         started = time.perf_counter()
         self.counters.requests += 1
         cfg = self.config.completion
@@ -385,7 +397,7 @@ class CodecompleteServer(LanguageServer):
         self.issued[rid] = {"uri": uri, "chars": len(completion.text), "at": time.time()}
         while len(self.issued) > 512:
             self.issued.popitem(last=False)
-        return rid, uri, text, cursor, completion, encoding, selected
+        return Answer(rid, uri, text, cursor, completion, encoding, selected)
 
     @staticmethod
     def _selected(text: str, cursor, info: types.SelectedCompletionInfo | None,
@@ -427,22 +439,29 @@ class CodecompleteServer(LanguageServer):
         self._contexts[uri] = (block, context)
         return context
 
-    def _items(self, rid, uri, text, cursor, completion: Completion, encoding, selected=None) -> list:
+    def _items(self, ans: Answer) -> list:
         """One item whose range starts at the beginning of the cursor's line and whose
         text repeats what is typed there (Copilot's convention): clients filter it as
         the user keeps typing, and Neovim and VS Code both draw it from there.  With a
-        selected menu item: that item's range and text, then the completion."""
-        insert, rng = self._edit(text, cursor, cursor.line_start, completion, encoding, selected)
-        return [types.InlineCompletionItem(insert_text=insert, range=rng, command=self._accept_command(rid, uri))]
+        selected menu item: that item's range, its text and the completion (inline items
+        "must extend the text of the selected item and use the same range", LSP 3.18)."""
+        if ans.selected is not None:
+            a, b, item = ans.selected
+            insert, rng = item + ans.completion.text, _range(ans.text, a, b, ans.encoding)
+        else:
+            insert, rng = self._edit(ans, ans.cursor.line_start)
+        return [types.InlineCompletionItem(insert_text=insert, range=rng,
+                                           command=self._accept_command(ans.rid, ans.uri))]
 
-    def _menu_items(self, rid, uri, text, cursor, completion: Completion, encoding, selected=None) -> list:
+    def _menu_items(self, ans: Answer) -> list:
         """One completion-menu item that replaces the word being typed (clients filter menu
         items by it) with that word and the completion, inserted as is (no re-indenting);
         the label is its first line, the documentation the whole text."""
+        text, cursor, uri = ans.text, ans.cursor, ans.uri
         word = cursor.offset
         while word > cursor.line_start and (text[word - 1].isalnum() or text[word - 1] == "_"):
             word -= 1
-        insert, rng = self._edit(text, cursor, word, completion, encoding)
+        insert, rng = self._edit(ans, word)
         lines = insert.split("\n")
         label = lines[0].strip() or insert.strip().split("\n")[0]
         if len(label) > 80:
@@ -456,7 +475,7 @@ class CodecompleteServer(LanguageServer):
             documentation=(types.MarkupContent(types.MarkupKind.Markdown, f"{fence}{lang}\n{insert}\n{fence}")
                            if self._client_reads_markdown() else insert),
             text_edit=types.TextEdit(rng, insert), insert_text_format=types.InsertTextFormat.PlainText,
-            insert_text_mode=types.InsertTextMode.AsIs, command=self._accept_command(rid, uri))]
+            insert_text_mode=types.InsertTextMode.AsIs, command=self._accept_command(ans.rid, uri))]
 
     def _client_reads_markdown(self) -> bool:
         caps = self.client_capabilities
@@ -467,25 +486,17 @@ class CodecompleteServer(LanguageServer):
         return types.MarkupKind.Markdown in (formats or [])
 
     @staticmethod
-    def _edit(text: str, cursor, start: int, completion: Completion, encoding,
-              selected: tuple[int, int, str] | None = None) -> tuple[str, types.Range]:
+    def _edit(ans: Answer, start: int) -> tuple[str, types.Range]:
         """The text from ``start`` (at or before the cursor, on its line) through the
         completion, and the range it replaces: up to the cursor, or to the line's end
-        when the completion rewrote what follows the cursor there.  ``selected`` (a menu
-        item replacing [a, b) with its text): the item's text and the completion, over the
-        item's range [a, b) (inline completions "must extend the text of the selected item
-        and use the same range")."""
-        if selected is not None:  # the item's own range, as LSP 3.18 and VS Code require
-            a, b, item = selected
-            return (item + completion.text, types.Range(types.Position(*position_at(text, a, encoding)),
-                                                         types.Position(*position_at(text, b, encoding))))
+        when the completion rewrote what follows the cursor there."""
+        text, cursor, completion = ans.text, ans.cursor, ans.completion
         insert = text[start:cursor.offset] + completion.text
         end = cursor.offset
         rest_of_line = text[cursor.offset:cursor.line_end]
         if rest_of_line.strip() and completion.text.rstrip().endswith(rest_of_line.strip()):
             end = cursor.line_end
-        a, b = position_at(text, start, encoding), position_at(text, end, encoding)
-        return insert, types.Range(types.Position(*a), types.Position(*b))
+        return insert, _range(text, start, end, ans.encoding)
 
     @staticmethod
     def _accept_command(rid: str, uri: str) -> types.Command:
@@ -550,6 +561,12 @@ def plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
     return value
+
+
+def _range(text: str, start: int, end: int, encoding: str) -> types.Range:
+    """The LSP range of code-point offsets [start, end) of ``text``."""
+    return types.Range(types.Position(*position_at(text, start, encoding)),
+                       types.Position(*position_at(text, end, encoding)))
 
 
 def completion_id_of(params: Any) -> str | None:
