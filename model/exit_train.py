@@ -1,11 +1,16 @@
 """Train and calibrate early exits for a model (issue #9).
 
     python -m codecomplete.model.exit_train --model default --out DIR \\
-        [--layers 16,20,24,27] [--batches 120] [--epochs 6] [--bounds 0.02,0.05,0.1] [--untrained]
+        [--layers 16,20,24,27] [--batches 120] [--epochs 6] [--bounds 0.02,0.05,0.1]
+        [--positions all|outputs] [--untrained]
 
 1. Runs the model (frozen) over FIM/EFIM training samples (the fine-tune's pipeline and
-   train split) and keeps, at the positions where a model output is predicted (FIM
-   middles), the hidden state at and before each exit and the full model's top token.
+   train split) and keeps, at every position (``--positions all``, the default) or only
+   where a model output is predicted (FIM middles), the hidden state at and before each
+   exit and the full model's top token.  Every position is a distillation target; using
+   them all gives the adapters six times the data, which they need (measured on 40 batches:
+   trained on the middles alone they fit their data, layer 24 0.96 train and 0.65 held-out
+   agreement; on every position of the same samples 0.69 held out, layer 20 0.42 -> 0.50).
 2. Trains per exit a residual linear adapter (zero-initialised, ``h + A h`` before the
    shared norm and head) to predict the full model's token over the vocabulary subset
    (the most frequent tokens of the collected text; LayerSkip's exits, trained after the
@@ -47,10 +52,11 @@ def _splits() -> dict:
 
 @torch.no_grad()
 def collect(lm, batches: int, layers: list[int], split: str, seed: int, batch: int = 4, seq: int = 512,
-            final: bool = False) -> dict:
+            final: bool = False, every: bool = False) -> dict:
     """Hidden states at and before each exit (and after the last layer when ``final``)
     and the full model's top token, at every position whose next token is a model output
-    (labels set); token counts of the input."""
+    (labels set), or at every position (``every``: the full model's top token is a target
+    anywhere; the prompt's positions are six times the outputs'); token counts of the input."""
     from .train import batches as make_batches
 
     model, tok = lm.model, lm.tokenizer
@@ -71,6 +77,8 @@ def collect(lm, batches: int, layers: list[int], split: str, seed: int, batch: i
         counts += torch.bincount(ids.flatten(), minlength=model.args.vocab_size)
         keep = labels[:, 1:] != -100  # position t predicts labels[t + 1]
         keep = torch.cat([keep, torch.zeros(keep.shape[0], 1, dtype=torch.bool)], 1)
+        if every:
+            keep = torch.ones_like(keep)
         caches = [model.new_cache(seq) for _ in range(ids.shape[0])]
         for c in caches:
             c.reserve(seq)
@@ -234,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bounds", default="0.02,0.05,0.1",
                     help="token disagreement bounds to calibrate for (engine setting early_exit.bound picks one)")
     ap.add_argument("--min-rate", type=float, default=0.03, help="exits taking fewer tokens get no threshold")
+    ap.add_argument("--positions", choices=("all", "outputs"), default="all",
+                    help="train the exits at every position of the samples, or only where the model's output is "
+                         "predicted (FIM middles; calibration always uses those)")
     ap.add_argument("--untrained", action="store_true", help="no adapters or classifiers: calibrate the logit lens")
     ap.add_argument("--no-final", action="store_true",
                     help="no check after the last layer (a confident subset-head margin there skips the full head)")
@@ -247,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--layers must lie in 1..{lm.model.args.n_layers - 1}")
     t0 = time.perf_counter()
     final = not args.no_final and args.subset > 0
-    train = None if args.untrained else collect(lm, args.batches, layers, "train", args.seed)
+    train = None if args.untrained else collect(lm, args.batches, layers, "train", args.seed,
+                                                  every=args.positions == "all")
     val = collect(lm, args.val_batches, layers, "validation", args.seed + 1, final=final)
     counts = (train or val)["counts"]
     subset = counts.argsort(descending=True)[: args.subset] if args.subset else None
