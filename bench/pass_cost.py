@@ -151,8 +151,8 @@ def main() -> None:
     lines += ["", "## Attention alone (every layer, S rows; includes ~15-25 us of Python per layer call)", "",
               "| L \\ S | " + " | ".join(str(s) for s in rows) + " |", "|---" * (len(rows) + 1) + "|"]
     for L in contexts:
-        lines.append(f"| {L} | " + " | ".join(f"{cell('attention', L, s):.2f} ms (+{cell('attention', L, s) - cell('attention', L, 1):.2f})"
-                                              for s in rows) + " |")
+        ms = [cell("attention", L, s) for s in rows]
+        lines.append(f"| {L} | " + " | ".join(f"{t:.2f} ms (+{t - ms[0]:.2f})" for t in ms) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
