@@ -66,7 +66,7 @@ def main() -> None:
     if model.native_stack is None:
         sys.exit("needs a bf16 model on the native CPU path (dtype bf16, a C compiler)")
     contexts = [int(x) for x in args.contexts.split(",")]
-    rows = [int(x) for x in args.rows.split(",")]
+    rows = sorted({1, *(int(x) for x in args.rows.split(","))})  # ratios are to the one-row step
     vocab, a = model.args.vocab_size, model.args
     torch.manual_seed(0)
     mats = [(lin.native_weight, lin.out_features, lin.in_features)
