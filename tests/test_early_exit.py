@@ -279,3 +279,20 @@ def test_native_segments_between_exits_equal_the_layer_loop():
     for x, y in zip(ca, cb):
         n = x.length
         assert n == y.length and torch.equal(x.k[:, :, :n], y.k[:, :, :n]) and torch.equal(x.v[:, :, :n], y.v[:, :, :n])
+
+
+def test_exit_data_at_every_position_or_at_the_outputs(lm):
+    """``exit_train --positions all`` (the default) trains on every position of the samples;
+    ``outputs`` only where the model's output is predicted.  Same samples (same seed): the
+    output positions are a part of every position, with the same states and targets."""
+    from codecomplete.model.exit_train import collect
+
+    every = collect(lm, 1, [1], "train", 0, batch=2, seq=64, every=True)
+    outputs = collect(lm, 1, [1], "train", 0, batch=2, seq=64)
+    n = len(outputs["top"])
+    assert len(every["top"]) == 2 * 64 and 0 < n < 2 * 64
+    assert every["states"][1].shape == (2 * 64, lm.model.args.dim)
+    assert torch.equal(every["counts"], outputs["counts"])  # the same input tokens
+    # each output position's (state, target) pair is among every position's pairs
+    rows = {(tuple(s.tolist()), int(t)) for s, t in zip(every["states"][1], every["top"])}
+    assert all((tuple(s.tolist()), int(t)) in rows for s, t in zip(outputs["states"][1], outputs["top"]))
