@@ -65,6 +65,9 @@ class CompletionConfig:
     # only to clients that did not announce inline-completion support, so an editor that
     # asks both (VS Code) does not run the model twice per keystroke.
     lsp_completion: str = field(default="auto", metadata=_choice("auto", "always", "never"))
+    # While the user types the start of the last completion, answer with its rest at once
+    # instead of running the model again (the suggestion stays as typed through).
+    type_through: bool = True
 
 
 @dataclass

@@ -22,7 +22,7 @@ import logging
 import re
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +75,20 @@ class Answer:
 
 
 @dataclass
+class Shown:
+    """The last completion the engine answered for a document, where it was asked: what
+    the user types next may follow it (typing through the suggestion)."""
+
+    prefix: str
+    suffix: str
+    completion: Completion
+
+
+@dataclass
 class Counters:
     requests: int = 0
     completions: int = 0  # answered with at least one item
+    typed_through: int = 0  # of them, answered from the last completion without the model
     empty: int = 0
     cancelled: int = 0
     superseded: int = 0
@@ -118,6 +129,7 @@ class CodecompleteServer(LanguageServer):
         self._told_unavailable = False
         self.index = None  # the RepoIndex, once the repository is known
         self._contexts: dict[str, tuple[int, str]] = {}
+        self.shown: dict[str, Shown] = {}  # uri -> the last completion answered there
         self.recent: deque = deque(maxlen=4096)  # per-request records for the replay harness  # uri -> (line block, rendered snippets)
 
     # -- the repository index ----------------------------------------------------------
@@ -264,6 +276,7 @@ class CodecompleteServer(LanguageServer):
             cfg = merge(cfg, self.cli_settings, "command line", [])
         self.config = cfg
         self.engine.configure(engine_settings(cfg))
+        self.shown.clear()  # completions made under the old settings
         for w in warnings:
             log.warning("%s", w)
             self.window_log_message(types.LogMessageParams(types.MessageType.Warning, w))
@@ -351,6 +364,11 @@ class CodecompleteServer(LanguageServer):
             prefix, suffix = text[:a] + item, text[b:]
 
         rid = f"c{next(self._ids)}"
+        through = self._typed_through(uri, prefix, suffix) if cfg.type_through else None
+        if through is not None:
+            self._supersede(uri, superseded=True)  # older requests were for text typed since
+            self.counters.typed_through += 1
+            return self._answer(rid, uri, text, cursor, position, through, encoding, selected, started)
         context = await self._context(uri, text, cursor) if cfg.context_snippets and self.index else ""
         self.counters.with_context += bool(context)
         request = CompletionRequest(prefix=prefix, suffix=suffix, request_id=rid,
@@ -385,11 +403,40 @@ class CodecompleteServer(LanguageServer):
         if completion.error:
             self._report_failure(rid, completion)
             return self._count_empty()
+        if completion.text.strip():
+            self.shown[uri] = Shown(prefix, suffix, completion)
+        return self._answer(rid, uri, text, cursor, position, completion, encoding, selected, started)
+
+    def _typed_through(self, uri: str, prefix: str, suffix: str) -> Completion | None:
+        """The rest of the document's last completion when the user has typed its start
+        since (same text after the cursor, the text before it grown by a prefix of the
+        completion) and something is left: the suggestion stays as typed through, at no
+        model cost, as Copilot's and Tabby's clients keep it.  None otherwise."""
+        shown = self.shown.get(uri)
+        if shown is None or suffix != shown.suffix or len(prefix) <= len(shown.prefix) \
+                or not prefix.startswith(shown.prefix):
+            return None
+        typed, text = prefix[len(shown.prefix):], shown.completion.text
+        if not text.startswith(typed) or not text[len(typed):].strip():
+            return None
+        return replace(shown.completion, text=text[len(typed):], prompt_tokens=0, generated_tokens=0, timings={},
+                       token_ids=[], reused_tokens=0, prompt_kind="typed-through", spec_steps=0, accepted_tokens=0,
+                       forward_passes=0, layers_run=0)
+
+    def _answer(self, rid: str, uri: str, text: str, cursor, position: types.Position, completion: Completion,
+                encoding: str, selected, started: float) -> Answer | None:
+        """A completion that is to be offered: counted, logged and remembered for telemetry."""
         latency = (time.perf_counter() - started) * 1000
+        through = completion.prompt_kind == "typed-through"
+        if through:  # engine answers were recorded with the engine's numbers
+            self.recent.append({"id": rid, "uri": uri, "line": position.line, "character": position.character,
+                                "prompt_tokens": 0, "reused_tokens": 0, "prompt_kind": "typed-through",
+                                "stop_reason": completion.stop_reason, "status": "answered",
+                                "latency_ms": round(latency, 2)})
         self.counters.latencies_ms.append(latency)
-        log.info("[%s] %s:%d:%d %.0f ms (%s) -> %r", rid, Path(to_fs_path(uri) or uri).name,
+        log.info("[%s] %s:%d:%d %.0f ms (%s%s) -> %r", rid, Path(to_fs_path(uri) or uri).name,
                  position.line + 1, position.character + 1, latency,
-                 completion.stop_reason, completion.text[:60])
+                 completion.stop_reason, ", typed through" if through else "", completion.text[:60])
         if not completion.text.strip():
             self._count_empty()
             return None
@@ -629,6 +676,7 @@ def create_server(engine, config: Config, repo: Path | None = None,
         ls._supersede(params.text_document.uri, superseded=False)
         ls.pending.pop(params.text_document.uri, None)
         ls._contexts.pop(params.text_document.uri, None)
+        ls.shown.pop(params.text_document.uri, None)
         ls.overlay(params.text_document.uri, closed=True)
 
     @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())

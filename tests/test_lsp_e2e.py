@@ -411,3 +411,36 @@ async def test_bf16_daemon_serves_through_the_native_step(repo, tiny_model, mode
     finally:
         await c.shutdown_session()
         await c.stop()
+
+
+async def test_typing_through_a_completion_keeps_its_rest_without_the_model(repo, tiny_model, model_cache,
+                                                                             reference_engine):
+    """Guards typing through: typing the start of the shown completion answers with its rest
+    (no new model run); typing something else, or with the setting off, runs the model."""
+    want = expected(reference_engine, POINT, "")
+    assert len(want.strip()) >= 2, "the tiny model should complete this prompt"
+    cut = len(want) - len(want.lstrip()) + 1  # the completion's first visible character, typed
+    for on in (True, False):
+        client = await start_daemon(repo, tiny_model, init_options={"completion": {"typeThrough": on}})
+        try:
+            uri = (repo / f"through_{on}.py").as_uri()
+            open_doc(client, uri, POINT)
+            assert proposed(await complete(client, uri, 3, 13), LAST) == [want]
+            insert(client, uri, 2, 3, 13, want[:cut])
+            items = await complete(client, uri, 3, 13 + cut, invoked=False)
+            counters = (await stats(client))["counters"]
+            if on:
+                assert proposed(items, LAST + want[:cut]) == [want[cut:]]
+                assert counters["typed_through"] == 1 and counters["completions"] == 2
+            else:  # the model ran again: what a fresh session would answer there
+                assert proposed(items, LAST + want[:cut]) == [expected(reference_engine, POINT + want[:cut], "")]
+                assert counters["typed_through"] == 0
+            # a character that the completion does not have next: the model runs again
+            insert(client, uri, 3, 3, 13 + cut, "\u00a7")
+            items = await complete(client, uri, 3, 14 + cut)
+            assert (await stats(client))["counters"]["typed_through"] == (1 if on else 0)
+            assert proposed(items, LAST + want[:cut] + "\u00a7") == (
+                [expected(reference_engine, POINT + want[:cut] + "\u00a7", "")] if items else [])
+        finally:
+            await client.shutdown_session()
+            await client.stop()

@@ -117,6 +117,7 @@ def test_replay_against_the_real_daemon_reports_every_field(history: Path, tiny_
         assert s["status"]["answered"] + s["status"]["empty"] > 0 and s["latency_ms"]["p50"] > 0
         for key in ("acceptance", "exact_match", "edit_similarity", "chars_saved", "reuse_rate", "reuse_by_round"):
             assert key in s
+        assert s["typed_through"] == 0  # these schemes send every request to the model
     assert by["baseline"]["reuse_rate"] == 0.0  # no KV reuse in the baseline
     assert by["efim"]["reuse_rate"] > 0.3
     # speculation is on by default and lossless: the same completions in fewer decode passes
