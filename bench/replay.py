@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("repos", nargs="+", type=Path)
     ap.add_argument("--commits", type=int, default=4)
     ap.add_argument("--max-requests", type=int, default=8)
-    ap.add_argument("--schemes", default="baseline,efim,efim-nospec")
+    ap.add_argument("--schemes", default="baseline,efim,efim-nospec,efim-through")
     ap.add_argument("--model", default="default")
     args = ap.parse_args()
     out_root = RESULTS / "replay"
@@ -65,13 +65,17 @@ def main() -> None:
     lines = [header("Replay of editing sessions from git history"),
              "Sessions: `sessions from-git` on recent commits (synthetic, human-like typing with typos; "
              f"docs/sessions.md). Model: `{args.model}`. `baseline` has no KV reuse; `efim` reuses KV with EFIM "
-             "prompts; both use retrieval speculation (the daemon's default), `efim-nospec` is `efim` without it. "
+             "prompts; both use retrieval speculation (the daemon's default), `efim-nospec` is `efim` without it; "
+             "these send every request to the model. `efim-through` is the daemon as shipped: `efim`, and a "
+             "request made while the user types the start of the last completion is answered with its rest "
+             "without the model (typed through). "
              "Acceptance = the completion is a prefix of what was typed next. Decode ms/token and tokens/pass are "
              "the daemon's own counters over the run.",
              "", "Commands:", ""] + [f"    {c}" for c in commands] + [""]
     lines += ["| repository | run | scheme | requests | answered / stale / superseded / empty | latency p50 / p90 / p99 ms "
-              "| acceptance | exact | edit sim. | chars saved | reuse | decode ms/token | tokens/pass |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| acceptance | exact | edit sim. | chars saved | reuse | decode ms/token | tokens/pass "
+              "| typed through |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, label, folder, summary in sections:
         for s in summary:
             st, lat = s["status"], s["latency_ms"]
@@ -80,7 +84,7 @@ def main() -> None:
                          f"{st['superseded']} / {st['empty']} | {lat['p50']} / {lat['p90']} / {lat['p99']} | "
                          f"{s['acceptance']:.3f} | {s['exact_match']:.3f} | {es if es is not None else '-'} | "
                          f"{s['chars_saved']} of {s['chars_typed_after_requests']} | {s['reuse_rate']} | "
-                         f"{s.get('decode_ms_per_token')} | {s.get('tokens_per_pass')} |")
+                         f"{s.get('decode_ms_per_token')} | {s.get('tokens_per_pass')} | {s.get('typed_through', 0)} |")
     lines += ["", "Per-run reports (JSON, Markdown, latency CDF and reuse-per-round plots): "
               + ", ".join(f"[`replay/{f}/`](replay/{f}/report.md)" for _, _, f, _ in sections)]
     (RESULTS / "replay.md").write_text("\n".join(lines) + "\n")
