@@ -308,6 +308,7 @@ class Transformer(nn.Module):
         self.head = Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
         self.native_stack: native.Stack | None = None  # Transformer.native_decode
+        self.native_prefill = True  # long causal prompts in native pieces when native_stack is set (forward)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -386,6 +387,19 @@ class Transformer(nn.Module):
         last position [B, V] (``logits_for="last"``) or of all positions [B, S, V].
         """
         bsz, s = tokens.shape
+        step = native.STACK_ROWS
+        if self.native_stack is not None and self.native_prefill and bsz == 1 and s > step \
+                and not torch.is_grad_enabled() and (masks is None or all(m is None for m in masks)):
+            # a long causal prompt of a bf16 model: in pieces through the native step, each piece
+            # attending to the cache and itself; 1.3-1.5x faster than PyTorch's path over the whole
+            # prompt here (bench/results/prefill.md)
+            outs = []
+            for i in range(0, s, step):
+                piece = None if positions is None else positions[:, i:i + step]
+                out = self.forward(tokens[:, i:i + step], caches, piece, None, logits_for)
+                if logits_for != "last":
+                    outs.append(out)
+            return out if logits_for == "last" else torch.cat(outs, dim=1)
         if positions is None:
             base = torch.tensor([c.length for c in caches], device=tokens.device)
             positions = base.unsqueeze(1) + torch.arange(s, device=tokens.device)

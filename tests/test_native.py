@@ -457,3 +457,48 @@ def test_bf16_rows_of_a_pass_do_not_depend_on_the_other_rows():
     assert torch.equal(one[rows], two[rows])
     assert not torch.equal(one[[2, 4, 6, 8]], two[[2, 4, 6, 8]])  # the decoys did differ
     assert torch.equal(one[0], step)
+
+
+@needs_kernel
+def test_long_bf16_prompt_runs_in_native_pieces():
+    """A bf16 prompt longer than one native step (``native.STACK_ROWS`` rows) runs in pieces of
+    that size through the native step, each attending to the cache and to itself: the same
+    logits and caches, bit for bit, as calling the model piece by piece, and within bf16 noise
+    of PyTorch's path over the whole prompt (the same greedy choice where PyTorch's best two
+    logits are more than bf16 noise apart)."""
+    model = random_bf16_model(11, 0.08, tie=True, unit_norms=True, vocab_size=300, dim=128, n_layers=3, n_heads=4,
+                              n_kv_heads=2, head_dim=32, hidden_dim=320)
+    n, step = 150, native.STACK_ROWS
+    assert n > 2 * step
+    prompt = torch.randint(0, 300, (1, n))
+
+    def whole(on: bool, logits_for: str, positions=None):
+        assert model.native_decode(on) == on
+        c = model.new_cache(n + 4)
+        with torch.no_grad():
+            out = model(prompt, [c], positions, logits_for=logits_for)
+        return out, c
+
+    def by_hand():
+        assert model.native_decode(True)
+        c = model.new_cache(n + 4)
+        with torch.no_grad():
+            outs = [model(prompt[:, i:i + step], [c], logits_for="all") for i in range(0, n, step)]
+        return torch.cat(outs, dim=1), c
+
+    got, c1 = whole(True, "all")
+    want, c2 = by_hand()
+    assert got.shape == (1, n, 300) and torch.equal(got, want)
+    assert c1.length == c2.length == n and torch.equal(c1.k[:, :, :n], c2.k[:, :, :n])
+    assert torch.equal(c1.v[:, :, :n], c2.v[:, :, :n])
+    last, _ = whole(True, "last")
+    assert torch.equal(last, got[:, -1])
+    placed, _ = whole(True, "all", torch.arange(n).unsqueeze(0))  # explicit positions, cut with the pieces
+    assert torch.equal(placed, got)
+    ref, c3 = whole(False, "all")  # PyTorch over the whole prompt
+    torch.testing.assert_close(got.float(), ref.float(), atol=0.1, rtol=0.05)
+    torch.testing.assert_close(c1.k[:, :, :n].float(), c3.k[:, :, :n].float(), atol=0.05, rtol=0.05)
+    top = ref.float().topk(2, dim=-1).values
+    sure = (top[..., 0] - top[..., 1]) > 0.05
+    assert int(sure.sum()) >= n // 2
+    assert torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure])
