@@ -387,12 +387,13 @@ class Transformer(nn.Module):
         last position [B, V] (``logits_for="last"``) or of all positions [B, S, V].
         """
         bsz, s = tokens.shape
-        step = native.STACK_ROWS
-        if self.native_stack is not None and self.native_prefill and bsz == 1 and s > step \
-                and not torch.is_grad_enabled() and (masks is None or all(m is None for m in masks)):
-            # a long causal prompt of a bf16 model: in pieces through the native step, each piece
-            # attending to the cache and itself; 1.3-1.5x faster than PyTorch's path over the whole
-            # prompt here (bench/results/prefill.md)
+        step = native.PREFILL_ROWS
+        # a causal prompt of one sequence of a bf16 model runs through the native step, in pieces
+        # of PREFILL_ROWS rows each attending to the cache and itself: faster than PyTorch's path
+        # over the whole prompt here (bench/results/prefill.md)
+        pieces = self.native_stack is not None and self.native_prefill and bsz == 1 \
+            and not torch.is_grad_enabled() and (masks is None or all(m is None for m in masks))
+        if pieces and s > step:
             outs = []
             for i in range(0, s, step):
                 piece = None if positions is None else positions[:, i:i + step]
@@ -412,8 +413,8 @@ class Transformer(nn.Module):
             caches = native.StepCaches(caches)  # carries the kernels' view of the caches across layers
         cos, sin = self.rope(positions)
         x = self.embed(tokens)
-        if self.native_stack is not None and bsz * s <= native.STACK_ROWS and not torch.is_grad_enabled():
-            # a few-token step of a bf16 model: every layer, the norm and the head in one native call
+        if pieces or (self.native_stack is not None and bsz * s <= native.STACK_ROWS and not torch.is_grad_enabled()):
+            # a few-token step of a bf16 model (or a prompt's piece): every layer, the norm and the head in one call
             _, logits = native.decode_stack(self.native_stack, x, cos, sin, caches, masks, logits=logits_for)
             for c in caches:
                 c.length += s

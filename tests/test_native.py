@@ -460,16 +460,16 @@ def test_bf16_rows_of_a_pass_do_not_depend_on_the_other_rows():
 
 
 @needs_kernel
-def test_long_bf16_prompt_runs_in_native_pieces():
-    """A bf16 prompt longer than one native step (``native.STACK_ROWS`` rows) runs in pieces of
-    that size through the native step, each attending to the cache and to itself: the same
-    logits and caches, bit for bit, as calling the model piece by piece, and within bf16 noise
-    of PyTorch's path over the whole prompt (the same greedy choice where PyTorch's best two
-    logits are more than bf16 noise apart)."""
+def test_long_bf16_prompt_runs_in_native_pieces(monkeypatch):
+    """A bf16 prompt runs through the native step in pieces of ``native.PREFILL_ROWS`` rows,
+    each attending to the cache and to itself: the same logits and caches, bit for bit, as
+    calling the model piece by piece and as pieces of another multiple of 32 rows, and within
+    bf16 noise of PyTorch's path over the whole prompt (the same greedy choice where PyTorch's
+    best two logits are more than bf16 noise apart)."""
     model = random_bf16_model(11, 0.08, tie=True, unit_norms=True, vocab_size=300, dim=128, n_layers=3, n_heads=4,
                               n_kv_heads=2, head_dim=32, hidden_dim=320)
-    n, step = 150, native.STACK_ROWS
-    assert n > 2 * step
+    step = native.PREFILL_ROWS
+    n = 2 * step + 37
     prompt = torch.randint(0, 300, (1, n))
 
     def whole(on: bool, logits_for: str, positions=None):
@@ -495,6 +495,10 @@ def test_long_bf16_prompt_runs_in_native_pieces():
     assert torch.equal(last, got[:, -1])
     placed, _ = whole(True, "all", torch.arange(n).unsqueeze(0))  # explicit positions, cut with the pieces
     assert torch.equal(placed, got)
+    monkeypatch.setattr(native, "PREFILL_ROWS", 64)  # smaller pieces, still a multiple of 32: the same bits
+    small, _ = whole(True, "all")
+    assert torch.equal(small, got)
+    monkeypatch.setattr(native, "PREFILL_ROWS", step)
     ref, c3 = whole(False, "all")  # PyTorch over the whole prompt
     torch.testing.assert_close(got.float(), ref.float(), atol=0.1, rtol=0.05)
     torch.testing.assert_close(c1.k[:, :, :n].float(), c3.k[:, :, :n].float(), atol=0.05, rtol=0.05)
