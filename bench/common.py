@@ -49,6 +49,17 @@ def header(title: str) -> str:
             f"- commit: {git_commit()}, run {now}\n")
 
 
+def native_model(spec: str = "default"):
+    """The loaded model ``spec`` ("default": the embedded one), or exit when its steps do not run
+    through the native CPU kernels (a bf16 model and a C compiler are needed)."""
+    from codecomplete.model.loader import load_model
+
+    lm = load_model() if spec == "default" else load_model(spec)
+    if lm.model.native_stack is None:
+        sys.exit("needs a bf16 model on the native CPU path (dtype bf16, a C compiler)")
+    return lm
+
+
 def decode_ms(model, prompts, steps: int, warm: int = 1) -> float:
     """Mean ms per decode step of ``model`` (the own Transformer) at batch ``len(prompts)``:
     each row of ``prompts`` [B, T] is prefilled into its own cache, then the same one-token

@@ -30,10 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header  # noqa: E402
+from common import RESULTS, header, native_model  # noqa: E402
 
 from codecomplete.model import native  # noqa: E402
-from codecomplete.model.loader import load_model  # noqa: E402
 
 
 def chain_mask(cached: int, s: int) -> torch.Tensor:
@@ -61,10 +60,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,3,5,9,13,17")
     ap.add_argument("--out", default=str(RESULTS / "pass_cost"))
     args = ap.parse_args()
-    lm = load_model() if args.model == "default" else load_model(args.model)
+    lm = native_model(args.model)
     model = lm.model
-    if model.native_stack is None:
-        sys.exit("needs a bf16 model on the native CPU path (dtype bf16, a C compiler)")
     contexts = [int(x) for x in args.contexts.split(",")]
     rows = sorted({1, *(int(x) for x in args.rows.split(","))})  # ratios are to the one-row step
     vocab, a = model.args.vocab_size, model.args

@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header  # noqa: E402
+from common import RESULTS, header, native_model  # noqa: E402
 
-from codecomplete.model.loader import load_model  # noqa: E402
 
 
 def prefill_ms(model, ids: torch.Tensor) -> float:
@@ -43,10 +42,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="256,512,1280,2048")
     ap.add_argument("--out", default=str(RESULTS / "prefill"))
     args = ap.parse_args()
-    lm = load_model() if args.model == "default" else load_model(args.model)
+    lm = native_model(args.model)
     model = lm.model
-    if model.native_stack is None:
-        sys.exit("needs a bf16 model on the native CPU path (dtype bf16, a C compiler)")
     lengths = [int(x) for x in args.lengths.split(",")]
     torch.manual_seed(0)
     prompts = {n: torch.randint(0, model.args.vocab_size, (1, n)) for n in lengths}
