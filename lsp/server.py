@@ -22,7 +22,7 @@ import logging
 import re
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -368,6 +368,7 @@ class CodecompleteServer(LanguageServer):
         if through is not None:
             self._supersede(uri, superseded=True)  # older requests were for text typed since
             self.counters.typed_through += 1
+            self._record(rid, uri, position, through, "answered", started)
             return self._answer(rid, uri, text, cursor, position, through, encoding, selected, started)
         context = await self._context(uri, text, cursor) if cfg.context_snippets and self.index else ""
         self.counters.with_context += bool(context)
@@ -391,13 +392,8 @@ class CodecompleteServer(LanguageServer):
         finally:
             if self.pending.get(uri) is pending:
                 del self.pending[uri]
-        self.recent.append({"id": rid, "uri": uri, "line": position.line,
-                            "character": position.character,
-                            "prompt_tokens": completion.prompt_tokens, "reused_tokens": completion.reused_tokens,
-                            "prompt_kind": completion.prompt_kind, "stop_reason": completion.stop_reason,
-                            "status": "stale" if pending.stale else "superseded" if pending.superseded
-                            else "cancelled" if completion.cancelled else "answered",
-                            "latency_ms": round((time.perf_counter() - started) * 1000, 2)})
+        self._record(rid, uri, position, completion, "stale" if pending.stale else "superseded" if pending.superseded
+                     else "cancelled" if completion.cancelled else "answered", started)
         if pending.superseded or pending.stale or completion.cancelled:
             return self._dropped(pending)
         if completion.error:
@@ -419,20 +415,22 @@ class CodecompleteServer(LanguageServer):
         typed, text = prefix[len(shown.prefix):], shown.completion.text
         if not text.startswith(typed) or not text[len(typed):].strip():
             return None
-        return replace(shown.completion, text=text[len(typed):], prompt_tokens=0, generated_tokens=0, timings={},
-                       token_ids=[], reused_tokens=0, prompt_kind="typed-through", spec_steps=0, accepted_tokens=0,
-                       forward_passes=0, layers_run=0)
+        return Completion(text[len(typed):], shown.completion.stop_reason, multiline=shown.completion.multiline,
+                          prompt_kind="typed-through")  # no prompt, no tokens: nothing ran
+
+    def _record(self, rid: str, uri: str, position: types.Position, completion: Completion, status: str,
+                started: float) -> None:
+        """The request's record for the replay harness (``codecomplete/stats`` with recent)."""
+        self.recent.append({"id": rid, "uri": uri, "line": position.line, "character": position.character,
+                            "prompt_tokens": completion.prompt_tokens, "reused_tokens": completion.reused_tokens,
+                            "prompt_kind": completion.prompt_kind, "stop_reason": completion.stop_reason,
+                            "status": status, "latency_ms": round((time.perf_counter() - started) * 1000, 2)})
 
     def _answer(self, rid: str, uri: str, text: str, cursor, position: types.Position, completion: Completion,
                 encoding: str, selected, started: float) -> Answer | None:
         """A completion that is to be offered: counted, logged and remembered for telemetry."""
         latency = (time.perf_counter() - started) * 1000
         through = completion.prompt_kind == "typed-through"
-        if through:  # engine answers were recorded with the engine's numbers
-            self.recent.append({"id": rid, "uri": uri, "line": position.line, "character": position.character,
-                                "prompt_tokens": 0, "reused_tokens": 0, "prompt_kind": "typed-through",
-                                "stop_reason": completion.stop_reason, "status": "answered",
-                                "latency_ms": round(latency, 2)})
         self.counters.latencies_ms.append(latency)
         log.info("[%s] %s:%d:%d %.0f ms (%s%s) -> %r", rid, Path(to_fs_path(uri) or uri).name,
                  position.line + 1, position.character + 1, latency,

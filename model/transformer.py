@@ -391,8 +391,8 @@ class Transformer(nn.Module):
         # a causal prompt of one sequence of a bf16 model runs through the native step, in pieces
         # of PREFILL_ROWS rows each attending to the cache and itself: faster than PyTorch's path
         # over the whole prompt here (bench/results/prefill.md)
-        pieces = self.native_stack is not None and self.native_prefill and bsz == 1 \
-            and not torch.is_grad_enabled() and (masks is None or all(m is None for m in masks))
+        native_step = self.native_stack is not None and not torch.is_grad_enabled()
+        pieces = native_step and self.native_prefill and bsz == 1 and (masks is None or all(m is None for m in masks))
         if pieces and s > step:
             outs = []
             for i in range(0, s, step):
@@ -413,7 +413,7 @@ class Transformer(nn.Module):
             caches = native.StepCaches(caches)  # carries the kernels' view of the caches across layers
         cos, sin = self.rope(positions)
         x = self.embed(tokens)
-        if pieces or (self.native_stack is not None and bsz * s <= native.STACK_ROWS and not torch.is_grad_enabled()):
+        if pieces or (native_step and bsz * s <= native.STACK_ROWS):
             # a few-token step of a bf16 model (or a prompt's piece): every layer, the norm and the head in one call
             _, logits = native.decode_stack(self.native_stack, x, cos, sin, caches, masks, logits=logits_for)
             for c in caches:
