@@ -241,10 +241,12 @@ def _confident(policy: ExitPolicy, layer: int, conf: torch.Tensor, active: list[
 
 @torch.no_grad()
 def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: list[int],
-                 caches: list[SeqKV], steps: list[int], allow: list[bool] | None = None
+                 caches: list[SeqKV], steps: list[int], allow: list[bool] | None = None, greedy: bool = False
                  ) -> tuple[torch.Tensor, list[int]]:
     """One decode step with early exit: token b appended to caches[b]; ``steps[b]`` is
     its index in the output (CALM's schedule), ``allow[b]`` False keeps it to the end.
+    ``greedy``: only the greedy choice of the rows that ``allow`` is read, so the full head
+    may be the native greedy head (``Transformer.forward``'s ``greedy``).
 
     Returns next-token logits [B, V] (exit or full head; over the full vocabulary, with
     the subset's logits scattered in and -inf elsewhere when a subset head decided) and
@@ -313,7 +315,13 @@ def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: l
         x = x[keep]
         active = [active[r] for r in keep]
     if active:
-        logits = model.head(model.norm(x[:, -1])).float()
+        if stack is not None and greedy and model.greedy_head and stack.qhead is not None \
+                and len(active) <= native.GREEDY_HEAD_ROWS and (allow is None or all(allow[b] for b in active)):
+            # the final norm and the greedy head in one native call (no layers)
+            logits = native.decode_stack(stack, x[:, -1:], cos, sin, native.StepCaches([caches[b] for b in active]),
+                                         None, logits="last", layers=(n_layers, n_layers), greedy=True)[1].float()
+        else:
+            logits = model.head(model.norm(x[:, -1])).float()
         for r, b in enumerate(active):
             out[b] = logits[r]
     for c in caches:

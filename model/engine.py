@@ -129,7 +129,7 @@ def start(lm: LoadedModel, request: CompletionRequest, plan: PromptPlan, store: 
         store.record_reuse(reuse)
     t1 = time.perf_counter()
     rest = torch.tensor([ids[live.reused:]], device=lm.device)
-    live.logits = lm.model(rest, [cache])[0].float()
+    live.logits = lm.model(rest, [cache], greedy=not live.pending)[0].float()
     live.timings["prefill_ms"] = (time.perf_counter() - t1) * 1000
     live.timings["decode_start"] = time.perf_counter()
     return live
@@ -165,7 +165,8 @@ def advance(lm: LoadedModel, live: Live, vocab: "_Vocab | None") -> bool:
 def step(lm: LoadedModel, lives: list[Live]) -> None:
     """One batched forward pass: each live request's last token -> its next logits."""
     tokens = torch.tensor([[lv.generated[-1]] for lv in lives], device=lm.device)
-    logits = lm.model(tokens, [lv.cache for lv in lives]).float()
+    # healing picks among the tokens that fit its pending text: it needs every logit
+    logits = lm.model(tokens, [lv.cache for lv in lives], greedy=not any(lv.pending for lv in lives)).float()
     for lv, row in zip(lives, logits):
         lv.fed.append(lv.generated[-1])
         lv.logits = row
@@ -217,7 +218,7 @@ def exit_step(lm: LoadedModel, lives: list[Live], rt: ExitRuntime) -> None:
     rt.policy.max_len = max(lv.budget for lv in lives)
     logits, ran = exit_forward(lm.model, rt.exits, rt.policy, [lv.generated[-1] for lv in lives],
                                [lv.cache for lv in lives], [len(lv.generated) for lv in lives],
-                               allow=[not lv.pending for lv in lives])
+                               allow=[not lv.pending for lv in lives], greedy=True)
     for lv, row, n in zip(lives, logits, ran):
         lv.fed.append(lv.generated[-1])
         lv.logits = row
@@ -283,7 +284,8 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
     roots = [lv.generated[-1] for lv in lives]
     going = []
     for lv, root, tree, (acc, logits) in zip(lives, roots, trees,
-                                              verify(lm.model, roots, trees, [lv.cache for lv in lives])):
+                                              verify(lm.model, roots, trees, [lv.cache for lv in lives],
+                                                     greedy=not any(lv.pending for lv in lives))):
         context = lv.fed[-4:] + [root]
         lv.layers += lm.model.args.n_layers
         if len(tree):

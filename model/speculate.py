@@ -327,8 +327,10 @@ def compact(cache, start: int, rows: list[int]) -> None:
     cache.length = start + 1 + len(rows)
 
 
-def verify(model, roots: list[int], trees: list[Tree], caches: list) -> list[tuple[list[int], torch.Tensor]]:
-    """One forward pass over each sequence's root token and draft tree.
+def verify(model, roots: list[int], trees: list[Tree], caches: list,
+           greedy: bool = False) -> list[tuple[list[int], torch.Tensor]]:
+    """One forward pass over each sequence's root token and draft tree.  ``greedy``: the
+    caller takes only greedy choices from the returned logits (see ``Transformer.forward``).
 
     Returns per sequence (accepted tokens, logits [1 + accepted, V] at the root and
     along the accepted path); each cache then holds the root and the accepted tokens."""
@@ -346,7 +348,7 @@ def verify(model, roots: list[int], trees: list[Tree], caches: list) -> list[tup
         positions[b, 1:n + 1] += torch.tensor(tree.depths, dtype=torch.long)
         masks.append(tree_mask(tree, cache.length, width, dev))
     starts = [c.length for c in caches]
-    logits = model(tokens.to(dev), caches, positions.to(dev), masks, logits_for="all")
+    logits = model(tokens.to(dev), caches, positions.to(dev), masks, logits_for="all", greedy=greedy)
     greedy_all = greedy_tokens(logits)
     out = []
     for b, (tree, cache) in enumerate(zip(trees, caches)):

@@ -309,6 +309,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
         self.native_stack: native.Stack | None = None  # Transformer.native_decode
         self.native_prefill = True  # long causal prompts in native pieces when native_stack is set (forward)
+        self.greedy_head = True  # forward(greedy=True) may use native's greedy head (exact argmax, half the bytes)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -379,12 +380,16 @@ class Transformer(nn.Module):
         return cos.to(self.dtype), sin.to(self.dtype)
 
     def forward(self, tokens: torch.Tensor, caches: list[SeqKV], positions: torch.Tensor | None = None,
-                masks: list[torch.Tensor | None] | None = None, logits_for: str = "last") -> torch.Tensor:
+                masks: list[torch.Tensor | None] | None = None, logits_for: str = "last",
+                greedy: bool = False) -> torch.Tensor:
         """Run new tokens [B, S] through every layer, appending to each sequence's KV.
 
         ``positions`` default to each cache's length onward; ``masks[b]`` is a boolean
         [S, T] (True = attend) for sequence b, default causal.  Returns logits of the
         last position [B, V] (``logits_for="last"``) or of all positions [B, S, V].
+        ``greedy``: the caller only takes each row's greedy choice (the first index of its
+        maximum), so a native step of a few rows may return exact logits only where that
+        choice can be and -inf elsewhere (``native.GREEDY_HEAD_ROWS``; ``greedy_head`` off: never).
         """
         bsz, s = tokens.shape
         step = native.PREFILL_ROWS
@@ -397,7 +402,7 @@ class Transformer(nn.Module):
             outs = []
             for i in range(0, s, step):
                 piece = None if positions is None else positions[:, i:i + step]
-                out = self.forward(tokens[:, i:i + step], caches, piece, None, logits_for)
+                out = self.forward(tokens[:, i:i + step], caches, piece, None, logits_for, greedy)
                 if logits_for != "last":
                     outs.append(out)
             return out if logits_for == "last" else torch.cat(outs, dim=1)
@@ -415,7 +420,10 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         if pieces or (native_step and bsz * s <= native.STACK_ROWS):
             # a few-token step of a bf16 model (or a prompt's piece): every layer, the norm and the head in one call
-            _, logits = native.decode_stack(self.native_stack, x, cos, sin, caches, masks, logits=logits_for)
+            rows = bsz if logits_for == "last" else bsz * s
+            greedy = greedy and self.greedy_head and rows <= native.GREEDY_HEAD_ROWS
+            _, logits = native.decode_stack(self.native_stack, x, cos, sin, caches, masks, logits=logits_for,
+                                            greedy=greedy)
             for c in caches:
                 c.length += s
             return logits

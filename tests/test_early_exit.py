@@ -253,7 +253,7 @@ def test_native_segments_between_exits_equal_the_layer_loop():
     exits = untrained_exits(model, [2, 4])
     prompt = torch.randint(0, 200, (1, 30))
 
-    def run(segments: bool):
+    def run(segments: bool, greedy: bool = False):
         saved = model.native_stack
         if not segments:
             model.native_stack = None  # exit_forward then calls Block.forward layer by layer
@@ -265,7 +265,7 @@ def test_native_segments_between_exits_equal_the_layer_loop():
                 toks, out = [3, 7], []
                 for step in range(6):
                     logits, ran = exit_forward(model, exits, ExitPolicy("softmax", {2: 0.02, 4: 0.01}), toks, caches,
-                                               [step, step])
+                                               [step, step], greedy=greedy)
                     out.append((logits, ran))
                     toks = [int(t) for t in logits.argmax(-1)]
             return out, caches
@@ -276,6 +276,14 @@ def test_native_segments_between_exits_equal_the_layer_loop():
     assert any(r < 6 for _, ran in a for r in ran) and any(r == 6 for _, ran in a for r in ran)
     for (la, ra), (lb, rb) in zip(a, b):
         assert ra == rb and torch.equal(la, lb)
+    if model.native_stack.qhead is not None:  # the final head as the greedy head: the same choices
+        g, _ = run(True, greedy=True)
+        sparse = 0
+        for (lg, rg), (la, ra) in zip(g, a):
+            kept = torch.isfinite(lg)
+            assert rg == ra and torch.equal(lg[kept], la[kept]) and torch.equal(lg.argmax(-1), la.argmax(-1))
+            sparse += int((~kept).any())
+        assert sparse  # some step did take the greedy head
     for x, y in zip(ca, cb):
         n = x.length
         assert n == y.length and torch.equal(x.k[:, :, :n], y.k[:, :, :n]) and torch.equal(x.v[:, :, :n], y.v[:, :, :n])

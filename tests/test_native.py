@@ -507,3 +507,74 @@ def test_long_bf16_prompt_runs_in_native_pieces(monkeypatch):
     sure = (top[..., 0] - top[..., 1]) > 0.05
     assert int(sure.sum()) >= n // 2
     assert torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure])
+
+
+needs_greedy_head = pytest.mark.skipif(not native.greedy_head_available(),
+                                       reason="the greedy head needs AVX512-VNNI and AVX512-BF16")
+
+
+@needs_greedy_head
+def test_greedy_head_keeps_the_argmax_exactly():
+    """``greedy=True`` (the int8 copy of the head with its error bound): every logit it computes
+    is the full head's, bit for bit; every maximum of the full head is among them (so the first
+    index of the maximum, the greedy choice, is the same, ties included); and most of the
+    vocabulary is skipped (-inf).  Steps of 1-4 rows, a batch, a vocabulary that is not a
+    multiple of 16, an outlier in the hidden state, and two identical head rows made to win
+    (an exact tie)."""
+    model = random_bf16_model(13, 0.08, tie=False, unit_norms=True, vocab_size=1003, dim=128, n_layers=2, n_heads=4,
+                              n_kv_heads=2, head_dim=32, hidden_dim=320)
+    with torch.no_grad():
+        model.norm.weight[5] = 12.0  # one large dimension in the normalised state, as real models have
+        tied = model.head.weight[900].float() * 3
+        model.head.weight[900] = tied.to(torch.bfloat16)
+        model.head.weight[17] = tied.to(torch.bfloat16)  # identical to row 900: a tie the first index must win
+    assert model.native_decode(True) and model.native_stack.qhead is not None
+    torch.manual_seed(2)
+    checked = ties = 0
+    for bsz, s in ((1, 1), (1, 2), (1, 4), (3, 1), (2, 2)):
+        lengths = [int(n) for n in torch.randint(0, 200, (bsz,))]
+        for trial in range(6):
+            tokens = torch.randint(0, 1003, (bsz, s))
+            positions = torch.tensor(lengths).view(bsz, 1) + torch.arange(s)
+            out = {}
+            for greedy in (False, True):
+                caches = []
+                torch.manual_seed(100 + trial)
+                for n in lengths:
+                    c = model.new_cache(n + s + 2)
+                    c.k.normal_()
+                    c.v.normal_()
+                    c.length = n
+                    caches.append(c)
+                with torch.no_grad():
+                    out[greedy] = model(tokens, caches, positions, logits_for="all", greedy=greedy).reshape(-1, 1003)
+            full, got = out[False], out[True]
+            kept = torch.isfinite(got)
+            assert torch.equal(got[kept], full[kept])
+            assert (got[~kept] == float("-inf")).all()
+            at_max = full == full.max(dim=-1, keepdim=True).values
+            assert kept[at_max].all()
+            assert torch.equal(got.float().argmax(-1), full.float().argmax(-1))
+            assert kept.float().mean() < 0.5  # the bound is tight enough to skip most rows
+            checked += full.shape[0]
+            ties += int((at_max[:, 17] & at_max[:, 900]).sum())
+    assert checked >= 60 and ties >= 3  # the tie was really exercised
+
+
+@needs_greedy_head
+def test_greedy_head_is_off_where_it_would_not_help_or_is_not_wanted():
+    """More logit rows than ``GREEDY_HEAD_ROWS``, ``greedy_head`` off, or greedy not asked for:
+    every logit is computed."""
+    model = random_bf16_model(5, 0.08, tie=True, unit_norms=True, vocab_size=500, dim=64, n_layers=1, n_heads=2,
+                              n_kv_heads=1, head_dim=32, hidden_dim=128)
+    assert model.native_decode(True)
+
+    def finite(s: int, greedy: bool) -> bool:
+        c = model.new_cache(16)
+        with torch.no_grad():
+            return bool(torch.isfinite(model(torch.randint(0, 500, (1, s)), [c], logits_for="all", greedy=greedy)).all())
+
+    assert not finite(1, True)
+    assert finite(native.GREEDY_HEAD_ROWS + 1, True) and finite(1, False)
+    model.greedy_head = False
+    assert finite(1, True)

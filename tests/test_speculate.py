@@ -246,3 +246,38 @@ def test_batched_speculation_equals_unbatched_greedy(tiny_model, lm):
         assert stats["mean_acceptance_length"] > 1
     finally:
         engine.close()
+
+
+def test_greedy_head_changes_no_output(tiny_model, monkeypatch):
+    """A bf16 model on the native path asks for the greedy head (exact argmax, -inf elsewhere)
+    on plain steps, prefills and verification passes, but not while token healing picks among
+    the tokens that fit its pending text (that pick reads those tokens' logits): outputs with
+    the greedy head equal outputs without it, with and without speculation and healing."""
+    from codecomplete.model import native
+
+    lm = load_model(str(tiny_model), device="cpu", dtype="bfloat16")
+    if lm.model.native_stack is None or lm.model.native_stack.qhead is None:
+        pytest.skip("the greedy head needs the native bf16 path with AVX512-VNNI")
+    vocab = _Vocab(lm.tokenizer)
+    asked = []
+    real = native.decode_stack
+
+    def spy(*a, **kw):
+        asked.append(kw.get("greedy", False))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(native, "decode_stack", spy)
+    prefix = "def area(radius):\n    x = [1, 2, 3, 1, 2, 3, 1, 2, 3]\n    return radius * radi"
+    settings = EngineSettings(token_healing=True)
+    outputs = {}
+    for on in (True, False):
+        lm.model.greedy_head = on
+        for spec in (None, SpecSettings(use_repository=False, use_common=False)):
+            drafter = Drafter(spec, None, vocab.texts) if spec else None
+            request = CompletionRequest(prefix, "\n", mode="multi", max_tokens=24, max_lines=200, ignore_eos=True)
+            with torch.inference_mode():
+                outputs[on, spec is not None] = generate(lm, request, settings, vocab, drafter=drafter).token_ids
+    lm.model.greedy_head = True
+    assert outputs[True, False] == outputs[False, False] and outputs[True, True] == outputs[False, True]
+    assert plan_prompt(lm, CompletionRequest(prefix, "\n"), settings, vocab, None).healed  # healing was on
+    assert True in asked and False in asked  # greedy asked for, and not while healing

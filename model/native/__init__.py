@@ -99,7 +99,9 @@ def _build() -> ctypes.CDLL:
     lib.linear_bf16_native.restype = i32
     lib.decode_stack.restype = i32
     lib.decode_stack.argtypes = [i32] * 9 + [ctypes.POINTER(ptr), ctypes.c_float, i32] + [ptr] * 3 + [
-        ctypes.POINTER(ptr)] * 2 + [i64p] * 2 + [ctypes.POINTER(ptr), ctypes.c_float, i32, ptr, ptr, i32, i32, ptr]
+        ctypes.POINTER(ptr)] * 2 + [i64p] * 2 + [ctypes.POINTER(ptr), ctypes.c_float, i32, ptr, ptr, i32, i32, ptr,
+                                                 ctypes.POINTER(QHead)]
+    lib.head_greedy_native.restype = i32
     return lib
 
 
@@ -288,6 +290,41 @@ def layer_weights(block) -> list[int] | None:
             mlp.w13.native_weight.data_ptr(), mlp.w2.native_weight.data_ptr()]
 
 
+class QHead(ctypes.Structure):
+    """common.h's QHead: the int8 copy of a head that ``decode_stack``'s greedy head reads."""
+
+    _fields_ = [("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("dnorm", ctypes.c_void_p),
+                ("qnorm", ctypes.c_void_p), ("Kp", ctypes.c_int)]
+
+
+def greedy_head_available() -> bool:
+    """Whether ``decode_stack`` can compute the greedy head (AVX512-VNNI and -BF16 compiled in)."""
+    return available() and bool(_lib.head_greedy_native())
+
+
+def pack_greedy_head(weight: torch.Tensor) -> tuple[QHead, list[torch.Tensor]] | None:
+    """The int8 copy of a head weight [V, K] that linear.c's greedy head reads (rows scaled by
+    max|w| / 127, stored + 128 as u8, packed [V/16, K/4, 16, 4]) with each row's scale and the two
+    norms of its error bound; None when the weight is not finite.  Returns the C struct and the
+    tensors it points into (keep them alive)."""
+    w = weight.detach().to(torch.float32)
+    if not torch.isfinite(w).all():
+        return None
+    v, k = w.shape
+    vp, kp = -(-v // 16) * 16, -(-k // 4) * 4
+    w = torch.nn.functional.pad(w, (0, kp - k, 0, vp - v))
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127)
+    scale = torch.where(amax > 0, scale, torch.zeros_like(scale))
+    # the bound's norms are rounded up a little: they bound errors, they need not be exact
+    dnorm = ((w.double() - scale.double()[:, None] * q.double()).norm(dim=1) * (1 + 1e-6)).float()
+    qnorm = (q.double().norm(dim=1) * (1 + 1e-6)).float()
+    packed = (q + 128).to(torch.uint8).reshape(vp // 16, 16, kp // 4, 4).transpose(1, 2).contiguous()
+    keep = [packed, scale.contiguous(), dnorm.contiguous(), qnorm.contiguous()]
+    return QHead(*[t.data_ptr() for t in keep], kp), keep
+
+
 class Stack:
     """What ``decode_stack`` needs of a bf16 model that does not change between steps: its sizes
     and every layer's weights' addresses (as one C array, and one per layer for single-layer
@@ -305,10 +342,17 @@ class Stack:
         self.weights = ptrs(*[w for p in per for w in p])
         self.layer = [(ctypes.c_void_p * len(p))(*p) for p in per]
         self.norm, self.head, self.vocab = model.norm.weight.data_ptr(), model.head.native_weight.data_ptr(), a.vocab_size
+        packed = pack_greedy_head(model.head.weight) if greedy_head_available() else None
+        self.qhead, self._qkeep = packed if packed is not None else (None, [])
         self._keep = [p for m in (model.norm, model.head, *model.layers) for p in m.parameters()] + [
             mod.native_weight for mod in model.modules() if getattr(mod, "native_weight", None) is not None]
 
 
+# logit rows up to which decode_stack(greedy=True) uses the greedy head: it reads half the head's bytes
+# but does as many multiply-adds (an int8 copy of the weights times a 16-bit copy of the input, in two
+# int8 halves), so it wins while the head is memory-bound: measured on SmolLM2-135M (V = 49152),
+# -0.2 to -0.5 ms a step at 1-4 rows, +0.2 at 5, +0.7 at 13
+GREEDY_HEAD_ROWS = 4
 STACK_ROWS = 64  # rows (batch x new tokens) up to which a step runs as one decode_stack call
 # a long causal prompt of one sequence runs as decode_stack calls of this many rows (Transformer.forward):
 # measured on SmolLM2-135M, 1280 tokens in pieces of 64 / 128 / 256 / 512 rows: 0.64 / 0.57 / 0.55 / 0.57 s
@@ -319,14 +363,17 @@ PREFILL_ROWS = 256
 
 def decode_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches,
                  masks: list[torch.Tensor | None] | None = None, layer: int | None = None,
-                 logits: str | None = "last", layers: tuple[int, int] | None = None
+                 logits: str | None = "last", layers: tuple[int, int] | None = None, greedy: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A few-token step of a bf16 model in one native call: x [B, S, D] bf16 (the embeddings)
     through every layer (or only ``layer``, or layers ``first`` .. ``end`` - 1 for ``layers`` =
     (first, end)), the caches written at each layer; cos and sin
     [B, 1, S, E] from ``Transformer.rope``.  Returns the hidden state after the layers [B, S, D]
     and, when ``logits`` is "last" or "all", the head's logits of each sequence's last row
-    [B, V] or of every row [B, S, V] (bf16).  Cache lengths are left to the caller."""
+    [B, V] or of every row [B, S, V] (bf16).  ``greedy``: only the greedy choice of each row is
+    wanted, so (when the stack has an int8 copy of the head) the logits are exact where a row's
+    maximum can be, ties included, and -inf elsewhere (linear.c's greedy head: half the head's
+    bytes read).  Cache lengths are left to the caller."""
     if not available():
         raise RuntimeError(f"native kernels unavailable: {_error}")
     d, h, kv, e, f = stack.dims
@@ -348,7 +395,8 @@ def decode_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     rc = _lib.decode_stack(bsz, s, d, h, kv, e, f, first, count, weights, stack.eps, _ELSIZE[plan.dtype], x.data_ptr(),
                            cos.data_ptr(), sin.data_ptr(), plan.k, plan.v, plan.cap, plan.len, plan.masks, e ** -0.5,
                            CHUNK, stack.norm if out is not None else None, stack.head if out is not None else None,
-                           stack.vocab, int(logits == "last"), out.data_ptr() if out is not None else None)
+                           stack.vocab, int(logits == "last"), out.data_ptr() if out is not None else None,
+                           ctypes.byref(stack.qhead) if greedy and stack.qhead is not None and out is not None else None)
     if rc != 0:
         raise MemoryError("native decode step: out of scratch memory")
     return x, out

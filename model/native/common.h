@@ -41,4 +41,22 @@ static inline float exp_neg(float x) {
     memcpy(&s, &e, 4);
     return p * s;
 }
+
+/* The int8 copy of a head for the greedy head (linear.c, head_greedy_team) */
+typedef struct {
+    const uint8_t *q;      /* q + 128, [ceil(V/16)][Kp/4][16][4] */
+    const float *scale;    /* [Vp] s_j (0 on padding rows) */
+    const float *dnorm;    /* [Vp] |w_j - s_j q_j| */
+    const float *qnorm;    /* [Vp] |q_j| */
+    int Kp;                /* K padded to a multiple of 4 */
+} QHead;
+
+/* per input row: its int8 copies a and b ([Kp] each), 128 x their sums, t, |x|, |e|, and whether
+ * it is finite */
+typedef struct {
+    int8_t *a, *b;
+    int32_t sa, sb;
+    float t, xn, en;
+    int ok;
+} QRow;
 #endif

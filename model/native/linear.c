@@ -186,3 +186,178 @@ int linear_bf16_native(void) {
     return 0;
 #endif
 }
+
+/* ---- The greedy head: exact logits only where the greedy choice can be ----
+ *
+ * A decode step reads the head (V x D bf16; 57 MB of SmolLM2-135M's 269) for one thing: the
+ * greedy token.  `head_greedy_team` reads an int8 copy instead (half the bytes), bounds every
+ * row's error rigorously, and computes exact logits (the bf16 kernel above, the same bits as
+ * linear_team) only for the groups of four rows that could hold the maximum; every other
+ * logit is written as -inf.  The argmax, ties included, is the full head's:
+ *
+ *   w_j = s_j q_j + d_j (q_j int8, s_j = max|w_j| / 127, d_j the rounding), x = t (a + b/256) + e
+ *   (a, b int8: a 16-bit fixed-point copy of the input row, t = max|x| / 127), so
+ *   x.w_j - s_j t (a + b/256).q_j = x.d_j + s_j e.q_j, |.| <= |x| |d_j| + s_j |e| |q_j|
+ *
+ * (Cauchy-Schwarz; |d_j| and |q_j| are stored per row), plus 2^-7 of the magnitude for the
+ * fp32 sums and the bf16 rounding of the exact logit.  With T = max_j (approx_j - err_j) <= the
+ * largest exact logit, a row whose approx_j + err_j < T cannot be the maximum nor tie it.
+ * On SmolLM2-135M's decode states a few (median 5, at most a few hundred) of 49152 rows stay.
+ *
+ * The int8 copy is stored as u8 (q + 128) packed [ceil(V/16)][K/4][16][4]: each 64-byte line
+ * holds four columns of sixteen rows, so vpdpbusd (u8 x s8, four products per lane) with four of
+ * the input's int8 broadcast (an embedded-broadcast operand) accumulates sixteen rows' sums per
+ * instruction, with no horizontal reduction; the +128 comes off as 128 x the sum of a (or b).
+ * Needs AVX512-VNNI and AVX512-BF16 (head_greedy_native()). */
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#include <omp.h>
+
+static void quant_row(const uint16_t *x, int K, int Kp, QRow *r) {
+    float mx = 0.0f;
+    int ok = 1;
+    for (int i = 0; i < K; i++) {
+        float v = fabsf(bf16_to_f32(x[i]));
+        if (!(v <= 3.0e38f)) ok = 0;
+        mx = v > mx ? v : mx;
+    }
+    r->ok = ok;
+    const float t = mx > 0.0f ? mx / 127.0f : 1.0f;
+    double xs = 0.0, es = 0.0;
+    int sa = 0, sb = 0;
+    for (int i = 0; i < Kp; i++) {
+        float v = i < K && ok ? bf16_to_f32(x[i]) : 0.0f;
+        float u = v / t, a = nearbyintf(u), b = nearbyintf((u - a) * 256.0f);
+        if (a > 127.0f) a = 127.0f;
+        if (a < -127.0f) a = -127.0f;
+        if (b > 127.0f) b = 127.0f;
+        if (b < -127.0f) b = -127.0f;
+        double e = (double)v - (double)t * ((double)a + (double)b / 256.0);
+        xs += (double)v * v;
+        es += e * e;
+        r->a[i] = (int8_t)a;
+        r->b[i] = (int8_t)b;
+        sa += (int)a;
+        sb += (int)b;
+    }
+    r->sa = sa * 128;
+    r->sb = sb * 128;
+    r->t = t;
+    r->xn = (float)(sqrt(xs) * (1.0 + 1e-6));
+    r->en = (float)(sqrt(es) * (1.0 + 1e-3) + 1e-30);
+}
+
+/* hi[m][j] = approx + err and the running max of approx - err of rows j0 .. j0 + 16 for input
+ * rows m0 .. m0 + MR (MR <= 4, a constant at each call site) */
+static inline __attribute__((always_inline)) void qgroup(int MR, const QHead *qh, const QRow *qr, int m0, int g,
+                                                         int V, float *hi, int Vp, __m512 *lomax) {
+    const int Kq = qh->Kp / 4;
+    const uint8_t *wg = qh->q + (size_t)g * Kq * 64;
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    const int32_t *pa0 = (const int32_t *)qr[m0].a, *pb0 = (const int32_t *)qr[m0].b;
+    const int32_t *pa1 = MR > 1 ? (const int32_t *)qr[m0 + 1].a : pa0, *pb1 = MR > 1 ? (const int32_t *)qr[m0 + 1].b : pb0;
+    const int32_t *pa2 = MR > 2 ? (const int32_t *)qr[m0 + 2].a : pa0, *pb2 = MR > 2 ? (const int32_t *)qr[m0 + 2].b : pb0;
+    const int32_t *pa3 = MR > 3 ? (const int32_t *)qr[m0 + 3].a : pa0, *pb3 = MR > 3 ? (const int32_t *)qr[m0 + 3].b : pb0;
+    for (int kq = 0; kq < Kq; kq++) {
+        const __m512i w = _mm512_loadu_si512(wg + (size_t)kq * 64);
+        a0 = _mm512_dpbusd_epi32(a0, w, _mm512_set1_epi32(pa0[kq]));
+        b0 = _mm512_dpbusd_epi32(b0, w, _mm512_set1_epi32(pb0[kq]));
+        if (MR > 1) {
+            a1 = _mm512_dpbusd_epi32(a1, w, _mm512_set1_epi32(pa1[kq]));
+            b1 = _mm512_dpbusd_epi32(b1, w, _mm512_set1_epi32(pb1[kq]));
+        }
+        if (MR > 2) {
+            a2 = _mm512_dpbusd_epi32(a2, w, _mm512_set1_epi32(pa2[kq]));
+            b2 = _mm512_dpbusd_epi32(b2, w, _mm512_set1_epi32(pb2[kq]));
+        }
+        if (MR > 3) {
+            a3 = _mm512_dpbusd_epi32(a3, w, _mm512_set1_epi32(pa3[kq]));
+            b3 = _mm512_dpbusd_epi32(b3, w, _mm512_set1_epi32(pb3[kq]));
+        }
+    }
+    const int j0 = g * 16;
+    const __m512 s = _mm512_loadu_ps(qh->scale + j0), dn = _mm512_loadu_ps(qh->dnorm + j0),
+                 qn = _mm512_loadu_ps(qh->qnorm + j0);
+    const __mmask16 live = j0 + 16 <= V ? (__mmask16)0xffff : (__mmask16)((1u << (V - j0)) - 1u);
+    const __m512 slack = _mm512_set1_ps(1.0f / 128.0f), tiny = _mm512_set1_ps(1e-6f);
+#define QOUT(J)                                                                                                  \
+    if (MR > J) {                                                                                                \
+        const QRow *r = qr + m0 + J;                                                                             \
+        __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(b##J, _mm512_set1_epi32(r->sb))),          \
+                                     _mm512_set1_ps(1.0f / 256.0f),                                              \
+                                     _mm512_cvtepi32_ps(_mm512_sub_epi32(a##J, _mm512_set1_epi32(r->sa))));     \
+        __m512 approx = _mm512_mul_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(r->t)));                              \
+        __m512 err = _mm512_fmadd_ps(dn, _mm512_set1_ps(r->xn), _mm512_mul_ps(_mm512_mul_ps(s, qn), _mm512_set1_ps(r->en))); \
+        err = _mm512_add_ps(err, _mm512_fmadd_ps(slack, _mm512_add_ps(_mm512_abs_ps(approx), err), tiny));        \
+        _mm512_storeu_ps(hi + (size_t)(m0 + J) * Vp + j0, _mm512_add_ps(approx, err));                           \
+        lomax[m0 + J] = _mm512_mask_max_ps(lomax[m0 + J], live, lomax[m0 + J], _mm512_sub_ps(approx, err));      \
+    }
+    QOUT(0) QOUT(1) QOUT(2) QOUT(3)
+#undef QOUT
+}
+
+/* Inside a parallel region: logits y [M, V] of x [M, K] (bf16) as described above; wp the bf16
+ * head packed for linear_team, qh its int8 copy; scratch: rows (M QRow with 2 * Kp bytes each
+ * at `bytes`), hi [M, Vp] floats, thr [threads, M] floats, T [M].  Ends with a barrier. */
+void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp, const QHead *qh, QRow *qr,
+                      int8_t *bytes, float *hi, float *thr, float *T, uint16_t *y) {
+    const int Kp = qh->Kp, Vp = (V + 15) / 16 * 16, groups = Vp / 16, Kb = (K + 31) / 32;
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) {
+        qr[m].a = bytes + (size_t)m * 2 * Kp;
+        qr[m].b = qr[m].a + Kp;
+        quant_row(x + (size_t)m * K, K, Kp, qr + m);
+    }
+    /* implicit barrier: every row quantised */
+    for (int m0 = 0; m0 < M; m0 += 64) { /* lomax lives in registers/stack: 64 rows at a time */
+        const int mc = M - m0 < 64 ? M - m0 : 64;
+        __m512 lomax[64];
+        for (int m = 0; m < mc; m++) lomax[m] = _mm512_set1_ps(-INFINITY);
+#pragma omp for schedule(static) nowait
+        for (int g = 0; g < groups; g++) {
+            int m = 0;
+            for (; m + 4 <= mc; m += 4) qgroup(4, qh, qr + m0, m, g, V, hi + (size_t)m0 * Vp, Vp, lomax);
+            switch (mc - m) {
+            case 3: qgroup(3, qh, qr + m0, m, g, V, hi + (size_t)m0 * Vp, Vp, lomax); break;
+            case 2: qgroup(2, qh, qr + m0, m, g, V, hi + (size_t)m0 * Vp, Vp, lomax); break;
+            case 1: qgroup(1, qh, qr + m0, m, g, V, hi + (size_t)m0 * Vp, Vp, lomax); break;
+            default: break;
+            }
+        }
+        for (int m = 0; m < mc; m++) thr[(size_t)tid * M + m0 + m] = _mm512_reduce_max_ps(lomax[m]);
+    }
+#pragma omp barrier
+#pragma omp single
+    for (int m = 0; m < M; m++) {
+        float t = -INFINITY;
+        for (int i = 0; i < nt; i++) t = thr[(size_t)i * M + m] > t ? thr[(size_t)i * M + m] : t;
+        T[m] = qr[m].ok && t == t ? t : -INFINITY; /* a non-finite row: every logit computed */
+    }
+    /* implicit barrier */
+#pragma omp for schedule(static)
+    for (int g = 0; g < groups; g++) { /* sixteen rows: four groups of the bf16 kernel */
+        __mmask16 need = 0;
+        for (int m = 0; m < M; m++)
+            need |= _mm512_cmp_ps_mask(_mm512_loadu_ps(hi + (size_t)m * Vp + g * 16), _mm512_set1_ps(T[m]), _CMP_GE_OQ)
+                    | (T[m] == -INFINITY ? (__mmask16)0xffff : (__mmask16)0);
+        if (!need && g * 16 + 16 <= V) { /* the common case: sixteen -inf per row in one store */
+            for (int m = 0; m < M; m++) _mm256_storeu_si256((__m256i *)(y + (size_t)m * V + g * 16), _mm256_set1_epi16((short)0xff80));
+            continue;
+        }
+        for (int q4 = 0; q4 < 4; q4++) {
+            const int n0 = g * 16 + q4 * 4;
+            if (n0 >= V) break;
+            if ((need >> (q4 * 4)) & 0xf) {
+                rows(M, V, K, Kb, x, wp + (size_t)(n0 / 4) * Kb * 128, NULL, y, n0);
+            } else {
+                for (int m = 0; m < M; m++)
+                    for (int i = 0; i < 4 && n0 + i < V; i++) y[(size_t)m * V + n0 + i] = 0xff80; /* -inf */
+            }
+        }
+    }
+}
+
+int head_greedy_native(void) { return 1; }
+#else
+int head_greedy_native(void) { return 0; }
+#endif

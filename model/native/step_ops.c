@@ -268,6 +268,9 @@ int qkv_attention(int B, int K, int G, int E, int S, int layer, int el_kv, int e
 }
 
 void linear_team(int M, int N, int K, const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y);
+void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp, const QHead *qh, QRow *qr,
+                      int8_t *bytes, float *hi, float *thr, float *T, uint16_t *y);
+int head_greedy_native(void);
 
 /* silu(gate) * up of rows [0, M) inside a parallel region, split in pieces of 256 columns */
 static void silu_team(int M, int F, const uint16_t *gu, uint16_t *out) {
@@ -298,12 +301,15 @@ enum { W_NORM1, W_NORM2, W_QKV, W_BQKV, W_O, W_13, W_2, W_PER_LAYER };
  * x [M, D] with M = B * S rows, updated in place; w: L * W_PER_LAYER pointers; cos, sin
  * [B, S, E]; caches and masks as in qkv_attention; activations bf16, rounded where the PyTorch
  * path rounds.  With `head` (not NULL): logits [B or M, V] = head(norm(x)) (normf [D], head packed
- * for linear_bf16) of each sequence's last row (`last_only`) or of every row.  Returns 0, or
- * -1 when scratch memory could not be had (then nothing is written). */
+ * for linear_bf16) of each sequence's last row (`last_only`) or of every row; with `qhead` too (its
+ * int8 copy, head_greedy_native()), exact logits only where the greedy choice can be and -inf
+ * elsewhere (head_greedy_team in linear.c).  Returns 0, or -1 when scratch memory could not be
+ * had (then nothing is written). */
 int decode_stack(int B, int S, int D, int H, int K, int E, int F, int layer0, int L, const uint16_t *const *w,
                  float eps, int el_kv, uint16_t *x, const uint16_t *cs, const uint16_t *sn, void *const *kbase,
                  void *const *vbase, const int64_t *cap, const int64_t *len, const uint8_t *const *masks, float scale,
-                 int chunk, const uint16_t *normf, const uint16_t *head, int V, int last_only, uint16_t *logits) {
+                 int chunk, const uint16_t *normf, const uint16_t *head, int V, int last_only, uint16_t *logits,
+                 const QHead *qhead) {
     const int M = B * S, W = (H + 2 * K) * E, HR = last_only ? B : M;
     const size_t n = (size_t)M * ((size_t)D + W + (size_t)H * E + D + 2 * (size_t)F + F + D) + (size_t)HR * D * 2;
     uint16_t *h = malloc(sizeof(uint16_t) * n);
@@ -315,6 +321,25 @@ int decode_stack(int B, int S, int D, int H, int K, int E, int F, int layer0, in
     uint16_t *qkv = h + (size_t)M * D, *att = qkv + (size_t)M * W, *a = att + (size_t)M * H * E;
     uint16_t *gu = a + (size_t)M * D, *g = gu + (size_t)M * 2 * F, *m = g + (size_t)M * F;
     uint16_t *last = m + (size_t)M * D, *hn = last + (size_t)HR * D;
+    /* the greedy head's scratch: rows' int8 copies, their bounds [HR, Vp], per-thread maxima, thresholds */
+    void *gs = NULL;
+    QRow *qr = NULL;
+    int8_t *qb = NULL;
+    float *hi = NULL, *thr = NULL, *T = NULL;
+    if (qhead && head && head_greedy_native()) {
+        const size_t vp = (size_t)(V + 15) / 16 * 16;
+        gs = malloc(sizeof(QRow) * HR + sizeof(float) * (vp * HR + (size_t)(s.threads + 1) * HR) + (size_t)HR * 2 * qhead->Kp + 64);
+        if (!gs) {
+            attn_free(&s);
+            free(h);
+            return -1;
+        }
+        qr = gs;
+        hi = (float *)(qr + HR);
+        thr = hi + vp * HR;
+        T = thr + (size_t)s.threads * HR;
+        qb = (int8_t *)(T + HR);
+    }
 #pragma omp parallel num_threads(s.threads)
     {
         for (int l = 0; l < L; l++) {
@@ -345,10 +370,14 @@ int decode_stack(int B, int S, int D, int H, int K, int E, int F, int layer0, in
                 memcpy(last + (size_t)r * D, src, sizeof(uint16_t) * D);
                 rms_norm(1, D, 2, last + (size_t)r * D, NULL, NULL, normf, eps, hn + (size_t)r * D);
             }
-            linear_team(HR, V, D, hn, head, NULL, logits);
+            if (gs)
+                head_greedy_team(HR, V, D, hn, head, qhead, qr, qb, hi, thr, T, logits);
+            else
+                linear_team(HR, V, D, hn, head, NULL, logits);
         }
     }
     attn_free(&s);
+    free(gs);
     free(h);
     return 0;
 }
