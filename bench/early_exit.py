@@ -44,12 +44,19 @@ from codecomplete.model.loader import load_model  # noqa: E402
 
 def settings_for(name: str, path: str) -> ExitSettings | None:
     """``full``; ``MEASURE@BOUND`` (lossy early exit with thresholds calibrated for that
-    token disagreement; ``MEASURE@BOUND:24+30`` only at those exits); ``lossless@LAYER`` (self-speculation drafting at that exit)."""
+    token disagreement; ``MEASURE@BOUND:24+30`` only at those exits); ``lossless@LAYER`` (self-speculation drafting at that exit
+    while it is confident at the default ``draft_bound``; ``lossless@LAYER:BOUND`` at that bound, 0: always;
+    ``lossless@LAYER:BOUND:N`` at most N drafts)."""
     if name == "full":
         return None
     kind, _, arg = name.partition("@")
     if kind == "lossless":
-        return ExitSettings(enabled=True, lossless=True, draft_layer=int(arg or 0), path=path)
+        layer, _, bound = arg.partition(":")
+        bound, _, drafts = bound.partition(":")
+        extra = {"draft_bound": float(bound)} if bound else {}
+        if drafts:
+            extra["draft_tokens"] = int(drafts)
+        return ExitSettings(enabled=True, lossless=True, draft_layer=int(layer or 0), path=path, **extra)
     arg, _, layers = arg.partition(":")  # MEASURE@BOUND:L1+L2 uses only those exits
     return ExitSettings(enabled=True, measure=kind, bound=float(arg or 0.02), path=path,
                         layers=layers.replace("+", ","), batch_rule="each")  # "b16-all" rows: rule "all"

@@ -126,7 +126,8 @@ class EarlyExitConfig:
     decay: float = field(default=0.0, metadata=_range(0, None))  # CALM's schedule; 0: constant thresholds
     lossless: bool = False  # self-speculation: exact output of the full model
     draft_layer: int = field(default=0, metadata=_range(0, 512))  # lossless: the drafting exit (0: middle one)
-    draft_tokens: int = field(default=4, metadata=_range(1, 32))
+    draft_tokens: int = field(default=4, metadata=_range(1, 32))  # lossless: most drafts per verification
+    draft_bound: float = field(default=0.02, metadata=_range(0, 1))  # lossless: draft while confident at this bound
     path: str = ""  # exit heads folder; "": the ones stored with the model
 
 

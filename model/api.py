@@ -87,7 +87,8 @@ class ExitSettings:
     decay: float = 0.0  # CALM's schedule (strict first, relaxing along the output); 0: constant thresholds
     lossless: bool = False  # self-speculation: the early layers draft, the full model verifies (exact output)
     draft_layer: int = 0  # lossless: the exit that drafts (0: the middle exit point)
-    draft_tokens: int = 4  # lossless: drafts per verification
+    draft_tokens: int = 4  # lossless: most drafts per verification
+    draft_bound: float = 0.02  # lossless: draft while the draft exit is confident at this calibrated bound (0: always)
     path: str = ""  # exit heads (exit_train's output); "": the ones stored with the model
 
 

@@ -329,15 +329,39 @@ def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: l
     return torch.stack(out), ran
 
 
+def _run_layers(model: Transformer, x: torch.Tensor, cos, sin, first: int, end: int, cache: SeqKV,
+                logits: bool = False, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Layers ``first`` .. ``end`` - 1 over x [1, S, D] (causal over the S rows, written into
+    ``cache`` from its length on; the length is left to the caller), and with ``logits`` the
+    head's logits of every row [S, V] after the last layer: one native call where the model
+    has the native step (``greedy``: its greedy head for up to ``GREEDY_HEAD_ROWS`` rows), else
+    layer by layer."""
+    s = x.shape[1]
+    stack = model.native_stack
+    if stack is not None and s <= native.STACK_ROWS and not torch.is_grad_enabled():
+        greedy = greedy and model.greedy_head and s <= native.GREEDY_HEAD_ROWS
+        x, out = native.decode_stack(stack, x, cos, sin, native.StepCaches([cache]), None,
+                                     logits="all" if logits else None, layers=(first, end), greedy=greedy)
+        return x, (out[0] if out is not None else None)
+    mask = [causal_mask(cache.length, s, x.device).view(1, 1, s, -1)] if s > 1 else [None]
+    for i in range(first, end):
+        x = model.layers[i](x, cos, sin, i, [cache], mask)
+    return x, (model.head(model.norm(x[0])) if logits else None)
+
+
 @torch.no_grad()
 def self_spec(model: Transformer, exits: Exits, layer: int, root: int, cache: SeqKV, draft: int,
-              stop_ids: frozenset[int] = frozenset(), min_conf: float = 0.0) -> tuple[list[int], torch.Tensor, int]:
+              stop_ids: frozenset[int] = frozenset(), min_margin: float = 0.0
+              ) -> tuple[list[int], torch.Tensor, int]:
     """Lossless early exit: draft up to ``draft`` tokens with the first ``layer`` layers
-    and the exit head (subset), verify them with the remaining layers in one pass.
+    and the exit head (subset), verify them with the remaining layers in one pass.  Drafting
+    stops at the first token whose exit margin (softmax top-1 minus top-2, the calibrated
+    ``softmax`` measure) is below ``min_margin``: an unlikely draft costs its early layers and
+    saves nothing, and with no draft the round is one full step.
 
     Returns (accepted drafts, logits [1 + accepted, V] of the full model at the root and
     each accepted token, drafted count); the cache then holds root + accepted tokens in
-    every layer."""
+    every layer.  The logits are the greedy head's (exact where the greedy choice can be)."""
     a = model.args
     dev = model.device
     base = cache.length
@@ -346,30 +370,23 @@ def self_spec(model: Transformer, exits: Exits, layer: int, root: int, cache: Se
     states = []
     while True:  # the early layers over the newest token; the exit head drafts the next
         j = len(seq) - 1
-        pos = torch.tensor([[base + j]], device=dev)
-        cos, sin = model.rope(pos)
-        x = model.embed(torch.tensor([[seq[-1]]], device=dev))
+        cos, sin = model.rope(torch.tensor([[base + j]], device=dev))
         cache.length = base + j
-        for i in range(layer):
-            x = model.layers[i](x, cos, sin, i, [cache], [None])
+        x, _ = _run_layers(model, model.embed(torch.tensor([[seq[-1]]], device=dev)), cos, sin, 0, layer, cache)
         states.append(x)
         if j >= draft or (j and seq[-1] in stop_ids):
             break
-        logits = exits.logits(model, layer, x[:, -1], subset=True).float()
-        if min_conf > 0 and float(torch.softmax(logits, -1).max()) < min_conf:
+        margin, logits = exits.confidence(model, "softmax", layer, x[:, -1], None)
+        if float(margin[0]) < min_margin:
             break
         seq.append(int(exits.tokens(logits, subset=True)[0]))
     drafts = seq[1:]
     # verification: the upper layers over root + drafts, from the early layers' states
     s = len(seq)
-    x = torch.cat(states, 1)  # [1, s, D]
-    pos = torch.arange(base, base + s, device=dev).unsqueeze(0)
-    cos, sin = model.rope(pos)
+    cos, sin = model.rope(torch.arange(base, base + s, device=dev).unsqueeze(0))
     cache.length = base
-    mask = [causal_mask(base, s, dev).view(1, 1, s, -1)] if s > 1 else [None]
-    for i in range(layer, a.n_layers):
-        x = model.layers[i](x, cos, sin, i, [cache], mask)
-    logits = model.head(model.norm(x[0])).float()  # [s, V]
+    _, logits = _run_layers(model, torch.cat(states, 1), cos, sin, layer, a.n_layers, cache, logits=True, greedy=True)
+    logits = logits.float()  # [s, V]
     greedy = greedy_tokens(logits)
     acc = 0
     while acc < len(drafts) and greedy[acc] == drafts[acc]:

@@ -16,6 +16,7 @@ the store.  The engine knows nothing about LSP.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -183,6 +184,7 @@ class ExitRuntime:
     lossless: bool = False
     draft_layer: int = 0
     draft_tokens: int = 4
+    draft_margin: float = 0.0  # lossless: the softmax margin below which drafting stops
 
     @classmethod
     def build(cls, exits: Exits, s: ExitSettings) -> "ExitRuntime":
@@ -208,8 +210,19 @@ class ExitRuntime:
         draft = s.draft_layer or exits.layers[len(exits.layers) // 2]
         if s.lossless and draft not in exits.layers:  # the draft head is that exit's adapter
             raise ExitsError(f"draft_layer {draft} is not among the exits {exits.layers}")
+        margin = 0.0
+        if s.lossless and s.draft_bound > 0:  # a draft is worth its early layers only when likely accepted
+            if s.threshold > 0:
+                margin = s.threshold
+            else:
+                # the calibrated bound nearest draft_bound (exits are calibrated for a few bounds; none:
+                # always draft); an exit left out at that bound is too rarely confident: it never drafts
+                bounds = [float(k.split("@")[1]) for k in exits.thresholds if k.startswith("softmax@")]
+                if bounds:
+                    near = min(bounds, key=lambda b: (abs(b - s.draft_bound), b))
+                    margin = exits.thresholds[f"softmax@{near:g}"].get(draft, math.inf)
         return cls(exits, ExitPolicy(s.measure, thresholds, s.batch_rule, s.decay), s.lossless, draft,
-                   max(1, s.draft_tokens))
+                   max(1, s.draft_tokens), margin)
 
 
 def exit_step(lm: LoadedModel, lives: list[Live], rt: ExitRuntime) -> None:
@@ -228,7 +241,12 @@ def exit_step(lm: LoadedModel, lives: list[Live], rt: ExitRuntime) -> None:
 
 def self_spec_step(lm: LoadedModel, lives: list[Live], rt: ExitRuntime, vocab: "_Vocab | None") -> list[Live]:
     """Lossless early exit: per request, the early layers draft and the full model
-    verifies (LayerSkip's self-speculation); exactly greedy decoding's output."""
+    verifies (LayerSkip's self-speculation); exactly greedy decoding's output.  Self-
+    speculation runs one request at a time, so a batch takes plain batched steps (the same
+    output; one by one, 16 requests decoded at 0.11-0.18x the batched speed)."""
+    if len(lives) > 1:
+        step(lm, lives)
+        return lives
     going = []
     n_layers = lm.model.args.n_layers
     for lv in lives:
@@ -239,7 +257,7 @@ def self_spec_step(lm: LoadedModel, lives: list[Live], rt: ExitRuntime, vocab: "
             continue
         root = lv.generated[-1]
         acc, logits, drafted = self_spec(lm.model, rt.exits, rt.draft_layer, root, lv.cache,
-                                         min(rt.draft_tokens, room - 1), lm.stop_ids)
+                                         min(rt.draft_tokens, room - 1), lm.stop_ids, rt.draft_margin)
         lv.layers += (drafted + 1) * rt.draft_layer + n_layers - rt.draft_layer
         lv.spec_steps += 1
         lv.accepted += len(acc)

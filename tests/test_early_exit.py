@@ -148,13 +148,14 @@ def test_batch_rules(lm):
         assert ran == expect
 
 
-@pytest.mark.parametrize("draft_tokens", [1, 3, 6])
-def test_lossless_mode_is_greedy_decoding(lm, trained, draft_tokens):
+@pytest.mark.parametrize("draft_tokens,margin", [(1, 0.0), (3, 0.0), (6, 0.0), (6, 0.05)])
+def test_lossless_mode_is_greedy_decoding(lm, trained, draft_tokens, margin):
     """Guards self-speculation: drafts from the exit, verified by the full model, give
     exactly the full model's greedy output, and the cache then holds exactly the KV a
-    plain decode would have."""
+    plain decode would have; with a margin too, drafting only while the exit is confident."""
     exits = load_exits(trained, lm.model)
-    rt = ExitRuntime(exits, ExitPolicy("softmax", {}), lossless=True, draft_layer=1, draft_tokens=draft_tokens)
+    rt = ExitRuntime(exits, ExitPolicy("softmax", {}), lossless=True, draft_layer=1, draft_tokens=draft_tokens,
+                     draft_margin=margin)
     accepted = 0
     for prefix, suffix in PROMPTS:
         full = generate(lm, CompletionRequest(prefix, suffix, mode="multi", max_tokens=20, max_lines=50, time_budget_ms=10**6), PLAIN)
@@ -178,6 +179,54 @@ def test_lossless_mode_is_greedy_decoding(lm, trained, draft_tokens):
         lm.model(torch.tensor([live.fed]), [fresh])
     torch.testing.assert_close(live.cache.k[:, :, :n], fresh.k[:, :, :n], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(live.cache.v[:, :, :n], fresh.v[:, :, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_lossless_drafts_only_while_the_exit_is_confident(lm, trained):
+    """``draft_margin``: a draft chain stops at the first token whose exit margin is below it.
+    A margin above any softmax margin (1.0 is the largest) never drafts: every round is one
+    full step and the output is still greedy decoding's; with no margin every round drafts."""
+    exits = load_exits(trained, lm.model)
+    prefix, suffix = PROMPTS[0]
+    full = generate(lm, CompletionRequest(prefix, suffix, mode="multi", max_tokens=16, max_lines=50,
+                                          ignore_eos=True), PLAIN)
+    drafted = {}
+    for margin in (0.0, 1.5):
+        rt = ExitRuntime(exits, ExitPolicy("softmax", {}), lossless=True, draft_layer=1, draft_tokens=4,
+                         draft_margin=margin)
+        req = CompletionRequest(prefix, suffix, mode="multi", max_tokens=16, max_lines=50, ignore_eos=True)
+        with torch.inference_mode():
+            live = start(lm, req, plan_prompt(lm, req, PLAIN, None, None), None)
+            going, rounds, n = ([live] if advance(lm, live, None) else []), 0, 0
+            while going:
+                before = len(live.fed)
+                going = [lv for lv in self_spec_step(lm, going, rt, None) if advance(lm, lv, None)]
+                rounds += 1
+                n += len(live.fed) - before
+        assert live.result.token_ids == full.token_ids
+        drafted[margin] = live.accepted
+        if margin > 1:
+            assert live.accepted == 0 and n == rounds and live.spec_steps >= rounds - 1  # one token a round
+    assert drafted[0.0] > 0
+
+
+def test_lossless_draft_bound_picks_the_calibrated_threshold(lm, trained):
+    """``ExitSettings.draft_bound`` resolves to the softmax threshold calibrated for the nearest
+    calibrated bound at the drafting exit (these exits: 0.02 and 0.5); 0 drafts always; exits
+    with no softmax calibration draft always."""
+    exits = load_exits(trained, lm.model)
+
+    def margin(bound: float) -> float:
+        return ExitRuntime.build(exits, ExitSettings(enabled=True, lossless=True, draft_layer=1,
+                                                     draft_bound=bound)).draft_margin
+
+    at = {b: exits.thresholds[f"softmax@{b:g}"].get(1, float("inf")) for b in (0.02, 0.5)}  # left out: never drafts
+    assert margin(0.02) == at[0.02] and margin(0.05) == at[0.02] and margin(0.3) == at[0.5] and margin(0) == 0
+    saved = exits.thresholds
+    exits.thresholds = {k: v for k, v in saved.items() if not k.startswith("softmax@")}
+    try:
+        assert margin(0.1) == 0
+    finally:
+        exits.thresholds = saved
 
 
 def test_trained_exits_round_trip_and_drive_the_engine(lm, tiny_model, trained):
@@ -304,3 +353,19 @@ def test_exit_data_at_every_position_or_at_the_outputs(lm):
     # each output position's (state, target) pair is among every position's pairs
     rows = {(tuple(s.tolist()), int(t)) for s, t in zip(every["states"][1], every["top"])}
     assert all((tuple(s.tolist()), int(t)) in rows for s, t in zip(outputs["states"][1], outputs["top"]))
+
+
+def test_lossless_batch_takes_plain_batched_steps(lm, trained):
+    """Self-speculation runs one request at a time; a batch of several takes plain batched
+    steps: no drafts, one pass per token, and each request's output is its greedy output."""
+    exits = load_exits(trained, lm.model)
+    rt = ExitRuntime(exits, ExitPolicy("softmax", {}), lossless=True, draft_layer=1, draft_tokens=4)
+    reqs = [CompletionRequest(p, s, mode="multi", max_tokens=10, max_lines=50, ignore_eos=True) for p, s in PROMPTS[:2]]
+    want = [generate(lm, r, PLAIN).token_ids for r in reqs]
+    with torch.inference_mode():
+        lives = [start(lm, r, plan_prompt(lm, r, PLAIN, None, None), None) for r in reqs]
+        going = [lv for lv in lives if advance(lm, lv, None)]
+        while going:
+            going = [lv for lv in self_spec_step(lm, going, rt, None) if advance(lm, lv, None)]
+    assert [lv.result.token_ids for lv in lives] == want
+    assert all(lv.spec_steps == 0 and lv.passes == len(lv.generated) - 1 for lv in lives)  # the first: prefill
