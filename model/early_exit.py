@@ -315,8 +315,8 @@ def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: l
         x = x[keep]
         active = [active[r] for r in keep]
     if active:
-        if stack is not None and greedy and model.greedy_head and stack.qhead is not None \
-                and len(active) <= native.GREEDY_HEAD_ROWS and (allow is None or all(allow[b] for b in active)):
+        if stack is not None and greedy and model.use_greedy_head(len(active)) \
+                and (allow is None or all(allow[b] for b in active)):
             # the final norm and the greedy head in one native call (no layers)
             logits = native.decode_stack(stack, x[:, -1:], cos, sin, native.StepCaches([caches[b] for b in active]),
                                          None, logits="last", layers=(n_layers, n_layers), greedy=True)[1].float()
@@ -334,12 +334,12 @@ def _run_layers(model: Transformer, x: torch.Tensor, cos, sin, first: int, end: 
     """Layers ``first`` .. ``end`` - 1 over x [1, S, D] (causal over the S rows, written into
     ``cache`` from its length on; the length is left to the caller), and with ``logits`` the
     head's logits of every row [S, V] after the last layer: one native call where the model
-    has the native step (``greedy``: its greedy head for up to ``GREEDY_HEAD_ROWS`` rows), else
+    has the native step (``greedy``: its greedy head where ``use_greedy_head`` says so), else
     layer by layer."""
     s = x.shape[1]
     stack = model.native_stack
     if stack is not None and s <= native.STACK_ROWS and not torch.is_grad_enabled():
-        greedy = greedy and model.greedy_head and s <= native.GREEDY_HEAD_ROWS
+        greedy = greedy and model.use_greedy_head(s)
         x, out = native.decode_stack(stack, x, cos, sin, native.StepCaches([cache]), None,
                                      logits="all" if logits else None, layers=(first, end), greedy=greedy)
         return x, (out[0] if out is not None else None)

@@ -350,6 +350,13 @@ class Transformer(nn.Module):
             layer.native_stack = self.native_stack
         return on
 
+    def use_greedy_head(self, rows: int) -> bool:
+        """Whether a native step with ``rows`` logit rows whose caller reads only the greedy
+        choices should take the greedy head: it is on (``greedy_head``), built (AVX512-VNNI), and
+        the head is memory-bound at that many rows (``native.GREEDY_HEAD_ROWS``)."""
+        stack = self.native_stack
+        return self.greedy_head and stack is not None and stack.qhead is not None and rows <= native.GREEDY_HEAD_ROWS
+
     @property
     def packed(self) -> bool:
         return self.head.packed is not None
@@ -420,8 +427,7 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         if pieces or (native_step and bsz * s <= native.STACK_ROWS):
             # a few-token step of a bf16 model (or a prompt's piece): every layer, the norm and the head in one call
-            rows = bsz if logits_for == "last" else bsz * s
-            greedy = greedy and self.greedy_head and rows <= native.GREEDY_HEAD_ROWS
+            greedy = greedy and self.use_greedy_head(bsz if logits_for == "last" else bsz * s)
             _, logits = native.decode_stack(self.native_stack, x, cos, sin, caches, masks, logits=logits_for,
                                             greedy=greedy)
             for c in caches:
