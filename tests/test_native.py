@@ -422,22 +422,20 @@ def test_bf16_rows_of_a_pass_do_not_depend_on_the_other_rows():
     """In bf16 every row of a step is computed alone: the linear layers' sums and the
     attention's do not depend on how many rows a pass has or on what the other rows hold. Two
     verification passes whose trees share a path (same tokens at the same positions) but differ
-    in every other node give that path's rows bit for bit the same logits (here the root's row
-    also equals the one-token step; in general a node's keys sit at other cache positions than
-    in one-token decoding, and the kernels' vector sums group positions by index, so bf16
-    speculation can differ from bf16 greedy decoding in the last bits: docs/decisions.md)."""
+    in every other node give that path's rows bit for bit the same logits, and those are the
+    logits of one-token steps along the path (greedy decoding's)."""
     from codecomplete.model.speculate import Tree, tree_mask
 
     model = random_bf16_model(9, 0.08, tie=True, unit_norms=True, vocab_size=300, dim=128, n_layers=3, n_heads=4,
                               n_kv_heads=2, head_dim=32, hidden_dim=320)
     assert model.native_decode(True)
     prompt = torch.randint(0, 300, (1, 300))  # past one attention chunk
+    path = [11, 22, 33, 44]
     with torch.no_grad():
         c = model.new_cache(400)
         root = int(model(prompt, [c]).argmax())
         start = c.length
-        step = model(torch.tensor([[root]]), [c])[0]
-        path = [11, 22, 33, 44]
+        steps = torch.stack([model(torch.tensor([[t]]), [c])[0] for t in [root] + path])
 
         def verify(decoys: list[int]) -> torch.Tensor:
             tree, parent = Tree(), -1
@@ -456,7 +454,77 @@ def test_bf16_rows_of_a_pass_do_not_depend_on_the_other_rows():
     rows = [0, 1, 3, 5, 7]  # the root and the path
     assert torch.equal(one[rows], two[rows])
     assert not torch.equal(one[[2, 4, 6, 8]], two[[2, 4, 6, 8]])  # the decoys did differ
-    assert torch.equal(one[0], step)
+    assert torch.equal(one[rows], steps)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_bf16_tree_passes_give_every_node_the_bits_of_one_token_steps(head_dim):
+    """The property that makes bf16 speculation exactly greedy decoding: in a verification pass
+    (a batch of random draft trees under their masks, caches ending anywhere around attention's
+    chunk boundaries) and in a causal multi-token pass, every row's logits equal, bit for bit,
+    those of one-token steps over its root and ancestors.  (Attention sums each row's visible
+    positions as a step would: a row below a sibling is recomputed over its own positions.)
+    head_dim 64 runs the AVX-512 chunk kernel, 32 the generic one."""
+    from codecomplete.model.speculate import build_tree, tree_mask
+
+    model = random_bf16_model(17, 0.08, tie=False, unit_norms=True, vocab_size=300, dim=128, n_layers=2, n_heads=4,
+                              n_kv_heads=2, head_dim=head_dim, hidden_dim=256)
+    assert model.native_decode(True)
+    rng = torch.Generator().manual_seed(head_dim)
+
+    def randint(hi: int, n: int = 1) -> list[int]:
+        return torch.randint(0, hi, (n,), generator=rng).tolist()
+
+    def copy(cache):
+        out = model.new_cache(cache.capacity)
+        out.k.copy_(cache.k)
+        out.v.copy_(cache.v)
+        out.length = cache.length
+        return out
+
+    checked = 0
+    with torch.no_grad():
+        for lengths in ((250, 3), (255, 511), (256, 40), (700, 497), (1, 1023)):
+            bases, trees, roots = [], [], []
+            for n in lengths:
+                c = model.new_cache(n + 80)
+                model(torch.tensor([randint(300, n)]), [c])
+                bases.append(c)
+                seqs = [(tuple(randint(6, 1 + randint(6)[0])), float(w)) for w in randint(9, 1 + randint(10)[0])]
+                trees.append(build_tree(seqs, max_nodes=1 + randint(30)[0], max_depth=6))
+                roots.append(randint(300)[0])
+            width = 1 + max(len(t) for t in trees)
+            tokens = torch.zeros(len(trees), width, dtype=torch.long)
+            positions = torch.zeros(len(trees), width, dtype=torch.long)
+            masks, caches = [], [copy(b) for b in bases]
+            for b, (tree, root, c) in enumerate(zip(trees, roots, caches)):
+                tokens[b, 0] = root
+                tokens[b, 1:len(tree) + 1] = torch.tensor(tree.tokens)
+                tokens[b, len(tree) + 1:] = root
+                positions[b] = c.length
+                positions[b, 1:len(tree) + 1] += torch.tensor(tree.depths)
+                masks.append(tree_mask(tree, c.length, width, "cpu"))
+            logits = model(tokens, caches, positions, masks, logits_for="all")
+            for b, (tree, root, base) in enumerate(zip(trees, roots, bases)):
+                # one-token steps along every node's path (a walk of the tree with a cache per node)
+                kids = tree.children()
+                stack = [(0, copy(base), root)]
+                while stack:
+                    row, cache, tok = stack.pop()
+                    want = model(torch.tensor([[tok]]), [cache])[0]
+                    assert torch.equal(logits[b, row], want), (lengths, b, row)
+                    checked += 1
+                    for ctok, child in kids[row].items():
+                        stack.append((child, copy(cache), ctok))
+            # a causal pass of several tokens against one-token steps
+            toks = randint(300, 7)
+            c = copy(bases[0])
+            together = model(torch.tensor([toks]), [c], logits_for="all")[0]
+            c = copy(bases[0])
+            for i, t in enumerate(toks):
+                assert torch.equal(together[i], model(torch.tensor([[t]]), [c])[0])
+    assert checked >= 40
 
 
 @needs_kernel

@@ -198,6 +198,38 @@ def test_speculation_equals_greedy_with_fim_and_efim_prompts(lm, seed):
         assert accepted > 0
 
 
+def test_bf16_speculation_is_exactly_greedy_decoding(tiny_model):
+    """In bf16 on the native path a verification pass gives every tree row the bits a one-token
+    step gives it (tests/test_native.py), so speculation's output is greedy decoding's token for
+    token in bf16 too, with wide trees whose rows sit below siblings, FIM and EFIM prompts."""
+    lm16 = load_model(str(tiny_model), device="cpu", dtype="bfloat16")
+    if lm16.model.native_stack is None:
+        pytest.skip("needs the native bf16 path")
+    rng = random.Random(11)
+    vocab = _Vocab(lm16.tokenizer)
+    settings = EngineSettings(token_healing=True)
+    cases, outputs = [], []
+    with torch.inference_mode():
+        for prefix, suffix in PROMPTS:
+            request = CompletionRequest(prefix, suffix, mode="multi", max_tokens=32, max_lines=200, ignore_eos=True)
+            plan = plan_prompt(lm16, request, settings, vocab, None)
+            slow = greedy_plain(lm16, request, plan, vocab)
+            cases.append((request, plan, slow))
+            outputs.append(plan.ids[-8:] + slow.token_ids)
+        index = random_datastore(lm16, rng, outputs)
+        accepted = 0
+        for spec in (SpecSettings(use_cache=False), SpecSettings(max_nodes=24, depth=6, top_k=8, use_cache=False)):
+            drafter = Drafter(spec, retriever_of(index), vocab.texts, seed=3)
+            for request, plan, slow in cases:
+                live = start(lm16, request, plan, None)
+                while advance(lm16, live, vocab):
+                    if not spec_step(lm16, [live], drafter, vocab):
+                        break
+                assert live.result.token_ids == slow.token_ids
+                accepted += live.result.accepted_tokens
+        assert accepted > 0
+
+
 def test_speculative_kv_equals_recomputed_kv(lm):
     """Compaction leaves exactly the accepted tokens' KV at their positions."""
     vocab = _Vocab(lm.tokenizer)

@@ -14,9 +14,11 @@ typedef struct {
     const uint8_t *const *masks;
     int64_t *first, W; /* set by attn_items */
     float *acc, *ms, *ls; /* W * G * S * E, W * G * S, W * G * S floats, the caller's */
+    int32_t *vinfo; /* set by attn_items: rows attended over gathered positions (NULL: none) */
 } AttnStep;
 
 int64_t attn_items(AttnStep *a, int64_t *first);
+void attn_release(AttnStep *a);
 size_t attn_scratch(const AttnStep *a);
 void attn_team(const AttnStep *a, float *scratch, float *out);
 #endif

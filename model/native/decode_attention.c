@@ -63,6 +63,67 @@ static inline void mask_softmax(float *s, int64_t n, int64_t i, const uint8_t *m
     *l = sum;
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* exp(x) for x <= 0 on 16 lanes: exp_neg's range reduction and polynomial (fused multiply-adds) */
+static inline __m512 exp_neg16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* mask_softmax in blocks of 16 lanes, the last one masked: position t's probability is computed
+ * the same way wherever it falls, and the sum adds lane t % 16's values in order, then the 16
+ * lanes.  So a row's max, probabilities and sum are the same bits whatever hidden positions
+ * follow its visible ones in the chunk (a one-token step against a multi-token pass over the
+ * same visible keys; a hidden position adds an exact zero). */
+__attribute__((optimize("no-associative-math"))) /* the sums in this order, whatever the build's flags */
+static inline void mask_softmax16(float *s, int64_t n, int64_t i, const uint8_t *mask, int64_t T, int64_t len,
+                                  int64_t t0, float *m, float *l) {
+    if (mask) {
+        const uint8_t *mi = mask + i * T + t0;
+        for (int64_t t = 0; t < n; t++) s[t] = mi[t] ? s[t] : -INFINITY;
+    } else {
+        for (int64_t t = len + i + 1 - t0 > 0 ? len + i + 1 - t0 : 0; t < n; t++) s[t] = -INFINITY;
+    }
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 mx = ninf;
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+        mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, s + t));
+    }
+    const float mr = _mm512_reduce_max_ps(mx);
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(mr);
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+        const __m512 v = _mm512_maskz_loadu_ps(k, s + t);
+        const __mmask16 seen = _mm512_mask_cmp_ps_mask(k, v, ninf, _CMP_NEQ_OQ);
+        const __m512 p = mr == -INFINITY ? _mm512_setzero_ps() : _mm512_maskz_mov_ps(seen, exp_neg16(_mm512_sub_ps(v, mv)));
+        _mm512_mask_storeu_ps(s + t, k, p);
+        acc = _mm512_add_ps(acc, p);
+    }
+    *m = mr;
+    *l = _mm512_reduce_add_ps(acc);
+}
+
+#define MASK_SOFTMAX mask_softmax16
+#else
+#define MASK_SOFTMAX mask_softmax
+#endif
+
 /* One work item: the R = G * S query rows that share one KV head (row r is query head
  * r / S at new position r % S), over cache positions [t0, t1) of it.  Position t is
  * visible to new position i when mask[i * T + t] (mask: [S, T], T = len + S) or, without
@@ -73,7 +134,9 @@ static inline void mask_softmax(float *s, int64_t n, int64_t i, const uint8_t *m
 #define ATTEND_CHUNK(NAME, EDIM)                                                                         \
     static void NAME(const float *q, const void *keys, const void *vals, int elsize, int R, int S,        \
                      int E_, int64_t len, const uint8_t *mask, int64_t t0, int64_t t1, float scale,        \
-                     float *acc, float *m, float *l, float *scores, float *buf) {                          \
+                     float *acc, float *m, float *l, float *scores, float *buf, int64_t split,             \
+                     const void *kalt, const void *valt) {                                                 \
+        (void)split, (void)kalt, (void)valt; /* rows all at keys/vals (attn_team gathers a whole chunk) */ \
         const int E = EDIM > 0 ? EDIM : E_;                                                                \
         const int64_t n = t1 - t0, T = len + S;                                                            \
         const float *k = rows_f32(keys, elsize, E, t0, n, buf);                                            \
@@ -86,7 +149,7 @@ static inline void mask_softmax(float *s, int64_t n, int64_t i, const uint8_t *m
                 _Pragma("omp simd reduction(+ : d)") for (int e = 0; e < E; e++) d += qr[e] * kt[e];       \
                 s[t] = d * scale;                                                                          \
             }                                                                                              \
-            mask_softmax(s, n, r % S, mask, T, len, t0, m + r, l + r);                                    \
+            MASK_SOFTMAX(s, n, r % S, mask, T, len, t0, m + r, l + r);                                    \
         }                                                                                                  \
         const float *v = rows_f32(vals, elsize, E, t0, n, buf);                                            \
         for (int r = 0; r < R; r++) {                                                                      \
@@ -122,6 +185,20 @@ static inline __m512 ld16(const void *base, int elsize, int64_t idx) {
     if (elsize == 4) return _mm512_loadu_ps((const float *)base + idx);
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Where a chunk's key or value rows lie: row u at base + u * stride for u < split, else at
+ * alt + (u - split) * stride (a verification row's chunk: the cache up to a block boundary, then
+ * rows gathered for it; see attn_team).  split is a multiple of 16, so a block of 16 rows or a
+ * pair of rows never straddles it. */
+typedef struct {
+    const char *base, *alt;
+    int64_t split;
+    size_t stride;
+} Seg;
+
+static inline const void *seg_row(const Seg *s, int64_t u) {
+    return u < s->split ? s->base + (size_t)u * s->stride : s->alt + (size_t)(u - s->split) * s->stride;
 }
 
 /* The sums of 16 vectors as one: element 4 * l + g of the result is the sum of a[4 * g + l]
@@ -183,10 +260,10 @@ static inline void keys_in_pairs(const uint32_t *kb, int E, uint32_t *kt) {
 /* Scores of query rows r0 .. r0 + RB (bf16 pairs qb [R][E/2]) against KB blocks of 16 keys
  * transposed in pairs (kt [KB][E/2][16]: key j's dims 2p, 2p + 1 in lane j of row p): one
  * dpbf16 per pair of dims for 16 keys at once, no reduction; each broadcast query pair serves
- * KB blocks.  RB and KB are constants at each call site. */
+ * KB blocks, into scores[r * ns + t ..].  RB and KB are constants at each call site. */
 static inline __attribute__((always_inline)) void scores_pairs(int RB, int KB, int E, const uint32_t *qb,
                                                                const uint32_t *kt, int r0, __m512 sc, float *scores,
-                                                               int64_t n, int64_t t) {
+                                                               int64_t ns, int64_t t) {
     __m512 a[2][8];
 #pragma GCC unroll 2
     for (int b = 0; b < 2; b++)
@@ -210,33 +287,33 @@ static inline __attribute__((always_inline)) void scores_pairs(int RB, int KB, i
     for (int b = 0; b < 2; b++)
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++)
-            if (j < RB && b < KB) _mm512_storeu_ps(scores + (size_t)(r0 + j) * n + t + 16 * b, _mm512_mul_ps(a[b][j], sc));
+            if (j < RB && b < KB) _mm512_storeu_ps(scores + (size_t)(r0 + j) * ns + t + 16 * b, _mm512_mul_ps(a[b][j], sc));
 }
 
 /* scores_pairs over every query row: blocks of eight, then the rest */
 static inline __attribute__((always_inline)) void scores_rows(int KB, int R, int E, const uint32_t *qb,
-                                                              const uint32_t *kt, __m512 sc, float *scores, int64_t n,
+                                                              const uint32_t *kt, __m512 sc, float *scores, int64_t ns,
                                                               int64_t t) {
     int r0 = 0;
-    for (; r0 + 8 <= R; r0 += 8) scores_pairs(8, KB, E, qb, kt, r0, sc, scores, n, t);
+    for (; r0 + 8 <= R; r0 += 8) scores_pairs(8, KB, E, qb, kt, r0, sc, scores, ns, t);
     switch (R - r0) {
-    case 7: scores_pairs(7, KB, E, qb, kt, r0, sc, scores, n, t); break;
-    case 6: scores_pairs(6, KB, E, qb, kt, r0, sc, scores, n, t); break;
-    case 5: scores_pairs(5, KB, E, qb, kt, r0, sc, scores, n, t); break;
-    case 4: scores_pairs(4, KB, E, qb, kt, r0, sc, scores, n, t); break;
-    case 3: scores_pairs(3, KB, E, qb, kt, r0, sc, scores, n, t); break;
-    case 2: scores_pairs(2, KB, E, qb, kt, r0, sc, scores, n, t); break;
-    case 1: scores_pairs(1, KB, E, qb, kt, r0, sc, scores, n, t); break;
+    case 7: scores_pairs(7, KB, E, qb, kt, r0, sc, scores, ns, t); break;
+    case 6: scores_pairs(6, KB, E, qb, kt, r0, sc, scores, ns, t); break;
+    case 5: scores_pairs(5, KB, E, qb, kt, r0, sc, scores, ns, t); break;
+    case 4: scores_pairs(4, KB, E, qb, kt, r0, sc, scores, ns, t); break;
+    case 3: scores_pairs(3, KB, E, qb, kt, r0, sc, scores, ns, t); break;
+    case 2: scores_pairs(2, KB, E, qb, kt, r0, sc, scores, ns, t); break;
+    case 1: scores_pairs(1, KB, E, qb, kt, r0, sc, scores, ns, t); break;
     default: break;
     }
 }
 #endif
 
 /* The values' part of a chunk for query rows r0 .. r0 + RB (RB a constant at each call site):
- * acc[r] = sum over the chunk's n positions of p[r, u] * v[u], each value row converted from
- * bf16 once for the RB rows. */
-static inline __attribute__((always_inline)) void pv_rows(int RB, int NE, const void *vals, int elsize, int64_t t0,
-                                                          int64_t n, const float *scores, int r0, float *acc) {
+ * acc[r] = sum over the chunk's n positions of p[r, u] * v[u] (row r of the scores at r * ns),
+ * each value row converted from bf16 once for the RB rows. */
+static inline __attribute__((always_inline)) void pv_rows(int RB, int NE, const Seg *vs, int elsize, int64_t n,
+                                                          int64_t ns, const float *scores, int r0, float *acc) {
     const int E = 16 * NE;
     __m512 o[6][8];
 #pragma GCC unroll 6
@@ -244,15 +321,17 @@ static inline __attribute__((always_inline)) void pv_rows(int RB, int NE, const 
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++)
             if (j < RB && c < NE) o[j][c] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < n; u++) {
+    const char *vr = vs->base;
+    for (int64_t u = 0; u < n; u++, vr += vs->stride) {
         __m512 vv[8];
+        if (u == vs->split) vr = vs->alt;
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++)
-            if (c < NE) vv[c] = ld16(vals, elsize, (t0 + u) * E + 16 * c);
+            if (c < NE) vv[c] = ld16(vr, elsize, 16 * c);
 #pragma GCC unroll 6
         for (int j = 0; j < 6; j++)
             if (j < RB) {
-                const __m512 p = _mm512_set1_ps(scores[(size_t)(r0 + j) * n + u]);
+                const __m512 p = _mm512_set1_ps(scores[(size_t)(r0 + j) * ns + u]);
 #pragma GCC unroll 8
                 for (int c = 0; c < 8; c++)
                     if (c < NE) o[j][c] = _mm512_fmadd_ps(p, vv[c], o[j][c]);
@@ -268,18 +347,20 @@ static inline __attribute__((always_inline)) void pv_rows(int RB, int NE, const 
 #ifdef __AVX512BF16__
 /* A chunk's values in pairs of positions: vp [(n + 1) / 2][NE][16] u32, lane d of vector c of
  * pair i = (v[2i][16c + d], v[2i + 1][16c + d]) as bf16 (an odd last position pairs with zero). */
-static inline void values_in_pairs(const uint16_t *v, int64_t n, int NE, uint32_t *vp) {
-    const int E = 16 * NE;
+static inline void values_in_pairs(const Seg *vs, int64_t n, int NE, uint32_t *vp) {
     const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    for (int64_t i = 0; i < (n + 1) / 2; i++)
+    const uint16_t *va = (const uint16_t *)vs->base; /* rows 2i, 2i + 1: a pair never straddles the split */
+    for (int64_t i = 0; i < (n + 1) / 2; i++, va += 32 * NE) {
+        if (2 * i == vs->split) va = (const uint16_t *)vs->alt;
+        const uint16_t *vb = va + 16 * NE;
         for (int c = 0; c < NE; c++) {
-            const __m256i a = _mm256_loadu_si256((const __m256i *)(v + 2 * i * E + 16 * c));
-            const __m256i b = 2 * i + 1 < n ? _mm256_loadu_si256((const __m256i *)(v + (2 * i + 1) * E + 16 * c))
-                                            : _mm256_setzero_si256();
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(va + 16 * c));
+            const __m256i b = 2 * i + 1 < n ? _mm256_loadu_si256((const __m256i *)(vb + 16 * c)) : _mm256_setzero_si256();
             const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
             _mm512_storeu_si512(vp + (i * NE + c) * 16, _mm512_permutexvar_epi16(idx, z));
         }
+    }
 }
 
 /* A row's n probabilities (fp32) rounded to bf16 in place, so that u32 i holds the pair of
@@ -297,8 +378,9 @@ static inline void probs_in_pairs(float *s, int64_t n) {
 /* The values' part of a chunk from the pairs above (vp), or made from the values v on the fly
  * (v not NULL: a single block of rows, where building vp would not pay), for query rows r0 ..
  * r0 + RB: one dpbf16 per pair of positions and 16 dims (RB a constant at each call site). */
-static inline __attribute__((always_inline)) void pv_pairs(int RB, int NE, const uint32_t *vp, const uint16_t *v,
-                                                           const float *scores, int64_t n, int r0, float *acc) {
+static inline __attribute__((always_inline)) void pv_pairs(int RB, int NE, const uint32_t *vp, const Seg *v,
+                                                           const float *scores, int64_t n, int64_t ns, int r0,
+                                                           float *acc) {
     const int E = 16 * NE;
     const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -308,14 +390,17 @@ static inline __attribute__((always_inline)) void pv_pairs(int RB, int NE, const
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++)
             if (j < RB && c < NE) o[j][c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < (n + 1) / 2; i++) {
+    const uint16_t *va = v ? (const uint16_t *)v->base : NULL; /* rows 2i, 2i + 1: a pair never straddles the split */
+    for (int64_t i = 0; i < (n + 1) / 2; i++, va += v ? 2 * E : 0) {
         __m512bh vv[8];
+        if (v && 2 * i == v->split) va = (const uint16_t *)v->alt;
+        const uint16_t *vb = va + E;
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++)
             if (c < NE) {
                 if (v) { /* one block of rows: the pairs in registers, as values_in_pairs makes them */
-                    const __m256i a = _mm256_loadu_si256((const __m256i *)(v + 2 * i * E + 16 * c));
-                    const __m256i b = 2 * i + 1 < n ? _mm256_loadu_si256((const __m256i *)(v + (2 * i + 1) * E + 16 * c))
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(va + 16 * c));
+                    const __m256i b = 2 * i + 1 < n ? _mm256_loadu_si256((const __m256i *)(vb + 16 * c))
                                                     : _mm256_setzero_si256();
                     vv[c] = (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
                 } else {
@@ -325,7 +410,7 @@ static inline __attribute__((always_inline)) void pv_pairs(int RB, int NE, const
 #pragma GCC unroll 6
         for (int j = 0; j < 6; j++)
             if (j < RB) {
-                const __m512bh p = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(scores + (size_t)(r0 + j) * n))[i]);
+                const __m512bh p = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(scores + (size_t)(r0 + j) * ns))[i]);
 #pragma GCC unroll 8
                 for (int c = 0; c < 8; c++)
                     if (c < NE) o[j][c] = _mm512_dpbf16_ps(o[j][c], vv[c], p);
@@ -353,21 +438,27 @@ static inline __attribute__((always_inline)) void pv_pairs(int RB, int NE, const
 #define ATTEND_CHUNK_AVX512(NAME, NE)                                                                    \
     static void NAME(const float *q, const void *keys, const void *vals, int elsize, int R, int S,        \
                      int E_, int64_t len, const uint8_t *mask, int64_t t0, int64_t t1, float scale,        \
-                     float *acc, float *m, float *l, float *scores, float *buf) {                          \
+                     float *acc, float *m, float *l, float *scores, float *buf, int64_t split,             \
+                     const void *kalt, const void *valt) {                                                 \
         (void)E_;                                                                                          \
         const int E = 16 * NE;                                                                             \
-        const int64_t n = t1 - t0, T = len + S;                                                            \
+        const int64_t n = t1 - t0, T = len + S, ns = (n + 15) / 16 * 16; /* ns: a score row's stride */ \
+        const Seg ks = {(const char *)keys + (size_t)t0 * E * elsize, (const char *)kalt, split,           \
+                        (size_t)E * elsize};                                                               \
+        const Seg vs = {(const char *)vals + (size_t)t0 * E * elsize, (const char *)valt, split,           \
+                        (size_t)E * elsize};                                                               \
         const __m512 sc = _mm512_set1_ps(scale);                                                           \
         float *kblk = buf;                                                                                 \
         uint32_t *kt = (uint32_t *)(buf + KBLK_FLOATS(E)), *qb = kt + KT_FLOATS(E);                        \
         int64_t t = 0;                                                                                     \
         SCORES_PAIRS                                                                                       \
-        for (; t + 16 <= n; t += 16) {                                                                     \
-            const float *kb = (const float *)keys + (t0 + t) * E; /* the block's 16 keys in fp32 */        \
-            if (elsize != 4) {                                                                             \
+        for (; t < n; t += 16) { /* the last block padded with zero keys (their scores are dropped) */    \
+            const float *kb = (const float *)seg_row(&ks, t); /* the block's 16 keys in fp32 */           \
+            if (elsize != 4 || t + 16 > n) {                                                               \
                 for (int c = 0; c < E; c += 16) /* converted once, read R times from L1 */                 \
                     _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++)                                  \
-                        _mm512_storeu_ps(kblk + i * E + c, ld16(keys, elsize, (t0 + t + i) * E + c));      \
+                        _mm512_storeu_ps(kblk + i * E + c, t + i < n ? ld16(seg_row(&ks, t + i), elsize, c) \
+                                                                     : _mm512_setzero_ps());               \
                 kb = kblk;                                                                                 \
             }                                                                                              \
             for (int r = 0; r < R; r++) {                                                                  \
@@ -379,38 +470,29 @@ static inline __attribute__((always_inline)) void pv_pairs(int RB, int NE, const
                     for (int c = 1; c < NE; c++) d = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), d); \
                     a[i] = d;                                                                              \
                 }                                                                                          \
-                _mm512_storeu_ps(scores + (size_t)r * n + t, _mm512_mul_ps(sum16(a), sc));                  \
+                _mm512_storeu_ps(scores + (size_t)r * ns + t, _mm512_mul_ps(sum16(a), sc));                 \
             }                                                                                              \
         }                                                                                                  \
-        for (; t < n; t++) {                                                                               \
-            for (int r = 0; r < R; r++) {                                                                  \
-                __m512 d = _mm512_setzero_ps();                                                            \
-                for (int c = 0; c < NE; c++)                                                               \
-                    d = _mm512_fmadd_ps(_mm512_loadu_ps(q + (size_t)r * E + 16 * c),                       \
-                                        ld16(keys, elsize, (t0 + t) * E + 16 * c), d);                     \
-                scores[(size_t)r * n + t] = _mm512_reduce_add_ps(d) * scale;                               \
-            }                                                                                              \
-        }                                                                                                  \
-        for (int r = 0; r < R; r++) mask_softmax(scores + (size_t)r * n, n, r % S, mask, T, len, t0, m + r, l + r); \
+        for (int r = 0; r < R; r++) mask_softmax16(scores + (size_t)r * ns, n, r % S, mask, T, len, t0, m + r, l + r); \
         /* values (rows with nothing visible have all-zero probabilities and get zeros) */         \
         PV_PAIRS                                                                                           \
         /* fp32 values: each row converted once for a block of query rows; converting the chunk   \
          * once into a buffer instead measured slower (the buffer is read back from L2) */         \
         if (NE <= 4) { /* six rows at a time: 24 accumulators */                                          \
             int r0 = 0;                                                                                    \
-            for (; r0 + 6 <= R; r0 += 6) pv_rows(6, NE, vals, elsize, t0, n, scores, r0, acc);             \
+            for (; r0 + 6 <= R; r0 += 6) pv_rows(6, NE, &vs, elsize, n, ns, scores, r0, acc);             \
             switch (R - r0) {                                                                              \
-            case 5: pv_rows(5, NE, vals, elsize, t0, n, scores, r0, acc); break;                           \
-            case 4: pv_rows(4, NE, vals, elsize, t0, n, scores, r0, acc); break;                           \
-            case 3: pv_rows(3, NE, vals, elsize, t0, n, scores, r0, acc); break;                           \
-            case 2: pv_rows(2, NE, vals, elsize, t0, n, scores, r0, acc); break;                           \
-            case 1: pv_rows(1, NE, vals, elsize, t0, n, scores, r0, acc); break;                           \
+            case 5: pv_rows(5, NE, &vs, elsize, n, ns, scores, r0, acc); break;                           \
+            case 4: pv_rows(4, NE, &vs, elsize, n, ns, scores, r0, acc); break;                           \
+            case 3: pv_rows(3, NE, &vs, elsize, n, ns, scores, r0, acc); break;                           \
+            case 2: pv_rows(2, NE, &vs, elsize, n, ns, scores, r0, acc); break;                           \
+            case 1: pv_rows(1, NE, &vs, elsize, n, ns, scores, r0, acc); break;                           \
             default: break;                                                                                \
             }                                                                                              \
         } else { /* two rows at a time: 2 * NE accumulators */                                            \
             int r0 = 0;                                                                                    \
-            for (; r0 + 2 <= R; r0 += 2) pv_rows(2, NE, vals, elsize, t0, n, scores, r0, acc);             \
-            if (r0 < R) pv_rows(1, NE, vals, elsize, t0, n, scores, r0, acc);                              \
+            for (; r0 + 2 <= R; r0 += 2) pv_rows(2, NE, &vs, elsize, n, ns, scores, r0, acc);             \
+            if (r0 < R) pv_rows(1, NE, &vs, elsize, n, ns, scores, r0, acc);                              \
         }                                                                                                  \
     }
 
@@ -451,36 +533,44 @@ static inline void prefetch_kv(const void *keys, const void *vals, int64_t t, in
         }                                                                                                \
         for (; t + 32 <= n; t += 32) { /* two blocks of 16 keys share each broadcast query pair */   \
             prefetch_kv(keys, vals, t0 + t, E);                                                      \
-            keys_in_pairs((const uint32_t *)keys + (t0 + t) * (E / 2), E, kt);                       \
-            keys_in_pairs((const uint32_t *)keys + (t0 + t + 16) * (E / 2), E, kt + 8 * E);          \
-            scores_rows(2, R, E, qb, kt, sc, scores, n, t);                                          \
+            keys_in_pairs((const uint32_t *)seg_row(&ks, t), E, kt);                                 \
+            keys_in_pairs((const uint32_t *)seg_row(&ks, t + 16), E, kt + 8 * E);                    \
+            scores_rows(2, R, E, qb, kt, sc, scores, ns, t);                                          \
         }                                                                                            \
         for (; t + 16 <= n; t += 16) {                                                               \
-            keys_in_pairs((const uint32_t *)keys + (t0 + t) * (E / 2), E, kt);                       \
-            scores_rows(1, R, E, qb, kt, sc, scores, n, t);                                          \
+            keys_in_pairs((const uint32_t *)seg_row(&ks, t), E, kt);                                 \
+            scores_rows(1, R, E, qb, kt, sc, scores, ns, t);                                          \
+        }                                                                                            \
+        if (t < n) { /* the last keys padded with zero keys to a block (their scores are dropped) */ \
+            uint16_t *pad = (uint16_t *)kblk;                                                        \
+            memcpy(pad, seg_row(&ks, t), sizeof(uint16_t) * (size_t)(n - t) * E);                   \
+            memset(pad + (n - t) * E, 0, sizeof(uint16_t) * (size_t)(16 - (n - t)) * E);             \
+            keys_in_pairs((const uint32_t *)pad, E, kt);                                             \
+            scores_rows(1, R, E, qb, kt, sc, scores, ns, t);                                          \
+            t = n;                                                                                   \
         }                                                                                            \
     }
 /* bf16 values: the chunk's values in pairs of positions (once, in L1) and the probabilities in
  * bf16 pairs, so that each pair of positions is one dpbf16 per 16 dims instead of two fp32 FMAs */
 #define PV_PAIRS                                                                                         \
     if (elsize == 2) {                                                                                   \
-        const uint16_t *v0 = (const uint16_t *)vals + t0 * E;                                            \
-        for (int r = 0; r < R; r++) probs_in_pairs(scores + (size_t)r * n, n);                           \
+        const Seg *v0 = &vs;                                                                             \
+        for (int r = 0; r < R; r++) probs_in_pairs(scores + (size_t)r * ns, n);                           \
         const int rb = E <= 64 ? 6 : 2; /* rows a block: 6 x 4 or 2 x 8 accumulators */                \
         uint32_t *vp = (uint32_t *)(qb + QB_FLOATS(R, E));                                               \
         if (R > rb) values_in_pairs(v0, n, E / 16, vp);                                                  \
-        const uint16_t *direct = R > rb ? NULL : v0;                                                     \
+        const Seg *direct = R > rb ? NULL : v0;                                                          \
         int r0 = 0;                                                                                      \
         for (; r0 + rb <= R; r0 += rb) {                                                                 \
-            if (E <= 64) pv_pairs(6, E / 16, vp, direct, scores, n, r0, acc);                            \
-            else pv_pairs(2, E / 16, vp, direct, scores, n, r0, acc);                                    \
+            if (E <= 64) pv_pairs(6, E / 16, vp, direct, scores, n, ns, r0, acc);                            \
+            else pv_pairs(2, E / 16, vp, direct, scores, n, ns, r0, acc);                                    \
         }                                                                                                \
         switch (R - r0) {                                                                                \
-        case 5: pv_pairs(5, E / 16, vp, direct, scores, n, r0, acc); break;                              \
-        case 4: pv_pairs(4, E / 16, vp, direct, scores, n, r0, acc); break;                              \
-        case 3: pv_pairs(3, E / 16, vp, direct, scores, n, r0, acc); break;                              \
-        case 2: pv_pairs(2, E / 16, vp, direct, scores, n, r0, acc); break;                              \
-        case 1: pv_pairs(1, E / 16, vp, direct, scores, n, r0, acc); break;                              \
+        case 5: pv_pairs(5, E / 16, vp, direct, scores, n, ns, r0, acc); break;                              \
+        case 4: pv_pairs(4, E / 16, vp, direct, scores, n, ns, r0, acc); break;                              \
+        case 3: pv_pairs(3, E / 16, vp, direct, scores, n, ns, r0, acc); break;                              \
+        case 2: pv_pairs(2, E / 16, vp, direct, scores, n, ns, r0, acc); break;                              \
+        case 1: pv_pairs(1, E / 16, vp, direct, scores, n, ns, r0, acc); break;                              \
         default: break;                                                                                  \
         }                                                                                                \
     } else
@@ -494,7 +584,8 @@ ATTEND_CHUNK_AVX512(attend_chunk_avx512_128, 8)
 #endif
 
 typedef void (*chunk_fn)(const float *, const void *, const void *, int, int, int, int, int64_t, const uint8_t *,
-                         int64_t, int64_t, float, float *, float *, float *, float *, float *);
+                         int64_t, int64_t, float, float *, float *, float *, float *, float *, int64_t, const void *,
+                         const void *);
 
 #include "attention.h"
 
@@ -506,23 +597,128 @@ static chunk_fn chunk_for(int E) {
 #endif
 }
 
+/* whether a chunk function reads its rows from two segments (split, kalt, valt) */
+static int chunk_splits(chunk_fn fn) {
+#ifdef __AVX512F__
+    return fn == attend_chunk_avx512_64 || fn == attend_chunk_avx512_128;
+#else
+    (void)fn;
+    return 0;
+#endif
+}
+
 /* Work items of a step: per sequence b, KV head and chunk of `chunk` cache positions; first[b]
- * is sequence b's first item (first: B + 1 entries).  Returns the number of items. */
+ * is sequence b's first item (first: B + 1 entries).  Also finds the masked rows whose visible
+ * positions are not a prefix of the cache and new tokens (a draft tree's rows below a sibling):
+ * a->vinfo[b * S + i] is -1, or the offset in vinfo of (f, visible count, the visible positions
+ * from f on), f the row's first hidden position (see attn_gathered).  Returns the number of
+ * items, or -1 when memory could not be had (release with attn_release). */
 int64_t attn_items(AttnStep *a, int64_t *first) {
     first[0] = 0;
+    size_t need = 0;
     for (int b = 0; b < a->B; b++) {
         int64_t T = a->len[b] + a->S, nc = (T + a->chunk - 1) / a->chunk;
         first[b + 1] = first[b] + nc * a->K;
+        if (a->masks && a->masks[b]) need += (size_t)a->S * (T + 2);
     }
     a->first = first;
     a->W = first[a->B];
+    a->vinfo = NULL;
+    if (!need) return a->W;
+    int32_t *v = malloc(sizeof(int32_t) * ((size_t)a->B * a->S + need));
+    if (!v) return -1;
+    int32_t used = a->B * a->S, any = 0;
+    for (int b = 0; b < a->B; b++) {
+        const int64_t T = a->len[b] + a->S;
+        for (int i = 0; i < a->S; i++) {
+            v[b * a->S + i] = -1;
+            if (!a->masks || !a->masks[b]) continue;
+            const uint8_t *row = a->masks[b] + (size_t)i * T;
+            int64_t f = 0, seen = 0;
+            while (f < T && row[f]) f++;
+            for (int64_t t = f; t < T; t++) seen += row[t] != 0;
+            if (!seen) continue; /* a prefix (or nothing): the shared pass computes it as a step would */
+            v[b * a->S + i] = used;
+            v[used] = (int32_t)f;
+            v[used + 1] = (int32_t)(f + seen);
+            used += 2;
+            for (int64_t t = f; t < T; t++)
+                if (row[t]) v[used++] = (int32_t)t;
+            any = 1;
+        }
+    }
+    if (!any) {
+        free(v);
+        return a->W;
+    }
+    a->vinfo = v;
     return a->W;
 }
 
-/* Scratch floats one thread needs for attn_team's items */
+void attn_release(AttnStep *a) {
+    free(a->vinfo);
+    a->vinfo = NULL;
+}
+
+/* Scratch floats one thread needs for attn_team's items (and attn_gathered's rows) */
 size_t attn_scratch(const AttnStep *a) {
     const size_t R = (size_t)a->G * a->S;
-    return (R + a->E) * a->chunk + KBLK_FLOATS(a->E) + KT_FLOATS(a->E) + QB_FLOATS(R, a->E);
+    return (R + a->E) * a->chunk + KBLK_FLOATS(a->E) + KT_FLOATS(a->E) + QB_FLOATS(R, a->E) +
+           (a->vinfo ? 2 * (size_t)a->chunk * a->E + 2 * (size_t)a->G * (a->E + 1) : 0);
+}
+
+/* The rows attn_items marked, recomputed over their visible positions as if those were
+ * contiguous: the chunks of the row's j-th visible position j / chunk, each computed by the
+ * chunk function as a one-token step over the same keys computes it (a draft tree's row sees
+ * the cache, the root and its ancestors; greedy decoding sees them as the cache).  So a
+ * verification pass gives every row the bits a step gives it, whatever its siblings.  With
+ * AVX-512 the cache's rows before the row's first hidden position are read in place (up to
+ * a block of 16) and only the rest is gathered; otherwise the whole chunk is gathered. */
+static void attn_gathered(const AttnStep *a, chunk_fn fn, float *scratch) {
+    const int S = a->S, K = a->K, G = a->G, E = a->E, R = G * S, el = a->elsize;
+    const size_t row = (size_t)E * el;
+    float *base = scratch + attn_scratch(a) - (2 * (size_t)a->chunk * E + 2 * (size_t)G * (E + 1));
+    char *gk = (char *)base, *gv = gk + (size_t)a->chunk * E * sizeof(float);
+    float *qv = base + 2 * (size_t)a->chunk * E, *tacc = qv + (size_t)G * E, *tm = tacc + (size_t)G * E, *tl = tm + G;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < (int64_t)a->B * K * S; task++) {
+        const int i = (int)(task % S), h = (int)(task / S % K), b = (int)(task / S / K);
+        const int32_t o = a->vinfo[b * S + i];
+        if (o < 0) continue;
+        const int64_t f = a->vinfo[o], nvis = a->vinfo[o + 1];
+        const int32_t *tail = a->vinfo + o + 2;
+        const int64_t nc = (a->first[b + 1] - a->first[b]) / K, w0 = a->first[b] + (int64_t)h * nc;
+        const size_t head = ((size_t)a->layer * K + h) * a->cap[b] * E * el;
+        const char *kb = (const char *)a->kbase[b] + head, *vb = (const char *)a->vbase[b] + head;
+        for (int g = 0; g < G; g++) memcpy(qv + (size_t)g * E, a->q + (((size_t)b * K + h) * R + (size_t)g * S + i) * E,
+                                           sizeof(float) * E);
+        for (int64_t c = f / a->chunk; c < nc; c++) {
+            const int64_t w = w0 + c, r0 = c * a->chunk, r1 = r0 + a->chunk < nvis ? r0 + a->chunk : nvis;
+            if (r0 >= nvis) { /* past the row's visible positions: nothing here */
+                for (int g = 0; g < G; g++) a->ms[w * R + (size_t)g * S + i] = -INFINITY;
+                continue;
+            }
+            /* rows [r0, r0 + split) in place (the AVX-512 chunk functions read a second segment) */
+            const int64_t split = f > r0 && chunk_splits(fn) ? (f - r0) / 16 * 16 : 0;
+            for (int64_t j = r0 + split; j < r1; j++) {
+                const int64_t slot = j < f ? j : tail[j - f];
+                memcpy(gk + (size_t)(j - r0 - split) * row, kb + (size_t)slot * row, row);
+                memcpy(gv + (size_t)(j - r0 - split) * row, vb + (size_t)slot * row, row);
+            }
+            if (split)
+                fn(qv, kb, vb, el, G, 1, E, nvis - 1, NULL, r0, r1, a->scale, tacc, tm, tl, scratch,
+                   scratch + (size_t)G * a->chunk, split, gk, gv);
+            else
+                fn(qv, gk, gv, el, G, 1, E, r1 - r0 - 1, NULL, 0, r1 - r0, a->scale, tacc, tm, tl, scratch,
+                   scratch + (size_t)G * a->chunk, r1 - r0, NULL, NULL);
+            for (int g = 0; g < G; g++) {
+                const size_t at = w * R + (size_t)g * S + i;
+                memcpy(a->acc + at * E, tacc + (size_t)g * E, sizeof(float) * E);
+                a->ms[at] = tm[g];
+                a->ls[at] = tl[g];
+            }
+        }
+    }
 }
 
 /* Every work item's partial output into acc/ms/ls (threads share the items), then, after a
@@ -542,8 +738,9 @@ void attn_team(const AttnStep *a, float *scratch, float *out) {
         size_t head = ((size_t)a->layer * K + h) * a->cap[b] * E * a->elsize;
         fn(a->q + ((size_t)b * K + h) * R * E, (const char *)a->kbase[b] + head, (const char *)a->vbase[b] + head,
            a->elsize, R, a->S, E, a->len[b], a->masks ? a->masks[b] : NULL, t0, t1, a->scale, a->acc + w * R * E,
-           a->ms + w * R, a->ls + w * R, scratch, scratch + (size_t)R * a->chunk);
+           a->ms + w * R, a->ls + w * R, scratch, scratch + (size_t)R * a->chunk, T, NULL, NULL);
     }
+    if (a->vinfo) attn_gathered(a, fn, scratch);
 #pragma omp for schedule(static)
     for (int64_t row = 0; row < (int64_t)a->B * K * R; row++) {
         const int r = (int)(row % R), h = (int)(row / R % K), b = (int)(row / R / K);
@@ -581,10 +778,15 @@ int decode_attention(int B, int K, int G, int E, int S, int layer, int elsize, c
     int64_t *first = malloc(sizeof(int64_t) * (B + 1));
     if (!first) return -1;
     const int64_t W = attn_items(&a, first);
+    if (W < 0) {
+        free(first);
+        return -1;
+    }
     const int R = G * S, threads = omp_get_max_threads();
     const size_t per = attn_scratch(&a);
     float *acc = malloc(sizeof(float) * ((size_t)W * R * (E + 2) + per * threads));
     if (!acc) {
+        attn_release(&a);
         free(first);
         return -1;
     }
@@ -602,6 +804,7 @@ int decode_attention(int B, int K, int G, int E, int S, int layer, int elsize, c
     }
 #pragma omp parallel num_threads(threads)
     attn_team(&a, scratch + per * omp_get_thread_num(), out);
+    attn_release(&a);
     free(acc);
     free(first);
     return 0;

@@ -209,11 +209,16 @@ static int attn_alloc(AttnScratch *s, int B, int K, int G, int E, int S, int el_
     int64_t *first = malloc(sizeof(int64_t) * (B + 1));
     if (!first) return -1;
     const int64_t W = attn_items(&a, first); /* items depend on the lengths only: the same for every layer */
+    if (W < 0) {
+        free(first);
+        return -1;
+    }
     const size_t R = (size_t)G * S, nq = (size_t)B * K * R * E;
     s->threads = omp_get_max_threads();
     s->per = attn_scratch(&a);
     float *f = malloc(sizeof(float) * (2 * nq + (size_t)W * R * (E + 2) + s->per * s->threads));
     if (!f) {
+        attn_release(&a);
         free(first);
         return -1;
     }
@@ -230,6 +235,7 @@ static int attn_alloc(AttnScratch *s, int B, int K, int G, int E, int S, int el_
 }
 
 static void attn_free(AttnScratch *s) {
+    attn_release(&s->a);
     free(s->a.first);
     free(s->mem);
 }
