@@ -101,8 +101,9 @@ def validate_tree(tree: Tree) -> None:
 
 def tree_mask(tree: Tree, cached: int, width: int, device) -> torch.Tensor:
     """Boolean [width, cached + width]: row 0 is the root t0, row i + 1 node i; each sees
-    the cache, the root and its ancestors; rows past the tree (batch padding) see the
-    cache and themselves."""
+    the cache, the root and its ancestors; rows past the tree (batch padding, never read)
+    see the cache and the root, a prefix, which the attention kernel computes with the
+    other rows (a row below a sibling is recomputed over its own positions)."""
     n = len(tree)
     block = [[False] * width for _ in range(width)]
     block[0][0] = True
@@ -111,7 +112,7 @@ def tree_mask(tree: Tree, cached: int, width: int, device) -> torch.Tensor:
         row[i + 1] = True
         block[i + 1] = row
     for j in range(n + 1, width):
-        block[j][j] = True
+        block[j][0] = True
     mask = torch.ones(width, cached + width, dtype=torch.bool)
     mask[:, cached:] = torch.tensor(block, dtype=torch.bool)
     return mask.to(device)

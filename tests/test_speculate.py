@@ -56,7 +56,7 @@ def test_tree_mask_sees_cache_root_and_ancestors_only():
     assert block[2] == [1, 1, 1, 0, 0, 0]  # node 1 under node 0
     assert block[3] == [1, 0, 0, 1, 0, 0]  # node 2 under the root
     assert block[4] == [1, 1, 1, 0, 1, 0]  # node 3 under node 1
-    assert block[5] == [0, 0, 0, 0, 0, 1]  # batch padding sees itself
+    assert block[5] == [1, 0, 0, 0, 0, 0]  # batch padding sees the cache and the root (a prefix: cheap)
 
 
 def test_accept_walks_the_longest_greedy_path():
