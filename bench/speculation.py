@@ -321,7 +321,7 @@ def tune_grid(lm, settings, repos, vocab, args, out: Path) -> None:
     autoregressive run of each task made right before the task's run."""
     ref = {r["name"]: run_engine(lm, settings, r["tune"], r["store"], None, vocab, args.max_new) for r in repos}
     base = summarize([x for v in ref.values() for x in v], None)["ms_per_token"]
-    stages = [{"max_nodes": [4, 8, 12]},
+    stages = [{"max_nodes": [3, 4, 8, 12]},
               {"live_chain": [0, 4, 8]},
               {"depth": [8, 12, 16]},
               {"top_k": [4, 8], "ab": [(1.0, 0.5), (1.0, 0.1)]},
