@@ -32,12 +32,10 @@ static inline const float *rows_f32(const void *base, int elsize, int E, int64_t
     return buf;
 }
 
-/* Mask and softmax one query row's scores s[0, n) over cache positions [t0, t0 + n): row i
- * of the S new positions sees position t when mask[i * T + t] (mask: [S, T], T = len + S)
- * or, without a mask, when t <= len + i.  Leaves unnormalised probabilities in s (zeros
- * where hidden), their max in *m (-inf: nothing visible) and their sum in *l. */
-static inline void mask_softmax(float *s, int64_t n, int64_t i, const uint8_t *mask, int64_t T, int64_t len,
-                                int64_t t0, float *m, float *l) {
+/* One query row's scores s[0, n) over cache positions [t0, t0 + n) with the hidden ones set to
+ * -inf: row i of the S new positions sees position t when mask[i * T + t] (mask: [S, T],
+ * T = len + S) or, without a mask, when t <= len + i. */
+static inline void hide(float *s, int64_t n, int64_t i, const uint8_t *mask, int64_t T, int64_t len, int64_t t0) {
     if (mask) {
         const uint8_t *mi = mask + i * T + t0;
 #pragma omp simd
@@ -45,6 +43,13 @@ static inline void mask_softmax(float *s, int64_t n, int64_t i, const uint8_t *m
     } else {
         for (int64_t t = len + i + 1 - t0 > 0 ? len + i + 1 - t0 : 0; t < n; t++) s[t] = -INFINITY;
     }
+}
+
+/* Mask (hide) and softmax one query row's scores s[0, n).  Leaves unnormalised probabilities
+ * in s (zeros where hidden), their max in *m (-inf: nothing visible) and their sum in *l. */
+static inline void mask_softmax(float *s, int64_t n, int64_t i, const uint8_t *mask, int64_t T, int64_t len,
+                                int64_t t0, float *m, float *l) {
+    hide(s, n, i, mask, T, len, t0);
     float mr = -INFINITY;
 #pragma omp simd reduction(max : mr)
     for (int64_t t = 0; t < n; t++) mr = s[t] > mr ? s[t] : mr;
@@ -92,12 +97,7 @@ static inline __m512 exp_neg16(__m512 x) {
 __attribute__((optimize("no-associative-math"))) /* the sums in this order, whatever the build's flags */
 static inline void mask_softmax16(float *s, int64_t n, int64_t i, const uint8_t *mask, int64_t T, int64_t len,
                                   int64_t t0, float *m, float *l) {
-    if (mask) {
-        const uint8_t *mi = mask + i * T + t0;
-        for (int64_t t = 0; t < n; t++) s[t] = mi[t] ? s[t] : -INFINITY;
-    } else {
-        for (int64_t t = len + i + 1 - t0 > 0 ? len + i + 1 - t0 : 0; t < n; t++) s[t] = -INFINITY;
-    }
+    hide(s, n, i, mask, T, len, t0);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 mx = ninf;
     for (int64_t t = 0; t < n; t += 16) {
@@ -136,7 +136,7 @@ static inline void mask_softmax16(float *s, int64_t n, int64_t i, const uint8_t 
                      int E_, int64_t len, const uint8_t *mask, int64_t t0, int64_t t1, float scale,        \
                      float *acc, float *m, float *l, float *scores, float *buf, int64_t split,             \
                      const void *kalt, const void *valt) {                                                 \
-        (void)split, (void)kalt, (void)valt; /* rows all at keys/vals (attn_team gathers a whole chunk) */ \
+        (void)split, (void)kalt, (void)valt; /* rows all at keys/vals (attn_gathered gathers a whole chunk) */ \
         const int E = EDIM > 0 ? EDIM : E_;                                                                \
         const int64_t n = t1 - t0, T = len + S;                                                            \
         const float *k = rows_f32(keys, elsize, E, t0, n, buf);                                            \
@@ -189,7 +189,7 @@ static inline __m512 ld16(const void *base, int elsize, int64_t idx) {
 
 /* Where a chunk's key or value rows lie: row u at base + u * stride for u < split, else at
  * alt + (u - split) * stride (a verification row's chunk: the cache up to a block boundary, then
- * rows gathered for it; see attn_team).  split is a multiple of 16, so a block of 16 rows or a
+ * rows gathered for it; see attn_gathered).  split is a multiple of 16, so a block of 16 rows or a
  * pair of rows never straddles it. */
 typedef struct {
     const char *base, *alt;
@@ -660,11 +660,16 @@ void attn_release(AttnStep *a) {
     a->vinfo = NULL;
 }
 
+/* attn_gathered's floats at the end of a thread's scratch: a chunk's keys and values, the G
+ * query rows, their outputs, maxima and sums */
+static size_t gathered_floats(const AttnStep *a) {
+    return a->vinfo ? 2 * (size_t)a->chunk * a->E + 2 * (size_t)a->G * (a->E + 1) : 0;
+}
+
 /* Scratch floats one thread needs for attn_team's items (and attn_gathered's rows) */
 size_t attn_scratch(const AttnStep *a) {
     const size_t R = (size_t)a->G * a->S;
-    return (R + a->E) * a->chunk + KBLK_FLOATS(a->E) + KT_FLOATS(a->E) + QB_FLOATS(R, a->E) +
-           (a->vinfo ? 2 * (size_t)a->chunk * a->E + 2 * (size_t)a->G * (a->E + 1) : 0);
+    return (R + a->E) * a->chunk + KBLK_FLOATS(a->E) + KT_FLOATS(a->E) + QB_FLOATS(R, a->E) + gathered_floats(a);
 }
 
 /* The rows attn_items marked, recomputed over their visible positions as if those were
@@ -677,7 +682,7 @@ size_t attn_scratch(const AttnStep *a) {
 static void attn_gathered(const AttnStep *a, chunk_fn fn, float *scratch) {
     const int S = a->S, K = a->K, G = a->G, E = a->E, R = G * S, el = a->elsize;
     const size_t row = (size_t)E * el;
-    float *base = scratch + attn_scratch(a) - (2 * (size_t)a->chunk * E + 2 * (size_t)G * (E + 1));
+    float *base = scratch + attn_scratch(a) - gathered_floats(a);
     char *gk = (char *)base, *gv = gk + (size_t)a->chunk * E * sizeof(float);
     float *qv = base + 2 * (size_t)a->chunk * E, *tacc = qv + (size_t)G * E, *tm = tacc + (size_t)G * E, *tl = tm + G;
 #pragma omp for schedule(dynamic, 1)
