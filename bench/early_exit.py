@@ -8,8 +8,10 @@ thresholds calibrated for that token-disagreement bound); ``lossless@LAYER``
 (self-speculation drafting from that exit).
 
 Speed: greedy decoding of ``--tokens`` tokens (EOS ignored) from HumanEval-Infilling
-prompts, at batch 1 (8 prompts one after another) and batch 16 (one batch), through the
-engine's own decode functions (``step``, ``exit_step``, ``self_spec_step``); decode
+prompts, at batch 1 (two prompts a round) and at the ``--batches`` sizes (16 by default; one
+batch every third round), through the engine's own decode functions (``step``, ``exit_step``,
+``self_spec_step``).  The batch rows force the exits (the daemon's ``max_batch`` = 1 decodes a
+larger batch without them; lossless mode's batches take plain steps); decode
 tokens/s, per-token latency, mean layers run per token, the exit rate per layer and how
 often the last layer's check skipped the full vocabulary head.
 Quality: HumanEval single-line infilling through the engine (EFIM prompts for FIM
@@ -59,7 +61,8 @@ def settings_for(name: str, path: str) -> ExitSettings | None:
         return ExitSettings(enabled=True, lossless=True, draft_layer=int(layer or 0), path=path, **extra)
     arg, _, layers = arg.partition(":")  # MEASURE@BOUND:L1+L2 uses only those exits
     return ExitSettings(enabled=True, measure=kind, bound=float(arg or 0.02), path=path,
-                        layers=layers.replace("+", ","), batch_rule="each")  # "b16-all" rows: rule "all"
+                        layers=layers.replace("+", ","), batch_rule="each",  # "b16-all" rows: rule "all"
+                        max_batch=1024)  # the batch rows measure the exits (the daemon's max_batch = 1 skips them)
 
 
 def decode(lm, rt: ExitRuntime | None, prompts: list[tuple[str, str]], tokens: int, batch: int) -> dict:
@@ -128,6 +131,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=12, help="speed rounds (paired with the full model's)")
+    ap.add_argument("--batches", default="16", help="batch sizes measured besides 1 (every third round)")
+    ap.add_argument("--no-quality", action="store_true", help="speed only")
     ap.add_argument("--out", default=str(RESULTS / "early_exit"))
     args = ap.parse_args()
     lm = load_model(args.model, dtype=args.dtype)
@@ -167,18 +172,21 @@ def main() -> None:
     for name, (es, rt, rt_all) in runtimes.items():
         decode(lm, rt, prompts[:2], 8, 1)  # warm-up: otherwise the first timed config pays for it
         decode(lm, rt, prompts, 8, 16)
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
     for r in range(args.repeats):
         pair = [prompts[(2 * r) % len(prompts)], prompts[(2 * r + 1) % len(prompts)]]
         for name, (es, rt, rt_all) in runtimes.items():
             runs.setdefault(f"{name}/b1", []).append(decode(lm, rt, pair, args.tokens, 1))
-            if r % 3 == 0 and (rt is None or not rt.lossless or r == 0):  # lossless: a batch one by one
-                runs.setdefault(f"{name}/b16", []).append(decode(lm, rt, prompts, args.tokens, 16))
-                if rt_all is not None:
-                    runs.setdefault(f"{name}/b16-all", []).append(decode(lm, rt_all, prompts, args.tokens, 16))
+            if r % 3 == 0 and (rt is None or not rt.lossless or r == 0):  # lossless: plain batched steps
+                for b in batches:
+                    group = [prompts[(r * b + i) % len(prompts)] for i in range(b)]
+                    runs.setdefault(f"{name}/b{b}", []).append(decode(lm, rt, group, args.tokens, b))
+                    if rt_all is not None:
+                        runs.setdefault(f"{name}/b{b}-all", []).append(decode(lm, rt_all, group, args.tokens, b))
         print(f"round {r + 1}/{args.repeats}", {k: v[-1]["tokens_per_s"] for k, v in runs.items()}, file=sys.stderr)
     for key, rs in runs.items():
         b = key.rsplit("/", 1)[1]
-        ref = runs[f"full/{'b1' if b == 'b1' else 'b16'}"] if "full" in runtimes else None
+        ref = runs[f"full/{b.removesuffix('-all')}"] if "full" in runtimes else None
         ratios = sorted(x["tokens_per_s"] / f["tokens_per_s"] for x, f in zip(rs, ref)) if ref else []
         tokens, secs = sum(x["tokens"] for x in rs), sum(x["seconds"] for x in rs)
         hist: dict[str, float] = {}
@@ -186,7 +194,7 @@ def main() -> None:
             for k, v in x["exit_rate"].items():
                 hist[k] = hist.get(k, 0.0) + v / len(rs)
         speed[key] = {"tokens": tokens, "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs, 2),
-                      "ms_per_token": round(1000 * secs / tokens * (16 if b != "b1" else 1), 2),
+                      "ms_per_token": round(1000 * secs / tokens * int(b[1:].removesuffix("-all")), 2),
                       "mean_layers": round(sum(x["mean_layers"] for x in rs) / len(rs), 2),
                       "tokens_per_pass": round(sum(x["tokens_per_pass"] for x in rs) / len(rs), 3),
                       "exit_rate": {k: round(v, 3) for k, v in hist.items()},
@@ -195,6 +203,8 @@ def main() -> None:
                       "speedup_range": [round(ratios[0], 3), round(ratios[-1], 3)] if ratios else None,
                       "rounds": len(rs)}
     for name, (es, rt, rt_all) in runtimes.items():
+        if args.no_quality:
+            break
         res, outs = quality(args.model, args.dtype, es, tasks, fmt, args.seed)
         if name == "full":
             full_outs = outs
@@ -223,8 +233,10 @@ def main() -> None:
         lines.append(f"| {name} | {b[1:]} | {r['tokens_per_s']} | {r['ms_per_token']} | "
                      f"{r['speedup']}x ({rng_[0]}-{rng_[1]}, {r['rounds']} rounds) | {r['mean_layers']} | {r['tokens_per_pass']} | "
                      f"{r['exit_rate'] or '-'} | {r.get('head_skipped', '-') if r['exit_rate'] else '-'} |")
-    lines += ["", f"## Quality: HumanEval single-line infilling ({len(tasks)} tasks, {fmt} prompts, greedy)", "",
-              "| config | pass@1 | EM | ES | identical to full | ES to full | mean layers/token |", "|---|---|---|---|---|---|---|"]
+    if qual:
+        lines += ["", f"## Quality: HumanEval single-line infilling ({len(tasks)} tasks, {fmt} prompts, greedy)", "",
+                  "| config | pass@1 | EM | ES | identical to full | ES to full | mean layers/token |",
+                  "|---|---|---|---|---|---|---|"]
     for name, r in qual.items():
         lines.append(f"| {name} | {r['pass@1']} | {r['em']} | {r['es']} | {r.get('identical_to_full', '-')} | "
                      f"{r.get('es_to_full', '-')} | {r.get('mean_layers')} |")

@@ -123,6 +123,7 @@ class EarlyExitConfig:
     bound: float = field(default=0.02, metadata=_range(0, 1))  # calibrated for this token disagreement
     layers: str = ""  # exit points to use, e.g. "16,24"; "": every calibrated exit
     batch_rule: str = field(default="all", metadata=_choice("each", "all"))
+    max_batch: int = field(default=1, metadata=_range(1, 1024))  # exits only while at most this many requests decode
     decay: float = field(default=0.0, metadata=_range(0, None))  # CALM's schedule; 0: constant thresholds
     lossless: bool = False  # self-speculation: exact output of the full model
     draft_layer: int = field(default=0, metadata=_range(0, 512))  # lossless: the drafting exit (0: middle one)

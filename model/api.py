@@ -84,6 +84,7 @@ class ExitSettings:
     bound: float = 0.02  # which calibrated thresholds: the token disagreement they allow
     layers: str = ""  # exit points to use ("12,20"); "": every calibrated exit
     batch_rule: str = "all"  # all: an iteration exits only when all are confident (measured better); each: alone
+    max_batch: int = 1  # lossy exits only while at most this many requests decode together (measured: slower above 1)
     decay: float = 0.0  # CALM's schedule (strict first, relaxing along the output); 0: constant thresholds
     lossless: bool = False  # self-speculation: the early layers draft, the full model verifies (exact output)
     draft_layer: int = 0  # lossless: the exit that drafts (0: the middle exit point)
@@ -111,4 +112,4 @@ class EngineSettings:
     max_batch: int = 16  # requests decoded together per iteration
     kv_dtype: str = "auto"  # the KV cache's dtype: auto | float32 | bfloat16 | float16
     speculation: SpecSettings = field(default_factory=SpecSettings)  # retrieval drafts, verified exactly
-    early_exit: ExitSettings = field(default_factory=ExitSettings)  # replaces retrieval speculation when on
+    early_exit: ExitSettings = field(default_factory=ExitSettings)  # replaces speculation for the batches it takes

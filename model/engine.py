@@ -185,6 +185,13 @@ class ExitRuntime:
     draft_layer: int = 0
     draft_tokens: int = 4
     draft_margin: float = 0.0  # lossless: the softmax margin below which drafting stops
+    max_batch: int = 1  # lossy exits only for batches this small (lossless: one request)
+
+    def takes(self, batch: int) -> bool:
+        """Whether a decode step of ``batch`` requests goes through the exits.  Self-speculation
+        is per request; lossy exits measured slower than the full model from batch 2 (a larger
+        batch rarely has every row confident, and each check then costs every row)."""
+        return batch <= (1 if self.lossless else self.max_batch)
 
     @classmethod
     def build(cls, exits: Exits, s: ExitSettings) -> "ExitRuntime":
@@ -222,7 +229,7 @@ class ExitRuntime:
                     near = min(bounds, key=lambda b: (abs(b - s.draft_bound), b))
                     margin = exits.thresholds[f"softmax@{near:g}"].get(draft, math.inf)
         return cls(exits, ExitPolicy(s.measure, thresholds, s.batch_rule, s.decay), s.lossless, draft,
-                   max(1, s.draft_tokens), margin)
+                   max(1, s.draft_tokens), margin, max(1, s.max_batch))
 
 
 def exit_step(lm: LoadedModel, lives: list[Live], rt: ExitRuntime) -> None:
@@ -242,8 +249,9 @@ def exit_step(lm: LoadedModel, lives: list[Live], rt: ExitRuntime) -> None:
 def self_spec_step(lm: LoadedModel, lives: list[Live], rt: ExitRuntime, vocab: "_Vocab | None") -> list[Live]:
     """Lossless early exit: per request, the early layers draft and the full model
     verifies (LayerSkip's self-speculation); exactly greedy decoding's output.  Self-
-    speculation runs one request at a time, so a batch takes plain batched steps (the same
-    output; one by one, 16 requests decoded at 0.11-0.18x the batched speed)."""
+    speculation runs one request at a time (``decode_step`` sends a batch elsewhere), so a
+    batch given here takes plain batched steps (the same output; one by one, 16 requests
+    decoded at 0.11-0.18x the batched speed)."""
     if len(lives) > 1:
         step(lm, lives)
         return lives
@@ -318,11 +326,13 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
 
 def decode_step(lm: LoadedModel, lives: list[Live], vocab: "_Vocab | None", exits: ExitRuntime | None = None,
                 drafter: Drafter | None = None) -> list[Live]:
-    """One decode step by whichever path is on (early exit, lossless or not; retrieval
-    speculation; plain); returns the requests still going."""
-    if exits is not None and exits.lossless:
-        return self_spec_step(lm, lives, exits, vocab)
-    if exits is not None:
+    """One decode step by whichever path is on; returns the requests still going.  Early
+    exit (lossless or not) takes the batches it is faster for (``ExitRuntime.takes``); other
+    batches decode as without it: retrieval speculation, else plain steps (both exactly the
+    full model's greedy output)."""
+    if exits is not None and exits.takes(len(lives)):
+        if exits.lossless:
+            return self_spec_step(lm, lives, exits, vocab)
         exit_step(lm, lives, exits)
     elif drafter is not None:
         return spec_step(lm, lives, drafter, vocab)
@@ -555,8 +565,7 @@ class Engine:
                 going = [lv for lv in live if advance(self.lm, lv, vocab)]
                 batch = len(going)
                 if going:
-                    rt = self._exits()
-                    going = decode_step(self.lm, going, vocab, rt, self._drafter() if rt is None else None)
+                    going = decode_step(self.lm, going, vocab, self._exits(), self._drafter())
         except Exception as exc:
             log.exception("decode step failed for %d requests", len(live))
             for lv in live:

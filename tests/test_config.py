@@ -56,9 +56,9 @@ def test_empty_editor_section_means_no_settings():
 def test_early_exit_section_reaches_the_engine():
     warnings: list[str] = []
     cfg = merge(Config(), {"early_exit": {"enabled": True, "measure": "cosine", "lossless": True,
-                                          "draftTokens": 6, "batch_rule": "sometimes"}}, "x", warnings)
+                                          "draftTokens": 6, "batch_rule": "sometimes", "maxBatch": 4}}, "x", warnings)
     es = engine_settings(cfg).early_exit
-    assert es.enabled and es.measure == "cosine" and es.lossless and es.draft_tokens == 6
+    assert es.enabled and es.measure == "cosine" and es.lossless and es.draft_tokens == 6 and es.max_batch == 4
     assert es.batch_rule == "all" and len(warnings) == 1 and "batch_rule" in warnings[0]
     assert not engine_settings(Config()).early_exit.enabled  # off by default
 

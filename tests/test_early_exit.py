@@ -12,8 +12,10 @@ import torch
 from codecomplete.model import native
 from codecomplete.model.api import CompletionRequest, EngineSettings, ExitSettings, SpecSettings
 from codecomplete.model.early_exit import Exits, ExitPolicy, ExitsError, exit_forward, load_exits, untrained_exits
-from codecomplete.model.engine import Engine, ExitRuntime, advance, generate, plan_prompt, self_spec_step, start
+from codecomplete.model.engine import (Engine, ExitRuntime, advance, decode_step, generate, plan_prompt,
+                                       self_spec_step, start)
 from codecomplete.model.loader import load_model, model_identity
+from codecomplete.model.speculate import Drafter
 from codecomplete.model.transformer import apply_rope
 
 PROMPTS = [("def mean(data):\n    total = 0\n    for x in data:\n        total", "\n    return total\n"),
@@ -369,3 +371,47 @@ def test_lossless_batch_takes_plain_batched_steps(lm, trained):
             going = [lv for lv in self_spec_step(lm, going, rt, None) if advance(lm, lv, None)]
     assert [lv.result.token_ids for lv in lives] == want
     assert all(lv.spec_steps == 0 and lv.passes == len(lv.generated) - 1 for lv in lives)  # the first: prefill
+
+
+def _decode_together(lm, reqs, rt, drafter=None):
+    with torch.inference_mode():
+        lives = [start(lm, r, plan_prompt(lm, r, PLAIN, None, None), None) for r in reqs]
+        going = [lv for lv in lives if advance(lm, lv, None)]
+        while going:
+            going = [lv for lv in decode_step(lm, going, None, rt, drafter) if advance(lm, lv, None)]
+    return lives
+
+
+def test_batches_past_max_batch_decode_as_without_exits(lm, trained):
+    """Guards the batch cutoff: a step of more requests than ``max_batch`` skips the exits
+    (lossy ones measured slower than the full model from batch 2) and decodes as the daemon
+    does without them, by retrieval speculation when a drafter is given, else plain steps:
+    every layer, the full model's greedy output.  A batch within ``max_batch``, or a request
+    alone, takes the exits."""
+    n_layers = lm.model.args.n_layers
+    exits = untrained_exits(lm.model, [1])
+    reqs = lambda: [CompletionRequest(p, s, mode="multi", max_tokens=10, max_lines=50, ignore_eos=True)  # noqa: E731
+                    for p, s in PROMPTS[:2]]
+    want = [generate(lm, r, PLAIN).token_ids for r in reqs()]
+    always = ExitRuntime(exits, ExitPolicy("cosine", {1: -2.0}), max_batch=1)  # confident at every step
+    assert always.takes(1) and not always.takes(2)
+    for drafter in (None, Drafter(SpecSettings())):
+        lives = _decode_together(lm, reqs(), always, drafter)
+        assert [lv.result.token_ids for lv in lives] == want
+        assert all(lv.layers == n_layers * lv.passes for lv in lives)
+        if drafter is not None:
+            assert drafter.stats["drafts"] > 0  # the batch went to retrieval speculation
+    wide = ExitRuntime(exits, ExitPolicy("cosine", {1: -2.0}), max_batch=2)
+    lives = _decode_together(lm, reqs(), wide)
+    assert all(lv.layers == lv.passes and lv.passes == 9 for lv in lives)  # every step exited at layer 1
+    alone = _decode_together(lm, reqs()[:1], always)[0]
+    assert alone.layers == alone.passes
+    # lossless: self-speculation for one request, a batch of two to the drafter
+    rt = ExitRuntime(load_exits(trained, lm.model), ExitPolicy("softmax", {}), lossless=True, draft_layer=1)
+    assert rt.takes(1) and not rt.takes(2)
+    drafter = Drafter(SpecSettings())
+    lives = _decode_together(lm, reqs(), rt, drafter)
+    assert [lv.result.token_ids for lv in lives] == want and drafter.stats["drafts"] > 0
+    # the setting reaches the runtime
+    built = ExitRuntime.build(exits, ExitSettings(enabled=True, measure="cosine", threshold=0.5, max_batch=4))
+    assert built.max_batch == 4 and built.takes(4) and not built.takes(5)
