@@ -36,11 +36,15 @@ def command_line() -> str:
 
 
 def git_commit() -> str:
+    """HEAD, and which tracked files (results aside) differed from it when the run started."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=RESULTS.parent).stdout.strip() or "unknown"
+        changed = subprocess.run(["git", "diff", "--name-only", "HEAD", "--", ".", ":!bench/results"],
+                                 capture_output=True, text=True, cwd=RESULTS.parent.parent).stdout.split()
     except OSError:
         return "unknown"
+    return f"{head} with uncommitted changes to {', '.join(changed)}" if changed else head
 
 
 def header(title: str) -> str:

@@ -151,6 +151,12 @@ def methods(best: SpecSettings) -> dict[str, SpecSettings | None]:
     }
 
 
+LOSSLESS_EXIT = {  # --lossless-exit: issue #9's lossless early exit on these tasks (models with exit heads)
+    "lossless early exit alone (early-layer drafts, no retrieval)": None,
+    "FastCoder + lossless early exit (early-layer drafts where retrieval has none)": "best",
+}
+
+
 def _row(c, drafter, before: float) -> dict:
     return {"ids": c.token_ids, "decode_ms": c.timings.get("decode_ms", 0.0), "n": c.generated_tokens,
             "passes": c.forward_passes, "spec_steps": c.spec_steps, "accepted": c.accepted_tokens,
@@ -158,7 +164,7 @@ def _row(c, drafter, before: float) -> dict:
 
 
 def run_engine(lm, settings: EngineSettings, tasks: list[dict], store: Datastore | None,
-               spec: SpecSettings | None, vocab, max_new: int, paired: bool = False):
+               spec: SpecSettings | None, vocab, max_new: int, paired: bool = False, exits=None):
     """Each task generated with ``spec`` (None: autoregressive).  ``paired``: each task is also
     generated autoregressively right before (this machine's speed drifts by 10-20 % within
     minutes, so a speedup is only fair between runs made next to each other); returns
@@ -172,7 +178,7 @@ def run_engine(lm, settings: EngineSettings, tasks: list[dict], store: Datastore
             if paired:
                 plain.append(_row(generate(lm, req, settings, vocab, None, None, None), None, 0.0))
             before = drafter.stats["draft_ms"] if drafter else 0.0
-            out.append(_row(generate(lm, req, settings, vocab, None, None, drafter), drafter, before))
+            out.append(_row(generate(lm, req, settings, vocab, None, None, drafter, exits), drafter, before))
     return (plain, out) if paired else out
 
 
@@ -226,6 +232,10 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="run the parameter grid on the tune split")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-fp32-check", action="store_true", help="skip the fp32 run that checks identical outputs")
+    ap.add_argument("--methods", default="", help="comma-separated words; only the methods whose names hold one "
+                    "(autoregressive always runs)")
+    ap.add_argument("--lossless-exit", action="store_true", help="add lossless early exit (issue #9) alone and "
+                    "beside retrieval speculation")
     ap.add_argument("--out", default=str(RESULTS / "speculation"))
     args = ap.parse_args()
     lm = load_model(args.model, dtype=args.dtype)
@@ -256,15 +266,30 @@ def main() -> None:
     warm = repos[0]["test"][:1]  # first calls build kernels and the token texts: not timed
     run_engine(lm, settings, warm, repos[0]["store"], None, vocab, 8)
     run_engine(lm, settings, warm, repos[0]["store"], best, vocab, 8)
-    for label, spec in methods(best).items():
+    chosen = {label: (spec, None) for label, spec in methods(best).items()}
+    if args.lossless_exit:
+        from codecomplete.model.api import ExitSettings
+        from codecomplete.model.early_exit import load_exits
+        from codecomplete.model.engine import ExitRuntime, default_exits_path
+
+        home = default_exits_path(lm)
+        if home is None:
+            raise SystemExit(f"--lossless-exit: {lm.name} has no exit heads")
+        rt = ExitRuntime.build(load_exits(home, lm.model), ExitSettings(enabled=True, lossless=True))
+        chosen |= {label: (best if spec == "best" else None, rt) for label, spec in LOSSLESS_EXIT.items()}
+    words = [w.strip().lower() for w in args.methods.split(",") if w.strip()]
+    chosen = {label: m for label, m in chosen.items()
+              if label == "autoregressive" or not words or any(w in label.lower() for w in words)}
+    for label, (spec, exits) in chosen.items():
         # this machine's speed drifts by 10-20 % within minutes: each method's speedup is taken
         # against autoregressive runs of the same tasks, each made right before the task's run
         rows_all, plain_all = [], []
         for r in repos:
-            if spec is None:
+            if spec is None and exits is None:
                 rows = run_engine(lm, settings, r["test"], r["store"], spec, vocab, args.max_new)
             else:
-                plain, rows = run_engine(lm, settings, r["test"], r["store"], spec, vocab, args.max_new, paired=True)
+                plain, rows = run_engine(lm, settings, r["test"], r["store"], spec, vocab, args.max_new, paired=True,
+                                         exits=exits)
                 plain_all += plain
             if spec is None:
                 reference[r["name"]] = rows

@@ -20,6 +20,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -291,10 +292,12 @@ def _take(lm: LoadedModel, lv: Live, root: int, acc: list[int], logits: torch.Te
     return True
 
 
-def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Vocab | None") -> list[Live]:
+def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Vocab | None",
+              undrafted: Callable[[], list[Live]] | None = None) -> list[Live]:
     """``step`` with retrieval speculation: each request's last token and its draft tree
     run in one pass; the accepted tokens go through ``advance`` one by one (stop rules,
-    budget) exactly as if decoded one at a time.  Returns the requests still going."""
+    budget) exactly as if decoded one at a time.  Returns the requests still going.
+    ``undrafted``: what to run instead when no request has a draft (default: a plain step)."""
     trees = []
     for lv in lives:
         room = lv.budget - len(lv.generated)
@@ -305,6 +308,8 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
                 lv.live = LiveIndex()
             trees.append(drafter.draft(lv.fed + [lv.generated[-1]], limit=room, live=lv.live))
     if not any(len(t) for t in trees):
+        if undrafted is not None:
+            return undrafted()
         step(lm, lives)
         return lives
     roots = [lv.generated[-1] for lv in lives]
@@ -329,9 +334,13 @@ def decode_step(lm: LoadedModel, lives: list[Live], vocab: "_Vocab | None", exit
     """One decode step by whichever path is on; returns the requests still going.  Early
     exit (lossless or not) takes the batches it is faster for (``ExitRuntime.takes``); other
     batches decode as without it: retrieval speculation, else plain steps (both exactly the
-    full model's greedy output)."""
+    full model's greedy output).  Lossless early exit with retrieval speculation on verifies
+    the retrieved drafts where there are any (they cost no layers to make, and measured far
+    faster) and lets the early layers draft where there are none."""
     if exits is not None and exits.takes(len(lives)):
         if exits.lossless:
+            if drafter is not None:
+                return spec_step(lm, lives, drafter, vocab, lambda: self_spec_step(lm, lives, exits, vocab))
             return self_spec_step(lm, lives, exits, vocab)
         exit_step(lm, lives, exits)
     elif drafter is not None:
