@@ -151,9 +151,11 @@ def methods(best: SpecSettings) -> dict[str, SpecSettings | None]:
     }
 
 
-LOSSLESS_EXIT = {  # --lossless-exit: issue #9's lossless early exit on these tasks (models with exit heads)
-    "lossless early exit alone (early-layer drafts, no retrieval)": None,
-    "FastCoder + lossless early exit (early-layer drafts where retrieval has none)": "best",
+EXIT_METHODS = {  # --lossless-exit, --lossy-exit: issue #9's early exit on these tasks (models with exit heads)
+    "lossless": {"lossless early exit alone (early-layer drafts, no retrieval)": None,
+                 "FastCoder + lossless early exit (early-layer drafts where retrieval has none)": "best"},
+    "lossy": {"early exit at the 0.02 bound alone (lossy)": None,
+              "FastCoder + early exit at the 0.02 bound (lossy: exits where retrieval has no draft)": "best"},
 }
 
 
@@ -236,6 +238,8 @@ def main() -> None:
                     "(autoregressive always runs)")
     ap.add_argument("--lossless-exit", action="store_true", help="add lossless early exit (issue #9) alone and "
                     "beside retrieval speculation")
+    ap.add_argument("--lossy-exit", action="store_true", help="add early exit at the 0.02 bound alone and beside "
+                    "retrieval speculation")
     ap.add_argument("--out", default=str(RESULTS / "speculation"))
     args = ap.parse_args()
     lm = load_model(args.model, dtype=args.dtype)
@@ -267,16 +271,16 @@ def main() -> None:
     run_engine(lm, settings, warm, repos[0]["store"], None, vocab, 8)
     run_engine(lm, settings, warm, repos[0]["store"], best, vocab, 8)
     chosen = {label: (spec, None) for label, spec in methods(best).items()}
-    if args.lossless_exit:
+    for kind in [k for k, on in (("lossless", args.lossless_exit), ("lossy", args.lossy_exit)) if on]:
         from codecomplete.model.api import ExitSettings
         from codecomplete.model.early_exit import load_exits
         from codecomplete.model.engine import ExitRuntime, default_exits_path
 
         home = default_exits_path(lm)
         if home is None:
-            raise SystemExit(f"--lossless-exit: {lm.name} has no exit heads")
-        rt = ExitRuntime.build(load_exits(home, lm.model), ExitSettings(enabled=True, lossless=True))
-        chosen |= {label: (best if spec == "best" else None, rt) for label, spec in LOSSLESS_EXIT.items()}
+            raise SystemExit(f"--{kind}-exit: {lm.name} has no exit heads")
+        rt = ExitRuntime.build(load_exits(home, lm.model), ExitSettings(enabled=True, lossless=kind == "lossless"))
+        chosen |= {label: (best if spec == "best" else None, rt) for label, spec in EXIT_METHODS[kind].items()}
     words = [w.strip().lower() for w in args.methods.split(",") if w.strip()]
     chosen = {label: m for label, m in chosen.items()
               if label == "autoregressive" or not words or any(w in label.lower() for w in words)}

@@ -334,16 +334,18 @@ def decode_step(lm: LoadedModel, lives: list[Live], vocab: "_Vocab | None", exit
     """One decode step by whichever path is on; returns the requests still going.  Early
     exit (lossless or not) takes the batches it is faster for (``ExitRuntime.takes``); other
     batches decode as without it: retrieval speculation, else plain steps (both exactly the
-    full model's greedy output).  Lossless early exit with retrieval speculation on verifies
-    the retrieved drafts where there are any (they cost no layers to make, and measured far
-    faster) and lets the early layers draft where there are none."""
+    full model's greedy output).  With retrieval speculation on too, a step whose requests
+    have retrieved drafts verifies them (they cost no layers to make, and measured far
+    faster); early exit takes the steps with none."""
     if exits is not None and exits.takes(len(lives)):
-        if exits.lossless:
-            if drafter is not None:
-                return spec_step(lm, lives, drafter, vocab, lambda: self_spec_step(lm, lives, exits, vocab))
-            return self_spec_step(lm, lives, exits, vocab)
-        exit_step(lm, lives, exits)
-    elif drafter is not None:
+        def early() -> list[Live]:
+            if exits.lossless:
+                return self_spec_step(lm, lives, exits, vocab)
+            exit_step(lm, lives, exits)
+            return lives
+
+        return spec_step(lm, lives, drafter, vocab, early) if drafter is not None else early()
+    if drafter is not None:
         return spec_step(lm, lives, drafter, vocab)
     else:
         step(lm, lives)

@@ -417,23 +417,37 @@ def test_batches_past_max_batch_decode_as_without_exits(lm, trained):
     assert built.max_batch == 4 and built.takes(4) and not built.takes(5)
 
 
-def test_lossless_mode_verifies_retrieved_drafts_and_drafts_early_where_there_are_none(lm, trained, monkeypatch):
-    """Guards lossless early exit beside retrieval speculation: a step whose request has a
-    retrieved draft verifies it (no early-layer drafting), a step without one drafts with
-    the early layers; either way the output is the full model's greedy output."""
+@pytest.mark.parametrize("lossless", [True, False])
+def test_retrieved_drafts_are_verified_and_early_exit_takes_the_steps_without(lm, trained, monkeypatch, lossless):
+    """Guards early exit beside retrieval speculation: a step whose request has a retrieved
+    draft verifies it with the full model; a step without one goes to early exit (lossless:
+    the early layers draft; lossy: the token may leave early).  Lossless, the output is the
+    full model's greedy output."""
     import codecomplete.model.engine as engine_mod
 
     calls = {"retrieved": 0, "early": 0}
-    verify, self_spec = engine_mod.verify, engine_mod.self_spec
-    monkeypatch.setattr(engine_mod, "verify", lambda *a, **k: calls.__setitem__("retrieved", calls["retrieved"] + 1)
-                        or verify(*a, **k))
-    monkeypatch.setattr(engine_mod, "self_spec", lambda *a, **k: calls.__setitem__("early", calls["early"] + 1)
-                        or self_spec(*a, **k))
-    rt = ExitRuntime(load_exits(trained, lm.model), ExitPolicy("softmax", {}), lossless=True, draft_layer=1)
+
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(engine_mod, "verify", counting("retrieved", engine_mod.verify))
+    monkeypatch.setattr(engine_mod, "self_spec" if lossless else "exit_forward",
+                        counting("early", engine_mod.self_spec if lossless else engine_mod.exit_forward))
+    if lossless:
+        rt = ExitRuntime(load_exits(trained, lm.model), ExitPolicy("softmax", {}), lossless=True, draft_layer=1)
+    else:
+        rt = ExitRuntime(untrained_exits(lm.model, [1]), ExitPolicy("cosine", {1: -2.0}))  # always leaves at 1
     drafter = Drafter(SpecSettings())  # drafts from the request's own tokens (and its verified cache)
     for prefix, suffix in PROMPTS:
         req = dict(mode="multi", max_tokens=24, max_lines=50, ignore_eos=True)
         want = generate(lm, CompletionRequest(prefix, suffix, **req), PLAIN).token_ids
         got = generate(lm, CompletionRequest(prefix, suffix, **req), PLAIN, drafter=drafter, exits=rt)
-        assert got.token_ids == want
+        assert got.generated_tokens == 24
+        if lossless:
+            assert got.token_ids == want
+        else:
+            assert got.layers_run < lm.model.args.n_layers * got.forward_passes  # some steps left early
     assert calls["retrieved"] > 0 and calls["early"] > 0
