@@ -295,7 +295,7 @@ def main() -> None:
                 plain, rows = run_engine(lm, settings, r["test"], r["store"], spec, vocab, args.max_new, paired=True,
                                          exits=exits)
                 plain_all += plain
-            if spec is None:
+            if spec is None and exits is None:  # the autoregressive reference
                 reference[r["name"]] = rows
             per_repo.setdefault(label, {})[r["name"]] = summarize(rows, reference.get(r["name"]))
             rows_all += rows
