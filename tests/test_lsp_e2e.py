@@ -356,7 +356,8 @@ async def test_invalid_setting_falls_back_with_a_warning(repo, tiny_model, model
 
 async def test_early_exit_serves_inline_completions(repo, tiny_model, tiny_exits, model_cache, reference_engine):
     """Guards early exit in the daemon: lossless mode answers exactly what the full model
-    does; a lossy threshold every token meets leaves the stack early and still answers;
+    does; a lossy threshold every token meets leaves the stack early and still answers
+    (with speculation off: beside it, early exit takes only the steps without drafts);
     the stats report both."""
     exits = {"enabled": True, "lossless": True, "path": str(tiny_exits)}
     c = await start_daemon(repo, tiny_model, init_options={"codecomplete": {"earlyExit": exits}})
@@ -369,7 +370,8 @@ async def test_early_exit_serves_inline_completions(repo, tiny_model, tiny_exits
         st = (await stats(c))["engine"]["early_exit"]
         assert st["enabled"] and st["error"] is None
         c.workspace_did_change_configuration(T.DidChangeConfigurationParams(settings={"codecomplete": {
-            "earlyExit": {**exits, "lossless": False, "measure": "softmax", "threshold": 1e-9}}}))
+            "earlyExit": {**exits, "lossless": False, "measure": "softmax", "threshold": 1e-9},
+            "speculation": {"enabled": False}}}))
         before = (await stats(c))["engine"]
         insert(c, uri, 2, len(lines) - 1, len(lines[-1]), "y")
         await complete(c, uri, len(lines) - 1, len(lines[-1]) + 1)
