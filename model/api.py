@@ -112,4 +112,4 @@ class EngineSettings:
     max_batch: int = 16  # requests decoded together per iteration
     kv_dtype: str = "auto"  # the KV cache's dtype: auto | float32 | bfloat16 | float16
     speculation: SpecSettings = field(default_factory=SpecSettings)  # retrieval drafts, verified exactly
-    early_exit: ExitSettings = field(default_factory=ExitSettings)  # replaces speculation for the batches it takes
+    early_exit: ExitSettings = field(default_factory=ExitSettings)  # the steps speculation has no draft for
