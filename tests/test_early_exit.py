@@ -390,8 +390,11 @@ def test_batches_past_max_batch_decode_as_without_exits(lm, trained):
     alone, takes the exits."""
     n_layers = lm.model.args.n_layers
     exits = untrained_exits(lm.model, [1])
-    reqs = lambda: [CompletionRequest(p, s, mode="multi", max_tokens=10, max_lines=50, ignore_eos=True)  # noqa: E731
-                    for p, s in PROMPTS[:2]]
+
+    def reqs():
+        return [CompletionRequest(p, s, mode="multi", max_tokens=10, max_lines=50, ignore_eos=True)
+                for p, s in PROMPTS[:2]]
+
     want = [generate(lm, r, PLAIN).token_ids for r in reqs()]
     always = ExitRuntime(exits, ExitPolicy("cosine", {1: -2.0}), max_batch=1)  # confident at every step
     assert always.takes(1) and not always.takes(2)
