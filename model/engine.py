@@ -190,8 +190,9 @@ class ExitRuntime:
 
     def takes(self, batch: int) -> bool:
         """Whether a decode step of ``batch`` requests goes through the exits.  Self-speculation
-        is per request; lossy exits measured slower than the full model from batch 2 (a larger
-        batch rarely has every row confident, and each check then costs every row)."""
+        is per request (a batch takes plain batched steps: the same output, far faster); lossy
+        exits measured slower than the full model from batch 2 (a larger batch rarely has every
+        row confident, and each check then costs every row)."""
         return batch <= (1 if self.lossless else self.max_batch)
 
     @classmethod
@@ -249,13 +250,9 @@ def exit_step(lm: LoadedModel, lives: list[Live], rt: ExitRuntime) -> None:
 
 def self_spec_step(lm: LoadedModel, lives: list[Live], rt: ExitRuntime, vocab: "_Vocab | None") -> list[Live]:
     """Lossless early exit: per request, the early layers draft and the full model
-    verifies (LayerSkip's self-speculation); exactly greedy decoding's output.  Self-
-    speculation runs one request at a time (``decode_step`` sends a batch elsewhere), so a
-    batch given here takes plain batched steps (the same output; one by one, 16 requests
-    decoded at 0.11-0.18x the batched speed)."""
-    if len(lives) > 1:
-        step(lm, lives)
-        return lives
+    verifies (LayerSkip's self-speculation); exactly greedy decoding's output.  Each request
+    runs alone, so ``decode_step`` gives this one request at a time (``ExitRuntime.takes``;
+    one by one, 16 requests decoded at 0.11-0.18x the batched speed)."""
     going = []
     n_layers = lm.model.args.n_layers
     for lv in lives:

@@ -368,7 +368,7 @@ def test_lossless_batch_takes_plain_batched_steps(lm, trained):
         lives = [start(lm, r, plan_prompt(lm, r, PLAIN, None, None), None) for r in reqs]
         going = [lv for lv in lives if advance(lm, lv, None)]
         while going:
-            going = [lv for lv in self_spec_step(lm, going, rt, None) if advance(lm, lv, None)]
+            going = [lv for lv in decode_step(lm, going, None, rt) if advance(lm, lv, None)]
     assert [lv.result.token_ids for lv in lives] == want
     assert all(lv.spec_steps == 0 and lv.passes == len(lv.generated) - 1 for lv in lives)  # the first: prefill
 
