@@ -45,8 +45,9 @@ import torch  # noqa: E402
 from codecomplete.indexer.common import build_common, common_dir, load_common  # noqa: E402
 from codecomplete.indexer.suffix import DraftIndex, Match, lookup, width_for  # noqa: E402
 from codecomplete.indexer.tokens import TokenizerInfo  # noqa: E402
-from codecomplete.model.api import CompletionRequest, EngineSettings, SpecSettings  # noqa: E402
-from codecomplete.model.engine import _Vocab, generate  # noqa: E402
+from codecomplete.model.api import CompletionRequest, EngineSettings, ExitSettings, SpecSettings  # noqa: E402
+from codecomplete.model.early_exit import load_exits  # noqa: E402
+from codecomplete.model.engine import ExitRuntime, _Vocab, default_exits_path, generate  # noqa: E402
 from codecomplete.model.loader import load_model  # noqa: E402
 from codecomplete.model.speculate import Drafter  # noqa: E402
 
@@ -271,15 +272,14 @@ def main() -> None:
     run_engine(lm, settings, warm, repos[0]["store"], None, vocab, 8)
     run_engine(lm, settings, warm, repos[0]["store"], best, vocab, 8)
     chosen = {label: (spec, None) for label, spec in methods(best).items()}
-    for kind in [k for k, on in (("lossless", args.lossless_exit), ("lossy", args.lossy_exit)) if on]:
-        from codecomplete.model.api import ExitSettings
-        from codecomplete.model.early_exit import load_exits
-        from codecomplete.model.engine import ExitRuntime, default_exits_path
-
+    kinds = [k for k, on in (("lossless", args.lossless_exit), ("lossy", args.lossy_exit)) if on]
+    if kinds:
         home = default_exits_path(lm)
         if home is None:
-            raise SystemExit(f"--{kind}-exit: {lm.name} has no exit heads")
-        rt = ExitRuntime.build(load_exits(home, lm.model), ExitSettings(enabled=True, lossless=kind == "lossless"))
+            raise SystemExit(f"--{kinds[0]}-exit: {lm.name} has no exit heads")
+        exit_heads = load_exits(home, lm.model)
+    for kind in kinds:
+        rt = ExitRuntime.build(exit_heads, ExitSettings(enabled=True, lossless=kind == "lossless"))
         chosen |= {label: (best if spec == "best" else None, rt) for label, spec in EXIT_METHODS[kind].items()}
     words = [w.strip().lower() for w in args.methods.split(",") if w.strip()]
     chosen = {label: m for label, m in chosen.items()
