@@ -3,14 +3,15 @@
 pygls logs a message it cannot parse or structure and sends nothing, so a client
 waiting on that request id would wait forever.  Here a body that is not JSON gets a
 ``ParseError`` response (id null, as JSON-RPC 2.0 says), and a request whose params do
-not fit its method gets ``InvalidParams`` for its id.  Either way the server goes on.
+not fit its method gets ``InvalidParams`` for its id.  Either way the server goes on.  A request after
+``shutdown`` gets ``InvalidRequest``, as the LSP specification asks (pygls drops it).
 """
 
 from __future__ import annotations
 
 import logging
 
-from pygls.exceptions import JsonRpcInvalidParams, JsonRpcParseError
+from pygls.exceptions import JsonRpcInvalidParams, JsonRpcInvalidRequest, JsonRpcParseError
 from pygls.protocol import LanguageServerProtocol
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,12 @@ class RobustProtocol(LanguageServerProtocol):
 
     def handle_message(self, message):
         if isinstance(message, _Rejected):
+            return
+        if self._shutdown and getattr(message, "method", None) not in (None, "exit") \
+                and getattr(message, "id", None) is not None:
+            log.warning("%s after shutdown (id %s): answered InvalidRequest", message.method, message.id)
+            error = JsonRpcInvalidRequest("the server is shutting down").to_response_error()
+            self._send_response(message.id, None, error)
             return
         return super().handle_message(message)
 

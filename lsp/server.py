@@ -25,6 +25,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from lsprotocol import types
 from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams
@@ -113,6 +114,17 @@ class Counters:
         return d
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def without_lone_surrogates(text: str) -> str:
+    """``text`` with every unpaired surrogate (JSON's ``\\ud800``; a paired one is decoded
+    to its code point) replaced by U+FFFD."""
+    if text.isascii() or not _LONE_SURROGATE.search(text):
+        return text
+    return _LONE_SURROGATE.sub("\ufffd", text)
+
+
 class CodecompleteServer(LanguageServer):
     def __init__(self, engine, config: Config, repo: Path | None = None,
                  cli_settings: dict | None = None):
@@ -169,9 +181,24 @@ class CodecompleteServer(LanguageServer):
         if closed:
             self.index.close_overlay(path)
             return
-        doc = self.workspace.text_documents.get(uri)
-        if doc is not None and len(doc.source) <= self.config.index.max_file_bytes:
-            self.index.overlay(path, doc.source)
+        text = self.open_text(uri)
+        if text is not None and len(text) <= self.config.index.max_file_bytes:
+            self.index.overlay(path, text)
+
+    def open_text(self, uri: str) -> str | None:
+        """Text of an open document (None when it is not open), lone surrogates replaced.
+
+        pygls keys its documents by the percent-decoded uri, and clients encode paths
+        (VS Code sends ``my%20dir`` and ``c%3A``), so a lookup by the uri as sent would
+        miss every buffer whose path has a space, or any buffer on Windows, and read the
+        file from disk instead.  JSON can carry an unpaired surrogate (``"\\ud800"``),
+        which no tokenizer takes; it becomes U+FFFD, one code unit in UTF-16 as it was,
+        so positions still match the client's."""
+        docs = self.workspace.text_documents
+        doc = docs.get(unquote(uri)) or docs.get(uri)
+        if doc is None:
+            return None
+        return without_lone_surrogates(doc.source)
 
     def retrieve(self, params: Any) -> dict:
         """Snippets and draft continuations at a position (a debugging aid, and what
@@ -285,9 +312,9 @@ class CodecompleteServer(LanguageServer):
     # -- completions -----------------------------------------------------------------
     def document_text(self, uri: str) -> str:
         """Text of an open document, else of the file on disk."""
-        doc = self.workspace.text_documents.get(uri)
-        if doc is not None:
-            return doc.source
+        text = self.open_text(uri)
+        if text is not None:
+            return text
         path = to_fs_path(uri) if uri.startswith("file:") else None
         if path is None:
             raise JsonRpcInvalidParams(f"unknown document {uri}: not open and not a file uri")

@@ -189,6 +189,60 @@ async def test_bad_input_gets_errors_and_the_daemon_keeps_serving(client, repo, 
     assert s["counters"]["completions"] >= 6
 
 
+async def test_buffers_are_found_under_the_uris_clients_send(client, repo, reference_engine):
+    """Guards uri handling: VS Code percent-encodes paths (``my%20dir``, ``c%3A``) and pygls
+    keys buffers by the decoded uri; the open buffer is completed, not the file on disk,
+    also for a notebook cell and an unsaved buffer."""
+    folder = repo / "my dir"
+    folder.mkdir()
+    (folder / "a b.py").write_text("x = 1\n")  # on disk: another text, one line
+    want = [expected(reference_engine, POINT, "")]
+    uri = (folder / "a b.py").as_uri()
+    assert "%20" in uri
+    open_doc(client, uri, POINT)
+    assert proposed(await complete(client, uri, 3, 13), LAST) == want
+    unsaved = (folder / "not saved.py").as_uri()
+    open_doc(client, unsaved, POINT)
+    assert proposed(await complete(client, unsaved, 3, 13), LAST) == want
+    cell = "vscode-notebook-cell:" + (folder / "nb.ipynb").as_posix() + "#W0sZmlsZQ%3D%3D"
+    open_doc(client, cell, POINT)
+    assert proposed(await complete(client, cell, 3, 13), LAST) == want
+    client.text_document_did_close(T.DidCloseTextDocumentParams(T.TextDocumentIdentifier(unsaved)))
+    with pytest.raises(JsonRpcException):
+        await complete(client, unsaved, 3, 13)
+
+
+async def test_a_lone_surrogate_in_a_buffer_is_read_as_a_replacement_character(client, repo, reference_engine):
+    """Guards text from JSON: ``"\\ud800"`` decodes to an unpaired surrogate, which no
+    tokenizer takes; it is completed as U+FFFD (one UTF-16 unit, so positions hold)."""
+    uri = (repo / "surrogate.py").as_uri()
+    head = "s = '\ud800'\n"
+    body = {"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {
+        "uri": uri, "languageId": "python", "version": 1, "text": head + POINT}}}
+    await send_raw(client, json.dumps(body).encode())  # json.dumps writes it as \ud800
+    items = await complete(client, uri, 4, 13)
+    assert proposed(items, LAST) == [expected(reference_engine, head.replace("\ud800", "\ufffd") + POINT, "")]
+    s = await stats(client)
+    assert s["counters"]["errors"] == 0, s["counters"]
+
+
+async def test_a_request_after_shutdown_is_answered_invalid_request(repo, tiny_model, model_cache):
+    """Guards the LSP rule: after ``shutdown`` a request errors with InvalidRequest
+    (pygls would drop it and the client would wait forever); ``exit`` still ends the
+    daemon, with status 0."""
+    client = await start_daemon(repo, tiny_model)
+    await client.shutdown_async(None)
+    bad = {"jsonrpc": "2.0", "id": "late", "method": "textDocument/inlineCompletion",
+           "params": {"textDocument": {"uri": (repo / "ok.py").as_uri()}, "position": {"line": 0, "character": 0},
+                      "context": {"triggerKind": 1}}}
+    with pytest.raises(JsonRpcException) as err:
+        await asyncio.wait_for(send_raw(client, json.dumps(bad).encode(), msg_id="late"), 30)
+    assert err.value.code == -32600  # InvalidRequest
+    client.exit(None)
+    assert await asyncio.wait_for(client._server.wait(), 30) == 0
+    await client.stop()
+
+
 async def test_close_frees_the_document(client, repo):
     """Guards didClose: the document is gone from the server afterwards."""
     uri = (repo / "scratch.py").as_uri()  # not on disk: only the open buffer knows it
