@@ -21,6 +21,7 @@ import os
 import queue
 import shutil
 import sqlite3
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -82,7 +83,8 @@ class RepoIndex:
     def __init__(self, root: Path, index_dir: Path | None = None, *,
                  tokenizer: TokenizerInfo | None = None, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                  watch: bool = True, debounce_ms: int = 50, max_delay_ms: int = 1000,
-                 common: Segment | None = None, want_common: bool = False):
+                 common: Segment | None = None, want_common: bool = False, check_s: float = 5.0,
+                 poll_s: float = 30.0):
         self.root = Path(root).resolve()
         self.index_dir = Path(index_dir) if index_dir else default_index_dir(self.root)
         self.db_path = self.index_dir / "index.sqlite"
@@ -92,6 +94,15 @@ class RepoIndex:
         self.debounce = debounce_ms / 1000
         self.max_delay = max_delay_ms / 1000
         self.common = common
+        # Every check_s while idle the worker checks its watcher: a repository folder that
+        # vanished and came back (a new inode the old observer does not see) is watched
+        # again and rescanned; without a working observer (inotify's watch limit) the
+        # repository is rescanned every poll_s instead.
+        self.check_s = check_s
+        self.poll_s = poll_s
+        self._root_id: tuple[int, int] | None = None
+        self._polled_at = time.monotonic()
+        self._blind = False  # the last observer failed to start
         self.want_common = want_common  # load (or build once) the common datastore for the tokenizer
         self.stats_ = IndexStats()
         self.store: Store | None = None
@@ -129,6 +140,7 @@ class RepoIndex:
                 pass
         if self._thread is not None:
             self._thread.join(timeout)
+        self._stop_watcher()  # one the worker may have started meanwhile
         if self._reader is not None:
             self._reader.close()
 
@@ -231,7 +243,15 @@ class RepoIndex:
 
     def _collect(self) -> list | None:
         """Block for one item, then gather until the queue is quiet (debounce)."""
-        item = self._queue.get()
+        while True:
+            try:
+                item = self._queue.get(timeout=self.check_s)
+                break
+            except queue.Empty:
+                try:
+                    self._check_watcher()
+                except Exception:  # never a reason to stop indexing
+                    log.exception("checking the watcher of %s failed", self.root)
         if item[0] == "stop":
             return None
         batch = [item]
@@ -522,6 +542,44 @@ class RepoIndex:
             self.drafts.remove(key)
 
     # -- watcher -----------------------------------------------------------------------
+    def _root_identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.root)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+
+    def _check_watcher(self) -> None:
+        """Called by the worker when idle (see ``check_s``)."""
+        if not self.watch or self._stop.is_set():
+            return
+        now = self._root_identity()
+        if now is None:
+            if self._root_id is not None:
+                log.warning("repository %s is gone; the index waits for it to come back", self.root)
+                self._root_id = None
+            return
+        observer = self._observer
+        # watchdog's observer thread outlives an emitter whose folder was deleted
+        alive = observer is not None and observer.is_alive() and all(e.is_alive() for e in observer.emitters)
+        if now == self._root_id and alive:
+            return
+        if now != self._root_id:
+            log.info("repository %s is back (or replaced): watching it again and rescanning", self.root)
+        elif time.monotonic() - self._polled_at < self.poll_s:
+            return
+        self._polled_at = time.monotonic()
+        self._start_watcher()  # replaces a dead or blind observer; may fail again (watch limit)
+        self._put("rescan", None)
+
+    def _stop_watcher(self) -> None:
+        observer, self._observer = self._observer, None
+        if observer is not None:
+            try:
+                observer.stop()
+            except Exception:  # one that never started
+                pass
+
     def _start_watcher(self) -> None:
         from watchdog.events import FileSystemEventHandler
         from watchdog.observers import Observer
@@ -540,19 +598,26 @@ class RepoIndex:
                         rel = Path(path).relative_to(index.root).as_posix()
                     except ValueError:
                         continue
+                    if rel == "." and event.event_type in ("deleted", "moved"):
+                        index._root_id = None  # this observer is blind now; see _check_watcher
                     if rel == "." or (rel.startswith(".git/") and rel != ".git/info/exclude"):
                         continue
                     index.stats_.events += 1
                     index._put("path", rel)
 
+        self._stop_watcher()
+        self._root_id = self._root_identity()
         observer = Observer()
-        observer.schedule(Handler(), str(self.root), recursive=True)
         observer.daemon = True
         try:
+            observer.schedule(Handler(), str(self.root), recursive=True)
             observer.start()
         except OSError as exc:  # inotify watch limit, a vanished folder
-            log.warning("cannot watch %s (%s); changes are picked up on rescan only", self.root, exc)
+            (log.debug if self._blind else log.warning)(
+                "cannot watch %s (%s); rescanning it every %.0f s instead", self.root, exc, self.poll_s)
+            self._blind = True
             return
+        self._blind = False
         self._observer = observer
 
     # -- retrieval ---------------------------------------------------------------------

@@ -499,6 +499,49 @@ def test_vanished_repository_keeps_the_index(tmp_path: Path):
     idx.close()
 
 
+def test_a_repository_that_vanishes_and_comes_back_is_watched_again(tmp_path: Path):
+    import shutil
+
+    root = tmp_path / "repo"
+    write(root, "a.py", "a = 1\n")
+    idx = RepoIndex(root, tmp_path / "idx", debounce_ms=30, check_s=0.1).start()
+    try:
+        assert wait_for(lambda: idx._observer is not None) and idx.wait_idle()
+        assert indexed(idx, "a.py")
+        shutil.rmtree(root)  # the old observer watched this folder's inode
+        assert wait_for(lambda: not indexed(idx, "a.py"))
+        write(root, "b.py", "b = 2\n")  # a new folder at the same path
+        assert wait_for(lambda: indexed(idx, "b.py"))
+        write(root, "c.py", "c = 3\n")  # and its changes are followed again
+        assert wait_for(lambda: indexed(idx, "c.py"))
+        assert idx.failed is None and idx._observer is not None and idx._observer.is_alive()
+    finally:
+        idx.close()
+
+
+def test_without_an_observer_the_repository_is_rescanned(tmp_path: Path, monkeypatch):
+    import watchdog.observers
+
+    class Blind(watchdog.observers.Observer):  # as when inotify's watch limit is reached
+        def start(self):
+            raise OSError(28, "inotify watch limit reached")
+
+    monkeypatch.setattr(watchdog.observers, "Observer", Blind)
+    root = tmp_path / "repo"
+    write(root, "a.py", "a = 1\n")
+    idx = RepoIndex(root, tmp_path / "idx", debounce_ms=30, check_s=0.05, poll_s=0.2).start()
+    try:
+        assert idx.ready.wait(10) and indexed(idx, "a.py")
+        assert idx._observer is None
+        write(root, "b.py", "b = 2\n")
+        assert wait_for(lambda: indexed(idx, "b.py"))
+        (root / "a.py").unlink()
+        assert wait_for(lambda: not indexed(idx, "a.py"))
+        assert idx.failed is None
+    finally:
+        idx.close()
+
+
 def test_a_new_tokenizer_retokenizes_the_repository(tmp_path: Path, tiny_model: Path):
     from tokenizers import Tokenizer
 
