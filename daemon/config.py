@@ -191,7 +191,8 @@ def _coerce(value: Any, typ: type, meta: dict) -> Any:
 def merge(base: Any, data: dict, source: str, warnings: list[str], prefix: str = "") -> Any:
     """A copy of dataclass ``base`` with ``data`` applied; problems go to ``warnings``."""
     if not isinstance(data, dict):
-        warnings.append(f"{source}: {prefix or 'settings'} must be a table, got {type(data).__name__}")
+        where = prefix.rstrip(".") or "settings"
+        warnings.append(f"{source}: {where} must be a table, got {type(data).__name__}; keeping it as it was")
         return base
     hints = get_type_hints(type(base))
     fields = {f.name: f for f in dataclasses.fields(base)}
