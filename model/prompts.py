@@ -44,16 +44,38 @@ def window_start(prefix: str, max_tokens: int) -> int:
     """Start offset of the prefix window: a line start on the GRID, so it is stable.
 
     Rounding down keeps at most GRID lines more than the budget; the start moves only
-    when the cursor crosses GRID lines.
+    when the cursor crosses GRID lines.  Where those lines are too long for that (a
+    minified file, one huge line), the start is on a grid of characters instead (a
+    quarter of the budget), so the window stays under 1.25 budgets and still moves
+    only in steps.
     """
     budget = max_tokens * CHARS_PER_TOKEN
     if len(prefix) <= budget:
         return 0
-    line = prefix.count("\n", 0, len(prefix) - budget) // GRID * GRID
+    over = len(prefix) - budget
+    newlines = prefix.count("\n", 0, over)
+    line = newlines // GRID * GRID
     start = 0
-    for _ in range(line):
-        start = prefix.index("\n", start) + 1
+    if line:  # the start of line `line`: walk back from `over` (fewer than GRID + 1 finds)
+        nl = over
+        for _ in range(newlines - line + 1):
+            nl = prefix.rfind("\n", 0, nl)
+        start = nl + 1
+    if len(prefix) - start > 2 * budget:
+        step = max(1, budget // 4)
+        start = max(start, over // step * step)
     return start
+
+
+def cap_front(ids: list[int], cap: int) -> list[int]:
+    """The end of a prefix's ids within ``cap`` tokens.  The window above is sized in
+    characters at an estimated 3 per token; dense text (minified code, numbers) has
+    fewer, so its window can hold 2-3x ``cap`` tokens.  The cut is rounded to steps of
+    ``cap // 4`` tokens, so while the user types it moves once per step, not per key."""
+    if len(ids) <= cap:
+        return ids
+    step = max(1, cap // 4)
+    return ids[-(-(len(ids) - cap) // step) * step:]
 
 
 def suffix_window(suffix: str, max_tokens: int) -> str:
@@ -130,7 +152,7 @@ class SessionPool:
         context_ids = toks.encode(context)
         if template is None:
             start = window_start(prefix, max_prefix_tokens)
-            ids, healed = toks.heal(toks.prefix_ids(prefix[start:]))
+            ids, healed = toks.heal(cap_front(toks.prefix_ids(prefix[start:]), max_prefix_tokens))
             self._count("prefix")
             return PromptPlan(bos + context_ids + ids, healed, "prefix")
         with self._lock:
@@ -153,7 +175,7 @@ class SessionPool:
             nl = prefix.find("\n", cut)
             cut = nl + 1 if nl >= 0 else len(prefix)
         head_prefix = prefix[:cut]
-        prefix_ids, healed = toks.heal(toks.prefix_ids(head_prefix[start:]))
+        prefix_ids, healed = toks.heal(cap_front(toks.prefix_ids(head_prefix[start:]), max_prefix_tokens))
         ids = (bos + [toks.special(template.prefix)] + toks.encode(template.prefix_pad) + context_ids + prefix_ids
                + [toks.special(template.suffix)]
                + toks.encode(suffix_window(suffix, max_suffix_tokens))[:max_suffix_tokens]

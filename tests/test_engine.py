@@ -269,6 +269,23 @@ def test_engine_thread_serves_and_counts(tiny_model):
         engine.close()
 
 
+def test_a_huge_line_is_windowed_like_a_long_file(tiny_model):
+    """Guards minified files: a prefix that is one 400 kB line (no line to cut at), or
+    dense text (more tokens per character than the window assumes), gets a prompt within
+    its token budgets, not all of it."""
+    engine = Engine(EngineSettings(model=str(tiny_model), dtype="float32", max_prefix_tokens=128,
+                                   max_suffix_tokens=64)).start()
+    try:
+        line = ",".join(f"k{i}:{i}" for i in range(50_000))
+        for prefix, suffix in ((f"var a={{{line}", "};\n"), ("x = 1\n" * 60_000 + "y = ", line),
+                               (line[:200_000] + "\n" + line[:100] + "\n" * 3 + line[:300], "")):
+            got = engine.complete(CompletionRequest(prefix, suffix, max_tokens=4))
+            assert got.error is None and got.stop_reason != "cancelled"
+            assert 0 < got.prompt_tokens <= 128 + 64 + 8, got.prompt_tokens  # + FIM tokens, healing
+    finally:
+        engine.close()
+
+
 def test_missing_model_gives_empty_completions_with_the_reason(tmp_path):
     """Guards a missing model: the engine stays up and says why."""
     engine = Engine(EngineSettings(model=str(tmp_path / "no-such-model"))).start()

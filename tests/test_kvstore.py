@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from codecomplete.model.kvstore import KVStore
-from codecomplete.model.prompts import GRID, window_start
+from codecomplete.model.prompts import CHARS_PER_TOKEN, GRID, cap_front, window_start
 
 
 def kv(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,3 +78,32 @@ def test_prefix_window_start_moves_only_on_the_line_grid():
         assert s == 0 or doc[s - 1] == "\n"
         assert doc[:s].count("\n") % GRID == 0
     assert window_start("short", 100) == 0
+
+
+def test_a_line_longer_than_the_window_is_cut_on_a_character_grid():
+    """Guards minified files: with no line start near the budget the window is still
+    bounded (1.25 budgets), and its start moves only in steps while the user types."""
+    line = "a=[" + ",".join(str(i) for i in range(100_000))
+    budget = 100 * CHARS_PER_TOKEN
+    starts = set()
+    for cut in range(len(line) - 2000, len(line)):
+        start = window_start(line[:cut], max_tokens=100)
+        assert budget <= cut - start <= budget * 5 // 4
+        starts.add(start)
+    assert len(starts) <= 2 + 2000 // (budget // 4)
+    long_lines = ("x" * 5000 + "\n") * 40  # GRID lines of these would be far over the budget
+    assert len(long_lines) - window_start(long_lines, 100) <= budget * 5 // 4
+
+
+def test_prefix_ids_over_the_budget_are_cut_in_steps():
+    """Guards dense text (3 characters per token is only an estimate): the prefix keeps at
+    most ``cap`` ids, the last ones, and the cut moves once per cap // 4 ids typed."""
+    cap = 100
+    firsts = set()
+    for n in range(1, 1001):
+        ids = list(range(n))
+        kept = cap_front(ids, cap)
+        assert kept == ids[len(ids) - len(kept):] and len(kept) <= cap
+        assert len(kept) > cap - cap // 4 or n < cap
+        firsts.add(kept[0])
+    assert len(firsts) <= 1 + (1000 - cap) // (cap // 4) + 1
