@@ -114,6 +114,7 @@ class Counters:
         return d
 
 
+ECHO_CHARS = 1000  # an inline item repeats at most this much of the typed line (see _echo_start)
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -521,9 +522,22 @@ class CodecompleteServer(LanguageServer):
             a, b, item = ans.selected
             insert, rng = item + ans.completion.text, _range(ans.text, a, b, ans.encoding)
         else:
-            insert, rng = self._edit(ans, ans.cursor.line_start)
+            insert, rng = self._edit(ans, self._echo_start(ans))
         return [types.InlineCompletionItem(insert_text=insert, range=rng,
                                            command=self._accept_command(ans.rid, ans.uri))]
+
+    @staticmethod
+    def _echo_start(ans: Answer) -> int:
+        """Where an inline item's range starts: the line's start, or on a line whose typed
+        part is longer than ECHO_CHARS (minified code) the word's start, or the cursor, so
+        that an answer does not repeat a line of 100 kB on every keystroke."""
+        text, cursor = ans.text, ans.cursor
+        if cursor.offset - cursor.line_start <= ECHO_CHARS:
+            return cursor.line_start
+        word, floor = cursor.offset, max(cursor.line_start, cursor.offset - ECHO_CHARS)
+        while word > floor and (text[word - 1].isalnum() or text[word - 1] == "_"):
+            word -= 1
+        return word if word > floor else cursor.offset
 
     def _menu_items(self, ans: Answer) -> list:
         """One completion-menu item that replaces the word being typed (clients filter menu

@@ -243,6 +243,19 @@ async def test_a_request_after_shutdown_is_answered_invalid_request(repo, tiny_m
     await client.stop()
 
 
+async def test_an_item_on_a_very_long_line_repeats_only_the_word(client, repo, reference_engine):
+    """Guards minified code: on a line typed past 1,000 characters the item's range starts
+    at the word being typed, not the line's start, so an answer does not resend the line."""
+    line = "data = [" + ", ".join(str(i) for i in range(1500)) + ", val"
+    uri = (repo / "long_line.py").as_uri()
+    open_doc(client, uri, line)
+    items = await complete(client, uri, 0, len(line))
+    assert len(items) == 1
+    item = items[0]
+    assert item.range.start == T.Position(0, len(line) - 3) and item.range.end == T.Position(0, len(line))
+    assert item.insert_text == "val" + expected(reference_engine, line, "")
+
+
 async def test_close_frees_the_document(client, repo):
     """Guards didClose: the document is gone from the server afterwards."""
     uri = (repo / "scratch.py").as_uri()  # not on disk: only the open buffer knows it
