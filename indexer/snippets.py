@@ -37,7 +37,10 @@ _DEF_PATTERNS = {
                        r"(fn|struct|enum|trait|type|mod)[ \t]+([A-Za-z_]\w*)", re.M),
     "java": re.compile(r"^[ \t]*(?:(?:public|private|protected|static|final|abstract)[ \t]+)*"
                        r"(class|interface|enum|record)[ \t]+([A-Za-z_]\w*)", re.M),
-    "c": re.compile(r"^(?:[A-Za-z_][\w \t\*]*?[ \t\*])?([A-Za-z_]\w*)[ \t]*\(([^;{]*)\)[ \t]*\{?$", re.M),
+    # bounded repeats: unbounded ones made a half-written file (lines of "f(" and no ")")
+    # quadratic, seconds per 60 kB
+    "c": re.compile(r"^(?:[A-Za-z_][\w \t\*]{0,120}?[ \t\*])?([A-Za-z_]\w*)[ \t]*\(([^;{]{0,400})\)[ \t]*\{?$",
+                    re.M),
     "lua": re.compile(r"^[ \t]*(?:local[ \t]+)?(function)[ \t]+([A-Za-z_][\w.:]*)", re.M),
     "ruby": re.compile(r"^[ \t]*(def|class|module)[ \t]+([A-Za-z_][\w.?!]*)", re.M),
 }

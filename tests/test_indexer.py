@@ -274,6 +274,18 @@ def test_chunks_definitions_and_similarity():
     assert snip.jaccard({"a", "b"}, {"a", "b"}) == 1.0 and snip.jaccard(set(), {"a"}) == 0.0
 
 
+def test_c_definitions_in_whole_and_half_written_files():
+    """Guards the C pattern's bounded repeats: multi-line parameters and function
+    pointers are still found, and a half-written file (calls left open, a 100 kB line)
+    gives the definitions it has."""
+    src = ("static int\nfoo(int a,\n    int b)\n{\n  return a;\n}\n"
+           "unsigned long long *bar(void (*cb)(int), char *s) {\n}\n"
+           "int main(int argc, char **argv)\n{\n  if (argc) {\n  }\n")
+    assert [(d.name, d.line) for d in snip.definitions(src, "c")] == [("foo", 1), ("bar", 6), ("main", 8)]
+    half = "call(\n" * 3000 + "x" * 100_000 + " y(\n" + src
+    assert [d.name for d in snip.definitions(half, "c")] == ["foo", "bar", "main"]
+
+
 @pytest.fixture
 def tokenizer(tiny_model: Path) -> TokenizerInfo:
     return TokenizerInfo.from_file(tiny_model / "tokenizer.json")
