@@ -34,12 +34,37 @@ def line_start_offset(text: str, line: int) -> int:
         raise PositionError(f"line {line} is negative")
     if line == 0:
         return 0
+    if "\r" not in text:  # "\n" only: the line's start by counting in C, not a Python loop
+        return _nth_newline_end(text, line)
     count = 0
     for m in _EOL.finditer(text):
         count += 1
         if count == line:
             return m.end()
     raise PositionError(f"line {line} is past the end of the document ({count + 1} lines)")
+
+
+def _nth_newline_end(text: str, n: int) -> int:
+    """Offset just after the ``n``-th ``\n`` (n >= 1), counted in C: whole 64 kB blocks
+    first, then a binary search inside the block that holds it."""
+    lo, need, block = 0, n, 1 << 16
+    while True:
+        hi = min(len(text), lo + block)
+        found = text.count("\n", lo, hi)
+        if found >= need:
+            break
+        if hi == len(text):
+            raise PositionError(f"line {n} is past the end of the document ({n - need + found + 1} lines)")
+        need -= found
+        lo = hi
+    base = lo  # the smallest end with `need` newlines in text[base:end]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if text.count("\n", base, mid) >= need:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def offset_at(text: str, line: int, character: int, encoding: str = "utf-16") -> int:
@@ -61,6 +86,9 @@ def offset_at(text: str, line: int, character: int, encoding: str = "utf-16") ->
 
 def position_at(text: str, offset: int, encoding: str = "utf-16") -> tuple[int, int]:
     """LSP (line, character) of a code-point offset."""
+    if "\r" not in text:
+        start = text.rfind("\n", 0, offset) + 1
+        return text.count("\n", 0, offset), sum(_units(c, encoding) for c in text[start:offset])
     line = 0
     start = 0
     for m in _EOL.finditer(text, 0, offset):

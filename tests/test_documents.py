@@ -39,3 +39,26 @@ def test_cursor_splits_prefix_suffix_and_finds_line_end():
     c = cursor_at(TEXT, 1, 1)
     assert (c.prefix, c.suffix) == ("a😀b\nx", "yz\r\nq\rend")
     assert TEXT[c.offset:c.line_end] == "yz"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_newline_only_texts_take_the_counting_path_with_the_same_answers(seed):
+    """Guards the fast path for texts without "\\r" (line starts found by str.count in
+    blocks): it answers as the general line splitter does.  A "\\r" appended after the
+    text sends the same text down the general path without moving any earlier line."""
+    import random
+
+    rng = random.Random(seed)
+    pieces = ["a", "\n", "\U0001F600", "\u00e9", "\n\n", "xy", "b" * 70_000]  # lines across 64 kB blocks
+    for _ in range(60):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 30)))
+        general = text + "\r"
+        lines = text.count("\n")
+        for line in range(lines + 1):
+            assert offset_at(text, line, 3) == offset_at(general, line, 3)
+            for encoding in ("utf-16", "utf-8"):
+                assert cursor_at(text, line, 2, encoding).line_start == cursor_at(general, line, 2, encoding).line_start
+        with pytest.raises(PositionError, match=f"{lines + 1} lines"):
+            offset_at(text, lines + 1, 0)
+        for offset in rng.sample(range(len(text) + 1), min(len(text) + 1, 5)):
+            assert position_at(text, offset) == position_at(general, offset)
