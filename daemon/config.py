@@ -253,6 +253,8 @@ def load_config(repo: Path | None, cli: dict | None = None,
     files = [user_file or user_config_path()]
     if repo is not None:
         files.append(repo / REPO_CONFIG)
+    if user_file is not None and not user_file.is_file():  # named on purpose: say so
+        warnings.append(f"{user_file}: config file not found; using the defaults")
     for path in files:
         data = read_toml(path, warnings)
         if data:

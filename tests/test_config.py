@@ -47,6 +47,12 @@ def test_broken_config_file_is_reported_not_fatal(tmp_path):
     assert cfg == Config() and "unreadable config file" in warnings[0]
 
 
+def test_a_config_file_named_but_missing_is_reported(tmp_path):
+    """Guards --config with a typo: the defaults, and a warning saying why."""
+    cfg, warnings = load_config(tmp_path, None, user_file=tmp_path / "typo.toml")
+    assert cfg == Config() and warnings == [f"{tmp_path / 'typo.toml'}: config file not found; using the defaults"]
+
+
 def test_empty_editor_section_means_no_settings():
     """Neovim encodes an empty Lua table as []."""
     assert editor_settings({"codecomplete": []}) == {}
