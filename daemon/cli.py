@@ -93,7 +93,7 @@ def serve(argv: list[str]) -> int:
             host, port = args.tcp
             if not ipaddress.ip_address(host if host != "localhost" else "127.0.0.1").is_loopback:
                 log.warning("listening on %s: reachable from other machines", host)
-            server.start_tcp(host, port)
+            server.serve_tcp(host, port)
         else:
             server.start_io(sys.stdin.buffer, lsp_out)
     finally:

@@ -3,16 +3,22 @@
 pygls logs a message it cannot parse or structure and sends nothing, so a client
 waiting on that request id would wait forever.  Here a body that is not JSON gets a
 ``ParseError`` response (id null, as JSON-RPC 2.0 says), and a request whose params do
-not fit its method gets ``InvalidParams`` for its id.  Either way the server goes on.  A request after
-``shutdown`` gets ``InvalidRequest``, as the LSP specification asks (pygls drops it).
+not fit its method gets ``InvalidParams`` for its id.  Either way the server goes on.
+A request after ``shutdown`` gets ``InvalidRequest``, as the LSP specification asks
+(pygls drops it).
+With ``keep_serving`` (the TCP listener) ``exit`` ends the connection, not the process.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 
+from lsprotocol import types
 from pygls.exceptions import JsonRpcInvalidParams, JsonRpcInvalidRequest, JsonRpcParseError
 from pygls.protocol import LanguageServerProtocol
+from pygls.protocol.language_server import lsp_method
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +30,28 @@ class _Rejected:
 
 
 class RobustProtocol(LanguageServerProtocol):
+    keep_serving = False  # set by the TCP listener: the daemon outlives its clients
+
+    @lsp_method(types.EXIT)
+    def lsp_exit(self, *args):
+        if not self.keep_serving:
+            yield from super().lsp_exit(*args)
+            return
+        if (user_handler := self.fm.features.get(types.EXIT)) is not None:
+            yield user_handler, args, None
+        log.info("client sent exit: connection closed, still listening")
+        if self.writer is not None:
+            res = self.writer.close()
+            if inspect.isawaitable(res):
+                asyncio.ensure_future(res)
+
+    def reset_connection(self) -> None:
+        """A new client on the TCP listener starts from an uninitialized protocol."""
+        self._shutdown = False
+        self._workspace = None
+        self._request_futures.clear()
+        self._result_types.clear()
+
     def structure_message(self, data):
         try:
             return super().structure_message(data)

@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import re
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -126,6 +127,25 @@ def without_lone_surrogates(text: str) -> str:
     return _LONE_SURROGATE.sub("\ufffd", text)
 
 
+async def _refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, message: str) -> None:
+    """Answer a connection's first request (its initialize) with an error, then close."""
+    try:
+        length = 0
+        while (line := await asyncio.wait_for(reader.readline(), 10)) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        first = json.loads(await asyncio.wait_for(reader.readexactly(length), 10)) if length else {}
+        if isinstance(first, dict) and first.get("id") is not None:
+            body = json.dumps({"jsonrpc": "2.0", "id": first["id"],
+                               "error": {"code": -32803, "message": message}}).encode()  # RequestFailed
+            writer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            await writer.drain()
+    except (asyncio.TimeoutError, ConnectionError, ValueError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+
+
 class CodecompleteServer(LanguageServer):
     def __init__(self, engine, config: Config, repo: Path | None = None,
                  cli_settings: dict | None = None):
@@ -144,6 +164,71 @@ class CodecompleteServer(LanguageServer):
         self._contexts: dict[str, tuple[int, str]] = {}
         self.shown: dict[str, Shown] = {}  # uri -> the last completion answered there
         self.recent: deque = deque(maxlen=4096)  # per-request records for the replay harness  # uri -> (line block, rendered snippets)
+
+    # -- TCP: one client at a time, the daemon outlives each ----------------------------
+    def serve_tcp(self, host: str, port: int) -> None:
+        """Listen on ``host:port`` until the process is stopped.  pygls's own TCP server
+        stops for good when its first client disconnects; here the next client (an editor
+        restarted, a second window later) finds the model loaded and the index warm.  A
+        client that connects while another is served (for 3 s more) gets an error answer
+        to its first request and is closed."""
+        from pygls.io_ import run_async
+
+        self.protocol.keep_serving = True
+
+        async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            peer = writer.get_extra_info("peername")
+            try:  # a client that reconnects at once may find its old connection not yet closed
+                await asyncio.wait_for(busy.acquire(), 3)
+            except asyncio.TimeoutError:
+                await _refuse(reader, writer, "codecomplete-daemon serves another client on this port")
+                log.warning("refused a second client %s while one is served", peer)
+                return
+            try:
+                log.info("client connected from %s", peer)
+                self.protocol.reset_connection()
+                self.protocol.set_writer(writer)
+                try:
+                    await run_async(stop_event=threading.Event(), reader=reader, protocol=self.protocol,
+                                    logger=log, error_handler=self.report_server_error)
+                except (ConnectionError, asyncio.IncompleteReadError) as exc:
+                    log.info("client %s dropped: %s", peer, exc)
+                finally:
+                    self.end_connection()
+                    writer.close()
+                log.info("client %s gone; listening on %s:%s", peer, host, port)
+            finally:
+                busy.release()
+
+        async def main() -> None:
+            nonlocal busy
+            busy = asyncio.Lock()
+            listener = await asyncio.start_server(connection, host, port)
+            log.info("listening on %s", ", ".join(str(s.getsockname()) for s in listener.sockets))
+            async with listener:
+                await listener.serve_forever()
+
+        busy: asyncio.Lock
+        try:
+            asyncio.run(main())
+        except KeyboardInterrupt:
+            pass
+
+    def end_connection(self) -> None:
+        """Forget what the client that left had open: its requests stop, its buffers no
+        longer overlay the index (the files on disk count again)."""
+        for pending in list(self.pending.values()):
+            pending.stale = True
+            pending.request.cancel.set()
+        self.pending.clear()
+        self._contexts.clear()
+        self.shown.clear()
+        try:
+            uris = list(self.workspace.text_documents)
+        except RuntimeError:  # never initialized
+            uris = []
+        for uri in uris:
+            self.overlay(uri, closed=True)
 
     # -- the repository index ----------------------------------------------------------
     def start_index(self) -> None:

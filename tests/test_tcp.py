@@ -59,3 +59,70 @@ async def test_tcp_serves_initialize_and_completions(repo, tiny_model, model_cac
         proc.terminate()
         proc.wait(timeout=10)
     assert proc.stdout.read() == b""  # nothing leaks to stdout in TCP mode either
+
+
+def send(writer, obj) -> None:
+    body = json.dumps(obj).encode()
+    writer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+@pytest.mark.asyncio
+async def test_tcp_daemon_outlives_its_clients_one_at_a_time(repo, tiny_model, model_cache):
+    """Guards --tcp as a daemon: a client that drops or exits leaves it listening, the next
+    client starts from a fresh protocol (the last client's buffers are gone), and a
+    client that connects while another is served gets an error answer."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "codecomplete.daemon", "--repo", str(repo),
+                             "--model", str(tiny_model), "--dtype", "float32", "--tcp", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    uri = (repo / "only_in_a_buffer.py").as_uri()
+    complete = {"textDocument": {"uri": uri}, "position": {"line": 1, "character": 11},
+                "context": {"triggerKind": 1}}
+
+    async def connect():
+        for _ in range(200):
+            try:
+                return await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                await asyncio.sleep(0.1)
+        pytest.fail("daemon did not listen on its port")
+
+    async def initialize(reader, writer):
+        init = await asyncio.wait_for(rpc(reader, writer, 1, "initialize", {
+            "processId": None, "rootUri": repo.as_uri(), "capabilities": {}}), 60)
+        send(writer, {"jsonrpc": "2.0", "method": "initialized", "params": {}})
+        return init
+
+    try:
+        # the first client opens a buffer, completes in it, and drops without a word
+        reader, writer = await connect()
+        assert "result" in await initialize(reader, writer)
+        send(writer, {"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {
+            "uri": uri, "languageId": "python", "version": 1, "text": "def add(a, b):\n    return "}}})
+        got = await asyncio.wait_for(rpc(reader, writer, 2, "textDocument/inlineCompletion", complete), 60)
+        assert "items" in got["result"]
+        writer.close()
+        # the next client: a fresh protocol, where that buffer was never opened
+        reader, writer = await connect()
+        assert "result" in await initialize(reader, writer)
+        got = await asyncio.wait_for(rpc(reader, writer, 2, "textDocument/inlineCompletion", complete), 60)
+        assert got["error"]["code"] == -32602 and "does not exist" in got["error"]["message"]
+        # a second client while this one is served
+        other_reader, other_writer = await connect()
+        refused = await initialize(other_reader, other_writer)
+        assert refused["error"]["code"] == -32803 and "another client" in refused["error"]["message"]
+        try:  # closed: an end of file, or a reset where its "initialized" met the closed socket
+            assert await asyncio.wait_for(other_reader.read(), 10) == b""
+        except ConnectionResetError:
+            pass
+        # shutdown and exit end this connection, not the daemon
+        assert (await asyncio.wait_for(rpc(reader, writer, 3, "shutdown", None), 30))["result"] is None
+        send(writer, {"jsonrpc": "2.0", "method": "exit", "params": None})
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        reader, writer = await connect()
+        assert "result" in await initialize(reader, writer)
+        writer.close()
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
