@@ -57,7 +57,8 @@ function setStatus(text: string, tooltip?: string): void {
 
 function clientOptions(): LanguageClientOptions {
   return {
-    documentSelector: [{ scheme: 'file' }, { scheme: 'untitled' }],
+    // notebook cells are documents of their own (each cell completes without the others)
+    documentSelector: [{ scheme: 'file' }, { scheme: 'untitled' }, { scheme: 'vscode-notebook-cell' }],
     initializationOptions: { codecomplete: daemonSettings() },
     outputChannel: output,
     middleware: {
