@@ -763,8 +763,12 @@ def create_server(engine, config: Config, repo: Path | None = None,
     def initialize(ls: CodecompleteServer, params: types.InitializeParams):
         if params.initialization_options:
             ls.apply_settings(params.initialization_options, "initializationOptions")
-        if ls.repo is None and params.root_uri:
-            ls.repo = Path(to_fs_path(params.root_uri) or ".")
+        if ls.repo is None:  # rootUri is deprecated (LSP 3.17): the first workspace folder
+            root = params.root_uri or next((f.uri for f in params.workspace_folders or []
+                                            if f.uri.startswith("file:")), None) or (
+                Path(params.root_path).as_uri() if params.root_path else None)
+            if root and root.startswith("file:"):
+                ls.repo = Path(to_fs_path(root) or ".")
         ls.start_index()
         log.info("client %s, position encoding %s", params.client_info.name if params.client_info else "?",
                  ls.workspace.position_encoding)

@@ -256,6 +256,37 @@ async def test_an_item_on_a_very_long_line_repeats_only_the_word(client, repo, r
     assert item.insert_text == "val" + expected(reference_engine, line, "")
 
 
+@pytest.mark.parametrize("root", ["workspace_folders", "root_path", "not_a_file_uri"])
+async def test_the_repository_comes_from_the_clients_workspace_without_root_uri(repo, tiny_model, model_cache, root):
+    """Guards clients that send no rootUri (deprecated in LSP 3.17): the first file
+    workspace folder, else rootPath, is indexed; a root that is not a file uri indexes
+    nothing (not the daemon's working directory)."""
+    import sys
+
+    from pytest_lsp import make_test_lsp_client
+
+    client = make_test_lsp_client()
+    await client.start_io(sys.executable, "-m", "codecomplete.daemon", "--model", str(tiny_model),
+                          "--dtype", "float32", cwd=str(repo.parent))
+    params = {
+        "workspace_folders": dict(workspace_folders=[
+            T.WorkspaceFolder(uri="vscode-vfs://github/x/y", name="remote"),
+            T.WorkspaceFolder(uri=repo.as_uri(), name="repo")]),
+        "root_path": dict(root_path=str(repo)),
+        "not_a_file_uri": dict(root_uri="vscode-vfs://github/x/y"),
+    }[root]
+    await client.initialize_session(T.InitializeParams(capabilities=T.ClientCapabilities(), **params))
+    try:
+        index = (await stats(client))["index"]
+        if root == "not_a_file_uri":
+            assert index is None
+        else:
+            assert index["root"] == str(repo.resolve())
+    finally:
+        await client.shutdown_session()
+        await client.stop()
+
+
 async def test_close_frees_the_document(client, repo):
     """Guards didClose: the document is gone from the server afterwards."""
     uri = (repo / "scratch.py").as_uri()  # not on disk: only the open buffer knows it
