@@ -31,9 +31,9 @@ MAX_FILE_BYTES = 200_000
 
 
 def cache_root() -> Path:
-    import platformdirs
+    from codecomplete.paths import cache_dir
 
-    return Path(os.environ.get("CODECOMPLETE_CACHE_DIR") or platformdirs.user_cache_dir("codecomplete"))
+    return cache_dir()
 
 
 def common_dir(tokenizer: TokenizerInfo) -> Path:

@@ -43,12 +43,11 @@ MINIFIED_LINE = 1000  # a file whose average line is longer than this is generat
 
 
 def default_index_dir(repo: Path) -> Path:
-    import platformdirs
+    from codecomplete.paths import cache_dir
 
     real = os.path.realpath(repo)
     key = hashlib.sha256(real.encode()).hexdigest()[:12]
-    base = Path(os.environ.get("CODECOMPLETE_CACHE_DIR") or platformdirs.user_cache_dir("codecomplete"))
-    return base / "index" / f"{Path(real).name}-{key}"
+    return cache_dir() / "index" / f"{Path(real).name}-{key}"
 
 
 @dataclass

@@ -60,13 +60,11 @@ class LoadedModel:
 
 
 def cache_dir() -> Path:
-    """Where converted checkpoints live (``CODECOMPLETE_CACHE_DIR`` overrides)."""
-    env = os.environ.get("CODECOMPLETE_CACHE_DIR")
-    if env:
-        return Path(env)
-    import platformdirs
+    """Where converted checkpoints live (``CODECOMPLETE_CACHE_DIR`` overrides; a temporary
+    folder when the cache cannot be written, see ``codecomplete.paths``)."""
+    from codecomplete.paths import cache_dir as shared
 
-    return Path(platformdirs.user_cache_dir("codecomplete"))
+    return shared()
 
 
 def default_model_path() -> Path:

@@ -6,8 +6,8 @@ is ~10 small ops each (16 sequences x 30 layers = ~5k ops a step) whose matmuls 
 call (docs/decisions.md has the measurements).
 
 The shared library is built once per source version and CPU into a cache directory
-(``$CODECOMPLETE_NATIVE_DIR``, else ``$XDG_CACHE_HOME/codecomplete`` or
-``~/.cache/codecomplete``) and reused; building takes about 2 s.  Nothing here is
+(``$CODECOMPLETE_NATIVE_DIR``, else the daemon's cache folder, ``codecomplete.paths``)
+and reused; building takes about 2 s.  Nothing here is
 required: without a C compiler, with ``CODECOMPLETE_NATIVE=0``, or when building fails,
 ``available()`` is False and the model keeps its PyTorch path.
 """
@@ -56,8 +56,9 @@ def _cpu_key() -> str:
 def _cache_dir() -> Path:
     if os.environ.get("CODECOMPLETE_NATIVE_DIR"):
         return Path(os.environ["CODECOMPLETE_NATIVE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "codecomplete"
+    from codecomplete.paths import cache_dir
+
+    return cache_dir()
 
 
 def _build() -> ctypes.CDLL:

@@ -1,0 +1,61 @@
+"""Where the daemon keeps what it builds: converted checkpoints, compiled kernels, indexes.
+
+One place decides, for every part: ``CODECOMPLETE_CACHE_DIR`` if set, else the user cache
+folder (``~/.cache/codecomplete`` on Linux).  When that folder cannot be written (a
+read-only home, a sandboxed editor, a ``HOME`` that does not exist), the daemon falls
+back to a folder of its own under the system's temporary folder, with one warning,
+instead of failing to load its model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_chosen: dict[str, Path] = {}
+
+
+def _writable(path: Path) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+        return True
+    except OSError:
+        return False
+
+
+def preferred_cache_dir() -> Path:
+    env = os.environ.get("CODECOMPLETE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("codecomplete"))
+
+
+def cache_dir() -> Path:
+    """The cache folder, created; a temporary one (with a warning) when the preferred one
+    cannot be written.  Decided once per preferred folder and process."""
+    want = preferred_cache_dir()
+    key = str(want)
+    with _lock:
+        if key in _chosen:
+            return _chosen[key]
+        if _writable(want):
+            got = want
+        else:
+            uid = os.getuid() if hasattr(os, "getuid") else os.getpid()
+            got = Path(tempfile.gettempdir()) / f"codecomplete-cache-{uid}"
+            if not _writable(got):
+                raise OSError(f"no writable cache folder: neither {want} nor {got}")
+            log.warning("cache folder %s is not writable; using %s (set CODECOMPLETE_CACHE_DIR to choose one)",
+                        want, got)
+        _chosen[key] = got
+        return got
