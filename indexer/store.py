@@ -9,6 +9,7 @@ index is built, never silently used.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import time
@@ -94,9 +95,32 @@ def _move_aside(path: Path, reason: str) -> Path:
     return aside
 
 
+@contextlib.contextmanager
+def _opening_lock(path: Path):
+    """Held while a process checks, migrates or moves aside the database: two daemons on
+    one repository (two editor windows) share its index, and without it the second could
+    find a half-made schema, take it for a corrupt file and move the first one's aside."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks here; one daemon per repository
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 def open_store(path: Path) -> "Store":
     """Open (creating, migrating, or rebuilding) the datastore at ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    with _opening_lock(path):
+        return _open_store(path)
+
+
+def _open_store(path: Path) -> "Store":
     rebuilt = None
     for attempt in range(2):
         conn = connect(path)
@@ -167,6 +191,10 @@ class Store:
         ``content`` None only the stat is refreshed (same hash)."""
         c = self.conn
         now = time.time()
+        # IMMEDIATE: the write lock before the first read, so that another daemon's rows
+        # for the same paths (two windows on one repository) are seen and replaced, not
+        # inserted twice (a UNIQUE failure that ended indexing)
+        c.execute("BEGIN IMMEDIATE")
         with c:
             for path in removed:
                 self._delete(path)

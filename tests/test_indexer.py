@@ -554,6 +554,37 @@ def test_without_an_observer_the_repository_is_rescanned(tmp_path: Path, monkeyp
         idx.close()
 
 
+def test_two_daemons_share_one_index_without_failing(tmp_path: Path):
+    """Guards two editor windows on one repository: both daemons open, migrate and fill
+    the same database at once; neither fails (a UNIQUE failure ended one's indexing),
+    neither moves the other's database aside, and the rows are the files on disk."""
+    import threading
+
+    root = tmp_path / "repo"
+    for i in range(300):
+        write(root, f"pkg{i % 7}/m{i}.py", f"def f{i}():\n    return {i}\n" * 20)
+    indexes = [RepoIndex(root, tmp_path / "idx", watch=False) for _ in range(2)]
+    barrier = threading.Barrier(2)
+
+    def build(idx):
+        barrier.wait()
+        idx.build()
+
+    threads = [threading.Thread(target=build, args=(idx,)) for idx in indexes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        for idx in indexes:
+            assert idx.failed is None and idx.store.rebuilt is None
+            assert idx.counts()["files"] == 300
+        assert not list((tmp_path / "idx").glob("index.sqlite.corrupt-*"))
+    finally:
+        for idx in indexes:
+            idx.close()
+
+
 def test_a_new_tokenizer_retokenizes_the_repository(tmp_path: Path, tiny_model: Path):
     from tokenizers import Tokenizer
 
