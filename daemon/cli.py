@@ -11,6 +11,7 @@ import argparse
 import ipaddress
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -88,6 +89,7 @@ def serve(argv: list[str]) -> int:
     engine = Engine(engine_settings(cfg)).start()  # the model loads while the client connects
     server = create_server(engine, cfg, args.repo.resolve() if args.repo else None, cli_settings(args))
     log.info("codecomplete-daemon %s, repo %s", __version__, args.repo)
+    code = 0
     try:
         if args.tcp:
             host, port = args.tcp
@@ -96,11 +98,20 @@ def serve(argv: list[str]) -> int:
             server.serve_tcp(host, port)
         else:
             server.start_io(sys.stdin.buffer, lsp_out)
+            code = server.protocol.exit_code or 0
+    except SystemExit as exc:  # the client's exit: 0 after shutdown, else 1
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
         if server.index is not None:
             server.index.close(timeout=2)
         engine.close(timeout=2)
-    return 0
+        log.info("codecomplete-daemon exits (%d)", code)
+        # Exit now, without the interpreter's teardown: a client that leaves while the
+        # model still loads would otherwise have its loader thread torn down under it
+        # ("terminate called without an active exception", SIGABRT).
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def parse_location(value: str) -> tuple[Path, int, int | None]:

@@ -31,9 +31,11 @@ class _Rejected:
 
 class RobustProtocol(LanguageServerProtocol):
     keep_serving = False  # set by the TCP listener: the daemon outlives its clients
+    exit_code: int | None = None  # what the client's exit asked for (0 after shutdown, else 1)
 
     @lsp_method(types.EXIT)
     def lsp_exit(self, *args):
+        self.exit_code = 0 if self._shutdown else 1  # pygls's own sys.exit may end only a thread
         if not self.keep_serving:
             yield from super().lsp_exit(*args)
             return

@@ -58,3 +58,25 @@ def test_parsers():
     assert parse_tcp("[::1]:9000") == ("::1", 9000)
     assert parse_location("a/b.py:3:4")[1:] == (3, 4)
     assert parse_location("a/b.py:3")[1:] == (3, None)
+
+
+@pytest.mark.parametrize("goodbye", ["eof", "shutdown-exit", "exit"])
+def test_the_daemon_exits_cleanly_when_its_client_leaves_while_the_model_loads(repo, model_cache, goodbye):
+    """Guards an editor closed at once: stdin's end (or exit) while the default model
+    still loads ends the daemon with its status (0, or 1 for exit without shutdown), not
+    SIGABRT from a loader thread torn down under the interpreter."""
+    def frame(obj) -> bytes:
+        body = json.dumps(obj).encode()
+        return b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+    messages = [frame({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                       "params": {"processId": None, "rootUri": repo.as_uri(), "capabilities": {}}})]
+    if goodbye == "shutdown-exit":
+        messages.append(frame({"jsonrpc": "2.0", "id": 2, "method": "shutdown", "params": None}))
+    if goodbye != "eof":
+        messages.append(frame({"jsonrpc": "2.0", "method": "exit", "params": None}))
+    proc = subprocess.run([sys.executable, "-m", "codecomplete.daemon", "--repo", str(repo), "--model", "default"],
+                          input=b"".join(messages), capture_output=True, timeout=120)
+    assert proc.returncode == (1 if goodbye == "exit" else 0), proc.stderr.decode()[-2000:]
+    assert b"terminate called" not in proc.stderr and b"Traceback" not in proc.stderr
+    assert b'"id": 1' in proc.stdout or b'"id":1' in proc.stdout  # initialize was answered
