@@ -714,7 +714,8 @@ class CodecompleteServer(LanguageServer):
         extra = {"recent": list(self.recent)} if recent else {}
         return {**extra,"version": __version__, "counters": self.counters.as_dict(),
                 "engine": self.engine.stats(), "index": self.index.stats() if self.index else None, "open_documents": len(self.workspace.text_documents),
-                "position_encoding": str(self.workspace.position_encoding or "utf-16")}
+                "position_encoding": str(getattr(self.workspace.position_encoding, "value", None)
+                                         or self.workspace.position_encoding or "utf-16")}
 
     def report_server_error(self, error: Exception, source) -> None:
         if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):
@@ -770,8 +771,9 @@ def create_server(engine, config: Config, repo: Path | None = None,
             if root and root.startswith("file:"):
                 ls.repo = Path(to_fs_path(root) or ".")
         ls.start_index()
+        encoding = ls.workspace.position_encoding
         log.info("client %s, position encoding %s", params.client_info.name if params.client_info else "?",
-                 ls.workspace.position_encoding)
+                 getattr(encoding, "value", encoding))
 
     @server.feature(types.INITIALIZED)
     async def initialized(ls: CodecompleteServer, params: types.InitializedParams):

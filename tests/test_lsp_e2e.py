@@ -297,6 +297,7 @@ async def test_close_frees_the_document(client, repo):
         await complete(client, uri, 3, 13)
     s = await stats(client)
     assert s["open_documents"] == 0
+    assert s["position_encoding"] == "utf-16"  # a client that offers none gets LSP's default
 
 
 async def test_telemetry_counts_shown_accepted_rejected(client, repo):
