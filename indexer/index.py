@@ -102,6 +102,13 @@ class RepoIndex:
         self._root_id: tuple[int, int] | None = None
         self._polled_at = time.monotonic()
         self._blind = False  # the last observer failed to start
+        # Re-reading an open buffer (tokens, chunks, definitions) costs ~0.5 s for 1 MB;
+        # done on every keystroke it would keep a core busy beside the engine.  A buffer's
+        # next text is applied no sooner than its last one's cost x (1/share - 1) later;
+        # meanwhile the newest text waits in _deferred (and counts as outstanding work).
+        self.overlay_share = 0.25
+        self._deferred: dict[str, tuple] = {}
+        self._overlay_due: dict[str, float] = {}
         self.want_common = want_common  # load (or build once) the common datastore for the tokenizer
         self.stats_ = IndexStats()
         self.store: Store | None = None
@@ -243,10 +250,18 @@ class RepoIndex:
     def _collect(self) -> list | None:
         """Block for one item, then gather until the queue is quiet (debounce)."""
         while True:
+            timeout = self.check_s
+            if self._deferred:
+                soonest = min(self._overlay_due.get(k, 0.0) for k in self._deferred)
+                timeout = max(0.0, min(timeout, soonest - time.monotonic()))
             try:
-                item = self._queue.get(timeout=self.check_s)
+                item = self._queue.get(timeout=timeout)
                 break
             except queue.Empty:
+                now = time.monotonic()
+                due = [k for k in self._deferred if self._overlay_due.get(k, 0.0) <= now]
+                if due:  # held-back buffer texts whose turn has come (counted busy already)
+                    return [("overlay", self._deferred.pop(k)) for k in due]
                 try:
                     self._check_watcher()
                 except Exception:  # never a reason to stop indexing
@@ -287,8 +302,10 @@ class RepoIndex:
                     self._ensure_common()
             elif kind == "overlay":
                 if overlays[value[0]] is value:  # only the newest text of each buffer
-                    self._set_overlay(*value)
+                    self._overlay_now_or_later(value)
             elif kind == "unoverlay":
+                self._forget_deferred(value)
+                self._overlay_due.pop(value, None)
                 self._drop_overlay(value)
         if rescan:
             self.rules = Rules(self.root, self.rules.max_bytes)
@@ -520,6 +537,26 @@ class RepoIndex:
         self.common = seg
 
     # -- open buffers ------------------------------------------------------------------
+    def _overlay_now_or_later(self, value: tuple) -> None:
+        key = value[0]
+        if time.monotonic() < self._overlay_due.get(key, 0.0):
+            if key not in self._deferred:
+                with self._idle:
+                    self._busy += 1  # outstanding until applied or dropped
+            self._deferred[key] = value
+            return
+        self._forget_deferred(key)  # this text is newer than the one held back
+        t0 = time.perf_counter()
+        self._set_overlay(*value)
+        cost = time.perf_counter() - t0
+        self._overlay_due[key] = time.monotonic() + cost * (1 / self.overlay_share - 1)
+
+    def _forget_deferred(self, key: str) -> None:
+        if self._deferred.pop(key, None) is not None:
+            with self._idle:
+                self._busy -= 1
+                self._idle.notify_all()
+
     def _set_overlay(self, key: str, text: str) -> None:
         language = language_of(key)
         chunks = snip.chunks(text)

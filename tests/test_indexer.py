@@ -407,6 +407,49 @@ def test_open_buffer_overlays_the_disk(tmp_path: Path, tokenizer: TokenizerInfo)
         idx.close()
 
 
+def test_a_costly_buffer_is_reread_at_most_a_share_of_the_time_and_ends_current(tmp_path: Path, monkeypatch):
+    """Guards typing in a 1 MB buffer: re-reading it (0.5 s) on every keystroke would keep a
+    core busy beside the engine.  While texts keep coming the worker spends about a quarter
+    of its time on them (it was all of it); the newest is applied once its turn comes,
+    wait_idle waits for it, and a buffer closed meanwhile is not applied afterwards."""
+    root = tmp_path / "repo"
+    write(root, "a.py", "a = 1\n")
+    idx = RepoIndex(root, tmp_path / "idx", watch=False, debounce_ms=1, max_delay_ms=1)
+    applied: list[tuple[str, float, float]] = []
+    real = idx._set_overlay
+
+    def slow(key, text):
+        t0 = time.monotonic()
+        time.sleep(0.05)
+        real(key, text)
+        applied.append((text, t0, time.monotonic()))
+
+    monkeypatch.setattr(idx, "_set_overlay", slow)
+    idx.start()
+    try:
+        assert idx.ready.wait(10)
+        texts = [f"x = {i}\n" for i in range(60)]
+        for text in texts:
+            idx.overlay(root / "a.py", text)
+            time.sleep(0.01)
+        assert idx.wait_idle()
+        assert applied[-1][0] == texts[-1] and idx.overlays["a.py"].text == texts[-1]
+        busy = sum(end - start for _, start, end in applied[:-1])
+        span = applied[-1][1] - applied[0][1]
+        assert len(applied) >= 3 and busy / span < 0.5, (len(applied), busy, span)
+        # a buffer closed while a text of it is held back stays closed
+        idx.overlay(root / "a.py", "y = 1\n")
+        idx.overlay(root / "a.py", "y = 2\n")
+        time.sleep(0.002)
+        idx.overlay(root / "a.py", "y = 3\n")
+        idx.close_overlay(root / "a.py")
+        assert idx.wait_idle()
+        time.sleep(0.3)
+        assert "a.py" not in idx.overlays
+    finally:
+        idx.close()
+
+
 def test_restart_maps_the_saved_draft_index_and_applies_changes(tmp_path: Path, tokenizer: TokenizerInfo):
     root = tmp_path / "repo"
     for i in range(10):
