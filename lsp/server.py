@@ -40,6 +40,7 @@ from codecomplete.model.api import Completion, CompletionRequest
 
 from .documents import PositionError, cursor_at, offset_at, position_at
 from .protocol import RobustProtocol
+from .workspace import lsp_workspace
 
 log = logging.getLogger(__name__)
 
@@ -762,6 +763,8 @@ def create_server(engine, config: Config, repo: Path | None = None,
 
     @server.feature(types.INITIALIZE)
     def initialize(ls: CodecompleteServer, params: types.InitializeParams):
+        # edits at LSP's line breaks, not str.splitlines' (lsp/workspace.py)
+        ls.protocol._workspace = lsp_workspace(params, ls.workspace, ls._text_document_sync_kind)
         if params.initialization_options:
             ls.apply_settings(params.initialization_options, "initializationOptions")
         if ls.repo is None:  # rootUri is deprecated (LSP 3.17): the first workspace folder

@@ -287,6 +287,20 @@ async def test_the_repository_comes_from_the_clients_workspace_without_root_uri(
         await client.stop()
 
 
+async def test_edits_below_a_form_feed_land_on_the_lines_the_client_means(client, repo, reference_engine):
+    """Guards LSP's line breaks (\\n, \\r\\n, \\r only): pygls split lines at form feeds
+    and U+2028 too, so every edit below one landed a line off and the daemon's buffer
+    drifted from the editor's."""
+    head = "# page one\x0c page two, s = '\u2028'\n"
+    uri = (repo / "formfeed.py").as_uri()
+    open_doc(client, uri, head + POINT)
+    row = (head + POINT).count("\n")  # the cursor's line, as the client counts
+    insert(client, uri, 2, row, len(LAST), "x")
+    insert(client, uri, 3, row, len(LAST) + 1, "_")
+    items = await complete(client, uri, row, len(LAST) + 2)
+    assert proposed(items, LAST + "x_") == [expected(reference_engine, head + POINT + "x_", "")]
+
+
 async def test_close_frees_the_document(client, repo):
     """Guards didClose: the document is gone from the server afterwards."""
     uri = (repo / "scratch.py").as_uri()  # not on disk: only the open buffer knows it

@@ -1,0 +1,51 @@
+"""pygls's workspace with edits applied at LSP's own line breaks.
+
+pygls splits a document into lines with ``str.splitlines``, which also breaks at form feed,
+vertical tab, U+2028 and a few more characters; LSP breaks lines only at ``\\n``, ``\\r\\n``
+and ``\\r``.  In a file with a form feed (GNU C sources, Python's standard library) or a
+U+2028 in a string, every incremental edit below that character landed on the wrong line,
+and the daemon's copy of the buffer drifted from the editor's for good.  Here an edit is
+spliced at the offsets ``documents.offset_at`` computes, the same conversion the
+completion requests use, which also skips pygls's split of the whole document on every
+keystroke (12 ms for 900 kB).
+"""
+
+from __future__ import annotations
+
+from lsprotocol import types
+from pygls.workspace import TextDocument, Workspace
+
+from .documents import PositionError, offset_at
+
+
+def _offset(text: str, position: types.Position, encoding: str) -> int:
+    """A lenient offset for an edit: a line past the end is the end of the document."""
+    try:
+        return offset_at(text, max(position.line, 0), max(position.character, 0), encoding)
+    except PositionError:
+        return len(text)
+
+
+class LspTextDocument(TextDocument):
+    def _apply_incremental_change(self, change: types.TextDocumentContentChangePartial) -> None:
+        text = self.source
+        encoding = str(getattr(self.position_codec.encoding, "value", self.position_codec.encoding) or "utf-16")
+        start = _offset(text, change.range.start, encoding)
+        end = max(start, _offset(text, change.range.end, encoding))
+        self._source = text[:start] + change.text + text[end:]
+
+
+class LspWorkspace(Workspace):
+    def _create_text_document(self, doc_uri, source=None, version=None, language_id=None) -> TextDocument:
+        return LspTextDocument(doc_uri, source=source, version=version, language_id=language_id,
+                               sync_kind=self._sync_kind, position_codec=self._position_codec)
+
+
+def lsp_workspace(params: types.InitializeParams, like: Workspace, sync_kind) -> LspWorkspace:
+    """The workspace pygls made at ``initialize`` (``like``), as an LspWorkspace."""
+    root_uri = params.root_uri
+    if root_uri is None and params.root_path is not None:
+        from pygls.uris import from_fs_path
+
+        root_uri = from_fs_path(params.root_path)
+    return LspWorkspace(root_uri, sync_kind, params.workspace_folders or [], like.position_encoding)
