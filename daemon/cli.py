@@ -12,6 +12,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -147,7 +148,9 @@ def complete(argv: list[str]) -> int:
     cfg = build_config(args)
     try:
         text = read_source(path, cfg.completion.max_document_bytes)
-        lines = text.splitlines() or [""]
+        lines = re.split(r"\r\n|\r|\n", text)  # LSP's line breaks, as editors number lines
+        if len(lines) > 1 and lines[-1] == "":
+            lines.pop()  # a final newline does not start a line of its own
         if not 1 <= line <= len(lines):
             raise PositionError(f"line {line} is outside {path} (1-{len(lines)})")
         column = len(lines[line - 1]) if col is None else col - 1

@@ -47,6 +47,15 @@ def test_complete_bad_input_exits_2_with_a_reason(repo, tiny_model, location, me
     assert out.returncode == 2 and message in out.stderr and out.stdout == ""
 
 
+def test_complete_counts_lines_as_editors_do(repo, tiny_model):
+    """Guards line numbers: LSP's line breaks only (a form feed does not end a line)."""
+    (repo / "ff.py").write_text("x = 1\x0c  # page\ndef f(a, b):\n    return \n")
+    out = run("complete", "--repo", str(repo), "ff.py:4:1", "--model", str(tiny_model))
+    assert out.returncode == 2 and "line 4 is outside" in out.stderr and "(1-3)" in out.stderr
+    out = run("complete", "--repo", str(repo), "ff.py:3", "--model", str(tiny_model), "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["line"] == 3
+
+
 def test_complete_missing_model_exits_1(repo, tmp_path):
     out = run("complete", "--repo", str(repo), "util.py:1:1", "--model", str(tmp_path / "gone"))
     assert out.returncode == 1 and "model not found" in out.stderr
