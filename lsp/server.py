@@ -294,8 +294,16 @@ class CodecompleteServer(LanguageServer):
         try:
             uri = params["textDocument"]["uri"]
             line, character = params["position"]["line"], params["position"]["character"]
-        except (KeyError, TypeError) as exc:
+            if not (isinstance(uri, str) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                 for v in (line, character))):
+                raise TypeError("uri must be a string, line and character integers >= 0")
+        except (KeyError, TypeError, IndexError) as exc:
             raise JsonRpcInvalidParams(f"{RETRIEVE_REQUEST} wants textDocument.uri and position: {exc}") from exc
+        try:
+            limit = min(50, max(1, int(params.get("limit") or 3)))
+            draft_len = min(64, max(1, int(params.get("draftLength") or 8)))
+        except (TypeError, ValueError) as exc:
+            raise JsonRpcInvalidParams(f"{RETRIEVE_REQUEST}: limit and draftLength must be integers") from exc
         text = self.document_text(uri)
         encoding = self.workspace.position_encoding or "utf-16"
         try:
@@ -308,14 +316,12 @@ class CodecompleteServer(LanguageServer):
             return out
         path = to_fs_path(uri) if uri.startswith("file:") else uri
         out["ready"] = index.ready.is_set()
-        limit = int(params.get("limit") or 3)
         for sn in index.snippets(path, text, cursor.offset, limit=limit,
                                  budget_ms=self.config.index.snippet_budget_ms):
             out["snippets"].append({"path": sn.path, "startLine": sn.start_line, "endLine": sn.end_line,
                                     "text": sn.text, "reason": sn.reason, "score": round(sn.score, 3)})
         tok = index.tokenizer
         if tok is not None:
-            draft_len = int(params.get("draftLength") or 8)
             context = tok.encode(cursor.prefix[-2000:]).tolist()
             # Token healing: the last token may be a fragment of what the repository
             # spells as one token (" " before "handle"): look up without it and keep the

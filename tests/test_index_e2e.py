@@ -42,6 +42,25 @@ async def until(fn, timeout: float = 30.0):
 
 
 @ASYNC
+async def test_retrieve_with_malformed_params_answers_invalid_params(client, repo):
+    """Guards the custom request: its params are not checked by lsprotocol's types."""
+    from pygls.exceptions import JsonRpcException
+
+    good = {"textDocument": {"uri": (repo / "util.py").as_uri()}, "position": {"line": 0, "character": 0}}
+    bad = [{}, [], {"textDocument": [], "position": {}}, {**good, "textDocument": {"uri": ["x"]}},
+           {**good, "position": {"line": "1", "character": 0}}, {**good, "position": {"line": -1, "character": 0}},
+           {**good, "position": {"line": True, "character": 0}}, {**good, "limit": "many"}, {**good, "draftLength": "long"}]
+    for params in bad:
+        try:
+            got = await client.protocol.send_request_async("codecomplete/retrieve", params)
+        except JsonRpcException as err:
+            assert err.code == -32602, params
+        else:
+            pytest.fail(f"{params} answered {got}")
+    assert "snippets" in plain(await client.protocol.send_request_async("codecomplete/retrieve", good))
+
+
+@ASYNC
 async def test_retrieval_sees_unsaved_buffers_and_saved_files(client, repo):
     """Guards parts 3-5: the watcher, the open-buffer overlay, snippets and drafts."""
     data = await until(lambda: _ready(client))
