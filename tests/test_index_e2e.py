@@ -49,7 +49,8 @@ async def test_retrieve_with_malformed_params_answers_invalid_params(client, rep
     good = {"textDocument": {"uri": (repo / "util.py").as_uri()}, "position": {"line": 0, "character": 0}}
     bad = [{}, [], {"textDocument": [], "position": {}}, {**good, "textDocument": {"uri": ["x"]}},
            {**good, "position": {"line": "1", "character": 0}}, {**good, "position": {"line": -1, "character": 0}},
-           {**good, "position": {"line": True, "character": 0}}, {**good, "limit": "many"}, {**good, "draftLength": "long"}]
+           {**good, "position": {"line": True, "character": 0}}, {**good, "limit": "many"},
+           {**good, "draftLength": "long"}]
     for params in bad:
         try:
             got = await client.protocol.send_request_async("codecomplete/retrieve", params)
