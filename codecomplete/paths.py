@@ -59,3 +59,22 @@ def cache_dir() -> Path:
                         want, got)
         _chosen[key] = got
         return got
+
+
+def staging_dir(out: Path, stale_s: float = 600.0) -> Path:
+    """A fresh temporary folder beside ``out``, to be renamed onto it when complete.
+    Folders left by a process that was stopped while it wrote (an editor closed during the
+    first start) are removed once older than ``stale_s``; they hold a whole checkpoint."""
+    import shutil
+    import time
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    for old in out.parent.glob(out.name + ".*"):
+        try:
+            if old.is_dir() and now - old.stat().st_mtime > stale_s:
+                shutil.rmtree(old, ignore_errors=True)
+                log.info("removed %s, left half-written by a stopped process", old)
+        except OSError:
+            pass
+    return Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))

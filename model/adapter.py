@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -104,8 +103,9 @@ def merged_checkpoint(path: Path, base: Path, cache: Path) -> Path:
                                f"{(b.shape[0], a.shape[1])} in the adapter")
         with torch.no_grad():
             lin.weight += b.float() @ a.float()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    from codecomplete.paths import staging_dir
+
+    tmp = staging_dir(out)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)

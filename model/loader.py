@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,8 +134,9 @@ def convert_gguf(gguf: Path) -> Path:
                                                      dtype=torch.float32)
     except Exception as exc:  # transformers raises many types for a bad file
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {exc}") from exc
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    from codecomplete.paths import staging_dir
+
+    tmp = staging_dir(out)
     try:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:

@@ -39,3 +39,22 @@ def test_the_model_index_and_kernel_caches_share_the_folder(tmp_path, monkeypatc
     monkeypatch.delenv("CODECOMPLETE_NATIVE_DIR", raising=False)
     assert cache_dir() == cache_root() == native._cache_dir() == tmp_path / "c"
     assert default_index_dir(tmp_path).parent == tmp_path / "c" / "index"
+
+
+def test_staging_folders_left_by_a_stopped_process_are_removed_when_stale(tmp_path):
+    """Guards the cache's size: a daemon stopped while converting the model left a whole
+    checkpoint in a temporary folder; the next conversion removes such folders once old,
+    and leaves a young one (another process may be writing it)."""
+    import os
+    import time
+
+    out = tmp_path / "models" / "smollm2-abc"
+    stale, young = out.with_name(out.name + ".old1"), out.with_name(out.name + ".new1")
+    for d in (stale, young):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"\0" * 1000)
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    got = paths.staging_dir(out)
+    assert got.is_dir() and got.parent == out.parent and got.name.startswith(out.name + ".")
+    assert not stale.exists() and young.exists() and not out.exists()
