@@ -154,6 +154,7 @@ class CodecompleteServer(LanguageServer):
                          text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
         self.engine = engine
         self.config = config
+        self.startup_config = config  # what a new TCP client starts from
         self.repo = repo
         self.cli_settings = cli_settings or {}
         self.counters = Counters()
@@ -216,14 +217,17 @@ class CodecompleteServer(LanguageServer):
             pass
 
     def end_connection(self) -> None:
-        """Forget what the client that left had open: its requests stop, its buffers no
-        longer overlay the index (the files on disk count again)."""
+        """Forget what the client that left had open: its requests stop, its settings are
+        undone, its buffers no longer overlay the index (the files on disk count again)."""
         for pending in list(self.pending.values()):
             pending.stale = True
             pending.request.cancel.set()
         self.pending.clear()
         self._contexts.clear()
         self.shown.clear()
+        if self.config != self.startup_config:  # its settings were its own
+            self.config = self.startup_config
+            self.engine.configure(engine_settings(self.config))
         try:
             uris = list(self.workspace.text_documents)
         except RuntimeError:  # never initialized

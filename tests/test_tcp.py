@@ -69,8 +69,8 @@ def send(writer, obj) -> None:
 @pytest.mark.asyncio
 async def test_tcp_daemon_outlives_its_clients_one_at_a_time(repo, tiny_model, model_cache):
     """Guards --tcp as a daemon: a client that drops or exits leaves it listening, the next
-    client starts from a fresh protocol (the last client's buffers are gone), and a
-    client that connects while another is served gets an error answer."""
+    client starts from a fresh protocol (the last client's buffers and settings are gone),
+    and a client that connects while another is served gets an error answer."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "codecomplete.daemon", "--repo", str(repo),
                              "--model", str(tiny_model), "--dtype", "float32", "--tcp", str(port)],
@@ -87,24 +87,31 @@ async def test_tcp_daemon_outlives_its_clients_one_at_a_time(repo, tiny_model, m
                 await asyncio.sleep(0.1)
         pytest.fail("daemon did not listen on its port")
 
-    async def initialize(reader, writer):
+    async def initialize(reader, writer, options=None):
         init = await asyncio.wait_for(rpc(reader, writer, 1, "initialize", {
-            "processId": None, "rootUri": repo.as_uri(), "capabilities": {}}), 60)
+            "processId": None, "rootUri": repo.as_uri(), "capabilities": {},
+            "initializationOptions": options}), 60)
         send(writer, {"jsonrpc": "2.0", "method": "initialized", "params": {}})
         return init
 
     try:
-        # the first client opens a buffer, completes in it, and drops without a word
+        # the first client turns speculation off, opens a buffer, completes in it, and
+        # drops without a word
         reader, writer = await connect()
-        assert "result" in await initialize(reader, writer)
+        assert "result" in await initialize(reader, writer, {"codecomplete": {"speculation": {"enabled": False}}})
+        stats = await asyncio.wait_for(rpc(reader, writer, 9, "codecomplete/stats", {}), 30)
+        assert stats["result"]["engine"]["speculation"] is False
         send(writer, {"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {
             "uri": uri, "languageId": "python", "version": 1, "text": "def add(a, b):\n    return "}}})
         got = await asyncio.wait_for(rpc(reader, writer, 2, "textDocument/inlineCompletion", complete), 60)
         assert "items" in got["result"]
         writer.close()
-        # the next client: a fresh protocol, where that buffer was never opened
+        # the next client: a fresh protocol and the daemon's own settings, where that
+        # buffer was never opened
         reader, writer = await connect()
         assert "result" in await initialize(reader, writer)
+        stats = await asyncio.wait_for(rpc(reader, writer, 9, "codecomplete/stats", {}), 30)
+        assert stats["result"]["engine"]["speculation"] is True
         got = await asyncio.wait_for(rpc(reader, writer, 2, "textDocument/inlineCompletion", complete), 60)
         assert got["error"]["code"] == -32602 and "does not exist" in got["error"]["message"]
         # a second client while this one is served
