@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -65,9 +67,6 @@ def staging_dir(out: Path, stale_s: float = 600.0) -> Path:
     """A fresh temporary folder beside ``out``, to be renamed onto it when complete.
     Folders left by a process that was stopped while it wrote (an editor closed during the
     first start) are removed once older than ``stale_s``; they hold a whole checkpoint."""
-    import shutil
-    import time
-
     out.parent.mkdir(parents=True, exist_ok=True)
     now = time.time()
     for old in out.parent.glob(out.name + ".*"):

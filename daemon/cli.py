@@ -12,7 +12,6 @@ import ipaddress
 import json
 import logging
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -138,7 +137,7 @@ def complete(argv: list[str]) -> int:
     args = p.parse_args(argv)
     setup_logging(args.verbose, args.log_file, quiet=True)
     from codecomplete.indexer.files import SourceError, read_source
-    from codecomplete.lsp.documents import PositionError, cursor_at
+    from codecomplete.lsp.documents import PositionError, cursor_at, split_lines
 
     path, line, col = args.location
     if args.repo is None:
@@ -148,7 +147,7 @@ def complete(argv: list[str]) -> int:
     cfg = build_config(args)
     try:
         text = read_source(path, cfg.completion.max_document_bytes)
-        lines = re.split(r"\r\n|\r|\n", text)  # LSP's line breaks, as editors number lines
+        lines = split_lines(text)  # as editors number lines
         if len(lines) > 1 and lines[-1] == "":
             lines.pop()  # a final newline does not start a line of its own
         if not 1 <= line <= len(lines):

@@ -19,6 +19,18 @@ class PositionError(ValueError):
     """A position that does not exist in the document."""
 
 
+def encoding_name(encoding) -> str:
+    """The negotiated position encoding as LSP spells it: pygls hands over either a str or
+    a PositionEncodingKind, whose str() is "PositionEncodingKind.Utf16"."""
+    return str(getattr(encoding, "value", encoding) or "utf-16")
+
+
+def split_lines(text: str) -> list[str]:
+    """The lines of ``text`` at LSP's line breaks (not str.splitlines', which also breaks
+    at form feeds and U+2028)."""
+    return _EOL.split(text)
+
+
 def _units(ch: str, encoding: str) -> int:
     cp = ord(ch)
     if encoding == "utf-8":

@@ -38,7 +38,7 @@ from codecomplete.daemon.config import Config, editor_settings, engine_settings,
 from codecomplete.indexer.files import SourceError, language_of, read_source
 from codecomplete.model.api import Completion, CompletionRequest
 
-from .documents import PositionError, cursor_at, offset_at, position_at
+from .documents import PositionError, cursor_at, encoding_name, offset_at, position_at
 from .protocol import RobustProtocol
 from .workspace import lsp_workspace
 
@@ -177,6 +177,7 @@ class CodecompleteServer(LanguageServer):
         from pygls.io_ import run_async
 
         self.protocol.keep_serving = True
+        busy = asyncio.Lock()  # bound to the loop on first use
 
         async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = writer.get_extra_info("peername")
@@ -203,14 +204,11 @@ class CodecompleteServer(LanguageServer):
                 busy.release()
 
         async def main() -> None:
-            nonlocal busy
-            busy = asyncio.Lock()
             listener = await asyncio.start_server(connection, host, port)
             log.info("listening on %s", ", ".join(str(s.getsockname()) for s in listener.sockets))
             async with listener:
                 await listener.serve_forever()
 
-        busy: asyncio.Lock
         try:
             asyncio.run(main())
         except KeyboardInterrupt:
@@ -286,7 +284,7 @@ class CodecompleteServer(LanguageServer):
         which no tokenizer takes; it becomes U+FFFD, one code unit in UTF-16 as it was,
         so positions still match the client's."""
         docs = self.workspace.text_documents
-        doc = docs.get(unquote(uri)) or docs.get(uri)
+        doc = docs.get(unquote(uri))
         if doc is None:
             return None
         return without_lone_surrogates(doc.source)
@@ -630,9 +628,8 @@ class CodecompleteServer(LanguageServer):
         text, cursor = ans.text, ans.cursor
         if cursor.offset - cursor.line_start <= ECHO_CHARS:
             return cursor.line_start
-        word, floor = cursor.offset, max(cursor.line_start, cursor.offset - ECHO_CHARS)
-        while word > floor and (text[word - 1].isalnum() or text[word - 1] == "_"):
-            word -= 1
+        floor = max(cursor.line_start, cursor.offset - ECHO_CHARS)
+        word = _word_start(text, cursor.offset, floor)
         return word if word > floor else cursor.offset
 
     def _menu_items(self, ans: Answer) -> list:
@@ -640,10 +637,7 @@ class CodecompleteServer(LanguageServer):
         items by it) with that word and the completion, inserted as is (no re-indenting);
         the label is its first line, the documentation the whole text."""
         text, cursor, uri = ans.text, ans.cursor, ans.uri
-        word = cursor.offset
-        while word > cursor.line_start and (text[word - 1].isalnum() or text[word - 1] == "_"):
-            word -= 1
-        insert, rng = self._edit(ans, word)
+        insert, rng = self._edit(ans, _word_start(text, cursor.offset, cursor.line_start))
         lines = insert.split("\n")
         label = lines[0].strip() or insert.strip().split("\n")[0]
         if len(label) > 80:
@@ -725,8 +719,7 @@ class CodecompleteServer(LanguageServer):
         extra = {"recent": list(self.recent)} if recent else {}
         return {**extra,"version": __version__, "counters": self.counters.as_dict(),
                 "engine": self.engine.stats(), "index": self.index.stats() if self.index else None, "open_documents": len(self.workspace.text_documents),
-                "position_encoding": str(getattr(self.workspace.position_encoding, "value", None)
-                                         or self.workspace.position_encoding or "utf-16")}
+                "position_encoding": encoding_name(self.workspace.position_encoding)}
 
     def report_server_error(self, error: Exception, source) -> None:
         if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):
@@ -744,6 +737,13 @@ def plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
     return value
+
+
+def _word_start(text: str, offset: int, floor: int) -> int:
+    """Where the identifier that ends at ``offset`` starts, not before ``floor``."""
+    while offset > floor and (text[offset - 1].isalnum() or text[offset - 1] == "_"):
+        offset -= 1
+    return offset
 
 
 def _range(text: str, start: int, end: int, encoding: str) -> types.Range:
@@ -774,7 +774,7 @@ def create_server(engine, config: Config, repo: Path | None = None,
     @server.feature(types.INITIALIZE)
     def initialize(ls: CodecompleteServer, params: types.InitializeParams):
         # edits at LSP's line breaks, not str.splitlines' (lsp/workspace.py)
-        ls.protocol._workspace = lsp_workspace(params, ls.workspace, ls._text_document_sync_kind)
+        ls.protocol._workspace = lsp_workspace(ls.workspace, ls._text_document_sync_kind)
         if params.initialization_options:
             ls.apply_settings(params.initialization_options, "initializationOptions")
         if ls.repo is None:  # rootUri is deprecated (LSP 3.17): the first workspace folder
@@ -784,9 +784,8 @@ def create_server(engine, config: Config, repo: Path | None = None,
             if root and root.startswith("file:"):
                 ls.repo = Path(to_fs_path(root) or ".")
         ls.start_index()
-        encoding = ls.workspace.position_encoding
         log.info("client %s, position encoding %s", params.client_info.name if params.client_info else "?",
-                 getattr(encoding, "value", encoding))
+                 encoding_name(ls.workspace.position_encoding))
 
     @server.feature(types.INITIALIZED)
     async def initialized(ls: CodecompleteServer, params: types.InitializedParams):

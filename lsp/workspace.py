@@ -15,7 +15,7 @@ from __future__ import annotations
 from lsprotocol import types
 from pygls.workspace import TextDocument, Workspace
 
-from .documents import PositionError, offset_at
+from .documents import PositionError, encoding_name, offset_at
 
 
 def _offset(text: str, position: types.Position, encoding: str) -> int:
@@ -29,7 +29,7 @@ def _offset(text: str, position: types.Position, encoding: str) -> int:
 class LspTextDocument(TextDocument):
     def _apply_incremental_change(self, change: types.TextDocumentContentChangePartial) -> None:
         text = self.source
-        encoding = str(getattr(self.position_codec.encoding, "value", self.position_codec.encoding) or "utf-16")
+        encoding = encoding_name(self.position_codec.encoding)
         start = _offset(text, change.range.start, encoding)
         end = max(start, _offset(text, change.range.end, encoding))
         self._source = text[:start] + change.text + text[end:]
@@ -41,11 +41,6 @@ class LspWorkspace(Workspace):
                                sync_kind=self._sync_kind, position_codec=self._position_codec)
 
 
-def lsp_workspace(params: types.InitializeParams, like: Workspace, sync_kind) -> LspWorkspace:
+def lsp_workspace(like: Workspace, sync_kind) -> LspWorkspace:
     """The workspace pygls made at ``initialize`` (``like``), as an LspWorkspace."""
-    root_uri = params.root_uri
-    if root_uri is None and params.root_path is not None:
-        from pygls.uris import from_fs_path
-
-        root_uri = from_fs_path(params.root_path)
-    return LspWorkspace(root_uri, sync_kind, params.workspace_folders or [], like.position_encoding)
+    return LspWorkspace(like.root_uri, sync_kind, list(like.folders.values()), like.position_encoding)
