@@ -89,6 +89,9 @@ class IndexConfig:
     debounce_ms: int = field(default=50, metadata=_range(0, 10000))  # quiet time before a reconcile
     common: bool = True  # the common-code datastore (built once per tokenizer, memory-mapped)
     snippet_budget_ms: int = field(default=40, metadata=_range(1, 5000))
+    # the client's other workspace folders (multi-root workspaces) are indexed too
+    workspace_folders: bool = True
+    max_folders: int = field(default=8, metadata=_range(1, 64))  # folders indexed at most, the repository's included
 
 
 @dataclass

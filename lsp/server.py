@@ -36,6 +36,7 @@ from pygls.uris import to_fs_path
 from codecomplete import __version__
 from codecomplete.daemon.config import Config, editor_settings, engine_settings, merge
 from codecomplete.indexer.files import SourceError, language_of, read_source
+from codecomplete.indexer.folders import Folders
 from codecomplete.model.api import Completion, CompletionRequest
 
 from .documents import PositionError, cursor_at, encoding_name, offset_at, position_at
@@ -162,10 +163,11 @@ class CodecompleteServer(LanguageServer):
         self.issued: OrderedDict[str, dict] = OrderedDict()  # completion id -> info
         self._ids = itertools.count(1)
         self._told_unavailable = False
-        self.index = None  # the RepoIndex, once the repository is known
-        self._contexts: dict[str, tuple[int, str]] = {}
+        # the RepoIndex of each workspace folder, once known; the repository's is the primary
+        self.folders = Folders(self._make_index, config.index.max_folders)
+        self._contexts: dict[str, tuple[int, str]] = {}  # uri -> (line block, rendered snippets)
         self.shown: dict[str, Shown] = {}  # uri -> the last completion answered there
-        self.recent: deque = deque(maxlen=4096)  # per-request records for the replay harness  # uri -> (line block, rendered snippets)
+        self.recent: deque = deque(maxlen=4096)  # per-request records for the replay harness
 
     # -- TCP: one client at a time, the daemon outlives each ----------------------------
     def serve_tcp(self, host: str, port: int) -> None:
@@ -232,47 +234,96 @@ class CodecompleteServer(LanguageServer):
             uris = []
         for uri in uris:
             self.overlay(uri, closed=True)
+        self.folders.close_secondary()  # the next client brings its own folders
 
     # -- the repository index ----------------------------------------------------------
-    def start_index(self) -> None:
-        cfg = self.config.index
-        if self.index is not None or not cfg.enabled or self.repo is None:
-            return
-        if not Path(self.repo).is_dir():
-            log.warning("repository %s is not a directory; no index", self.repo)
-            return
-        from codecomplete.indexer.index import RepoIndex
+    @property
+    def index(self):
+        """The repository's RepoIndex (the first folder's), or None."""
+        return self.folders.primary
 
+    def start_index(self, folders: list[Path] = ()) -> None:
+        """Index the repository, and the client's other workspace folders when
+        ``index.workspace_folders`` is on."""
+        cfg = self.config.index
+        if not cfg.enabled:
+            return
+        if self.index is None:
+            if self.repo is None:
+                return
+            if not Path(self.repo).is_dir():
+                log.warning("repository %s is not a directory; no index", self.repo)
+                return
+            if self.folders.add(Path(self.repo)) is None:
+                return
+            if hasattr(self.engine, "set_retriever"):  # drafts for retrieval speculation
+                self.engine.set_retriever(self.folders.lookup)
+            listeners = getattr(self.engine, "on_load", None)
+            if listeners is not None:
+                listeners.append(self._tokenizer_loaded)
+            lm = getattr(self.engine, "lm", None)
+            if lm is not None:
+                self._tokenizer_loaded(lm)
+        if cfg.workspace_folders:
+            for folder in folders:
+                self.folders.add(folder)
+
+    def _make_index(self, root: Path, primary: bool):
+        from codecomplete.indexer.index import RepoIndex, default_index_dir
+
+        cfg = self.config.index
         index_dir = Path(self.config.index_dir).expanduser() if self.config.index_dir else None
-        self.index = RepoIndex(Path(self.repo), index_dir, max_file_bytes=cfg.max_file_bytes,
-                               watch=cfg.watch, debounce_ms=cfg.debounce_ms, want_common=cfg.common).start()
-        log.info("indexing %s into %s", self.repo, self.index.db_path)
-        if hasattr(self.engine, "set_retriever"):  # drafts for retrieval speculation
-            self.engine.set_retriever(self.index.lookup)
-        listeners = getattr(self.engine, "on_load", None)
-        if listeners is not None:
-            listeners.append(self._tokenizer_loaded)
-        lm = getattr(self.engine, "lm", None)
-        if lm is not None:
-            self._tokenizer_loaded(lm)
+        if index_dir is not None and not primary:  # a configured folder holds the repository's index
+            index_dir = index_dir / "folders" / default_index_dir(root).name
+        index = RepoIndex(root, index_dir, max_file_bytes=cfg.max_file_bytes, watch=cfg.watch,
+                          debounce_ms=cfg.debounce_ms, want_common=cfg.common and primary).start()
+        log.info("indexing %s into %s", root, index.db_path)
+        return index
+
+    def change_folders(self, added: list[Path], removed: list[Path]) -> None:
+        """workspace/didChangeWorkspaceFolders: index the new folders, close the removed
+        ones' indexes; open buffers move to the index of the folder that now holds them."""
+        if not self.config.index.enabled or not self.config.index.workspace_folders:
+            return
+        before = {uri: self.folders.for_path(to_fs_path(uri)) for uri in self._open_file_uris()}
+        for folder in removed:
+            self.folders.remove(folder)
+        if self.index is None and self.repo is None:  # no repository yet: the first folder is it
+            self.repo = next((f for f in added if f.is_dir()), None)
+        self.start_index(added)
+        for uri, old in before.items():
+            path = to_fs_path(uri)
+            new = self.folders.for_path(path)
+            if new is not old:
+                if old is not None and old in self.folders.all():
+                    old.close_overlay(path)
+                self.overlay(uri)
+
+    def _open_file_uris(self) -> list[str]:
+        try:
+            return [uri for uri in self.workspace.text_documents if uri.startswith("file:")]
+        except RuntimeError:  # never initialized
+            return []
 
     def _tokenizer_loaded(self, lm) -> None:
         from codecomplete.indexer.tokens import TokenizerInfo
 
-        if self.index is not None:
-            self.index.set_tokenizer(TokenizerInfo(lm.tokenizer, lm.name))
+        self.folders.set_tokenizer(TokenizerInfo(lm.tokenizer, lm.name))
 
     def overlay(self, uri: str, closed: bool = False) -> None:
-        """Keep the index's view of an open buffer current."""
-        if self.index is None or not uri.startswith("file:"):
+        """Keep the view of an open buffer current in the index of its folder."""
+        if not uri.startswith("file:"):
             return
         path = to_fs_path(uri)
+        index = self.folders.for_path(path)
+        if index is None:
+            return
         if closed:
-            self.index.close_overlay(path)
+            index.close_overlay(path)
             return
         text = self.open_text(uri)
         if text is not None and len(text) <= self.config.index.max_file_bytes:
-            self.index.overlay(path, text)
+            index.overlay(path, text)
 
     def open_text(self, uri: str) -> str | None:
         """Text of an open document (None when it is not open), lone surrogates replaced.
@@ -313,13 +364,13 @@ class CodecompleteServer(LanguageServer):
         except PositionError as exc:
             raise JsonRpcInvalidParams(f"position out of range in {uri}: {exc}") from exc
         out: dict = {"ready": False, "snippets": [], "drafts": []}
-        index = self.index
+        path = to_fs_path(uri) if uri.startswith("file:") else uri
+        index = self.folders.for_path(path)
         if index is None:
             return out
-        path = to_fs_path(uri) if uri.startswith("file:") else uri
         out["ready"] = index.ready.is_set()
-        for sn in index.snippets(path, text, cursor.offset, limit=limit,
-                                 budget_ms=self.config.index.snippet_budget_ms):
+        for sn in self.folders.snippets(path, text, cursor.offset, limit=limit,
+                                        budget_ms=self.config.index.snippet_budget_ms):
             out["snippets"].append({"path": sn.path, "startLine": sn.start_line, "endLine": sn.end_line,
                                     "text": sn.text, "reason": sn.reason, "score": round(sn.score, 3)})
         tok = index.tokenizer
@@ -329,7 +380,7 @@ class CodecompleteServer(LanguageServer):
             # spells as one token (" " before "handle"): look up without it and keep the
             # continuations that start with its text.
             tail = tok.backend.decode(context[-1:]) if len(context) > 1 else ""
-            for m in index.lookup(context[:-1] if tail else context, draft_len=draft_len + 1):
+            for m in self.folders.lookup(context[:-1] if tail else context, draft_len=draft_len + 1):
                 conts = []
                 for c in m.continuations:
                     text = tok.backend.decode(list(c.tokens))
@@ -363,13 +414,13 @@ class CodecompleteServer(LanguageServer):
         return False, str(stats.get("model") or "")
 
     def _index_state(self) -> tuple[bool, str]:
-        index = self.index
-        st = index.stats()
-        files = st["files_indexed"] + st["files_unchanged"]
-        if index.failed:
-            return True, f"index unavailable: {index.failed}"
-        if index.ready.is_set():
-            return True, f"{files} files indexed"
+        indexes = self.folders.all()
+        files = sum(st["files_indexed"] + st["files_unchanged"] for st in (i.stats() for i in indexes))
+        failed = [i.failed for i in indexes if i.failed]
+        if failed:
+            return True, f"index unavailable: {failed[0]}"
+        if all(i.ready.is_set() for i in indexes):
+            return True, f"{files} files indexed" + (f" in {len(indexes)} folders" if len(indexes) > 1 else "")
         return False, f"{files} files"
 
     async def _progress(self, token: str, title: str, state, poll_s: float) -> None:
@@ -594,7 +645,7 @@ class CodecompleteServer(LanguageServer):
             return cached[1]
         path = to_fs_path(uri) if uri.startswith("file:") else uri
         try:
-            found = await asyncio.to_thread(self.index.snippets, path, text, cursor.offset,
+            found = await asyncio.to_thread(self.folders.snippets, path, text, cursor.offset,
                                             limit=cfg.context_snippets,
                                             budget_ms=self.config.index.snippet_budget_ms)
         except Exception:
@@ -718,7 +769,8 @@ class CodecompleteServer(LanguageServer):
     def stats(self, recent: bool = False) -> dict:
         extra = {"recent": list(self.recent)} if recent else {}
         return {**extra,"version": __version__, "counters": self.counters.as_dict(),
-                "engine": self.engine.stats(), "index": self.index.stats() if self.index else None, "open_documents": len(self.workspace.text_documents),
+                "engine": self.engine.stats(), "index": self.index.stats() if self.index else None,
+                "folders": self.folders.stats(), "open_documents": len(self.workspace.text_documents),
                 "position_encoding": encoding_name(self.workspace.position_encoding)}
 
     def report_server_error(self, error: Exception, source) -> None:
@@ -737,6 +789,11 @@ def plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
     return value
+
+
+def _folder_paths(folders) -> list[Path]:
+    """The local directories of LSP workspace folders (other schemes are skipped)."""
+    return [Path(to_fs_path(f.uri)) for f in folders or [] if f.uri.startswith("file:") and to_fs_path(f.uri)]
 
 
 def _word_start(text: str, offset: int, floor: int) -> int:
@@ -783,7 +840,7 @@ def create_server(engine, config: Config, repo: Path | None = None,
                 Path(params.root_path).as_uri() if params.root_path else None)
             if root and root.startswith("file:"):
                 ls.repo = Path(to_fs_path(root) or ".")
-        ls.start_index()
+        ls.start_index(_folder_paths(params.workspace_folders))
         log.info("client %s, position encoding %s", params.client_info.name if params.client_info else "?",
                  encoding_name(ls.workspace.position_encoding))
 
@@ -793,6 +850,12 @@ def create_server(engine, config: Config, repo: Path | None = None,
             await ls.report_startup()
         except Exception:  # progress is a courtesy: never a reason to fail
             log.exception("start-up progress failed")
+
+    @server.feature(types.WORKSPACE_DID_CHANGE_WORKSPACE_FOLDERS)
+    async def did_change_folders(ls: CodecompleteServer, params: types.DidChangeWorkspaceFoldersParams):
+        # off the event loop: closing an index waits for its worker
+        await asyncio.to_thread(ls.change_folders, _folder_paths(params.event.added),
+                                _folder_paths(params.event.removed))
 
     @server.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)
     def did_change_configuration(ls: CodecompleteServer, params: types.DidChangeConfigurationParams):

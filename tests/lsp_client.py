@@ -15,7 +15,8 @@ from codecomplete.lsp.server import plain
 
 async def start_daemon(repo: Path, model: Path, *, encodings: list[str] | None = None,
                        init_options: dict | None = None, extra_args: tuple[str, ...] = (),
-                       inline: bool = True, markdown: bool = False, progress: bool = False) -> LanguageClient:
+                       inline: bool = True, markdown: bool = False, progress: bool = False,
+                       folders: list[Path] | None = None) -> LanguageClient:
     """``inline``: the client announces inline-completion support (False: a client that
     only has the completion menu, as Neovim 0.11 with nvim-cmp or Helix)."""
     client = make_test_lsp_client()
@@ -34,6 +35,7 @@ async def start_daemon(repo: Path, model: Path, *, encodings: list[str] | None =
                                           work_done_progress=progress or None))
     await client.initialize_session(T.InitializeParams(
         capabilities=caps, root_uri=repo.as_uri(), initialization_options=init_options,
+        workspace_folders=[T.WorkspaceFolder(uri=f.as_uri(), name=f.name) for f in folders] if folders else None,
         client_info=T.ClientInfo(name="pytest-lsp")))
     return client
 

@@ -200,3 +200,66 @@ async def test_completions_use_retrieval_speculation_with_the_same_text(repo, ti
     finally:
         await c.shutdown_session()
         await c.stop()
+
+
+@ASYNC
+async def test_workspace_folders_are_indexed_and_follow_changes(repo, tiny_model, tmp_path):
+    """A multi-root workspace: the client's other folders are indexed beside the
+    repository (snippets and drafts from their files on disk), a nested folder is not
+    indexed twice, and workspace/didChangeWorkspaceFolders adds and removes folders; an
+    open buffer of a removed folder still counts, through the repository's index."""
+    from lsprotocol import types as T
+
+    lib, tools = tmp_path / "lib", tmp_path / "tools"
+    lib.mkdir()
+    tools.mkdir()
+    (repo / "sub").mkdir()
+    (lib / "pricing.py").write_text("def compute_discount(order, percent):\n"
+                                    "    return order.total * percent / 100\n")
+    (tools / "invoice.py").write_text("def render_invoice(order):\n    return f'{order.id}: {order.total}'\n")
+    c = await start_daemon(repo, tiny_model, extra_args=("--index-dir", str(tmp_path / "index")),
+                           folders=[repo, lib, repo / "sub"])
+
+    async def folders_ready(*roots):
+        folders = (await stats(c))["folders"]
+        return folders if [f["root"] for f in folders] == [str(r.resolve()) for r in roots] and all(
+            f["ready"] and f.get("drafts") for f in folders) else None
+
+    try:
+        folders = await until(lambda: folders_ready(repo, lib))
+        assert folders, (await stats(c))["folders"]
+        assert folders[1]["files_indexed"] == 1 and folders[1]["db"] != folders[0]["db"]
+
+        main = (repo / "main.py").as_uri()
+        open_doc(c, main, "from pricing import compute_discount\n\nx = compute_discount(")
+        r = await retrieve(c, main, 2, len("x = compute_discount("))
+        assert [(s["path"], s["reason"]) for s in r["snippets"]][:1] == [
+            ("lib/pricing.py", "definition of compute_discount")]
+        probe = (repo / "probe.py").as_uri()
+        open_doc(c, probe, "def compute_discount(order, percent):\n    return ")
+        r = await retrieve(c, probe, 1, len("    return "))
+        texts = [t["text"] for d in r["drafts"] if d["source"] == "repository" for t in d["continuations"]]
+        assert any(t.startswith("order.total") for t in texts), texts
+
+        # an unsaved buffer in lib, then lib leaves and tools joins
+        scratch = (lib / "scratch.py").as_uri()
+        open_doc(c, scratch, "def apply_coupon_code(cart, code):\n    return cart\n")
+        c.workspace_did_change_workspace_folders(T.DidChangeWorkspaceFoldersParams(T.WorkspaceFoldersChangeEvent(
+            added=[T.WorkspaceFolder(tools.as_uri(), "tools")], removed=[T.WorkspaceFolder(lib.as_uri(), "lib")])))
+        assert await until(lambda: folders_ready(repo, tools)), (await stats(c))["folders"]
+
+        open_doc(c, main, "from invoice import render_invoice\nfrom pricing import compute_discount\n"
+                          "from scratch import apply_coupon_code\n\nx = render_invoice(compute_discount(", version=2)
+        r = await retrieve(c, main, 4, len("x = render_invoice(compute_discount("))
+        found = [s["path"] for s in r["snippets"]]
+        assert "tools/invoice.py" in found and "lib/pricing.py" not in found, found
+        open_doc(c, main, "from scratch import apply_coupon_code\n\ny = apply_coupon_code(", version=3)
+
+        async def moved():
+            r = await retrieve(c, main, 2, len("y = apply_coupon_code("))
+            return [s["reason"] for s in r["snippets"]][:1] == ["definition of apply_coupon_code"]
+
+        assert await until(moved, timeout=10)
+    finally:
+        await c.shutdown_session()
+        await c.stop()
