@@ -10,7 +10,10 @@ lookups and the prompt's snippet searches over all of them:
   anywhere wins (FastCoder's repository datastore, spanning the folders); the common
   datastore is the first folder's;
 - snippets: the file's own folder first, then the others with what is left of the time
-  budget; definitions before similar chunks.  A snippet from another folder is named
+  budget.  Order: the own folder's definitions, other folders' definitions of names the
+  file calls or imports, the own folder's similar chunks, then the rest.  Another folder's
+  definition of a name the own folder defines is dropped (``value`` in one project is
+  not ``value`` in the next).  A snippet from another folder is named
   ``folder-name/relative/path``.
 
 A folder inside an indexed one, or one that holds an indexed one, is not indexed again
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import replace
@@ -32,6 +36,22 @@ from . import snippets as snip
 from .suffix import Match, lookup
 
 log = logging.getLogger("codecomplete.index")
+
+
+DEF = "definition of "
+_CALLED = re.compile(r"(?<![\w$.])([A-Za-z_$][\w$]*)\s*\(")  # not a method: obj.items() is anyone's
+_IMPORT_LINE = re.compile(r"^\s*(?:from\s|import\s|#\s*include|use\s|using\s|require|.*\brequire\s*\().*$", re.M)
+
+
+def _referenced(text: str) -> set[str]:
+    """Names the text calls (not as methods) or imports: another folder's definition of
+    one of them is probably what the file uses (its own folder does not define it).  A
+    name merely used, such as a variable ``value``, or a method called, such as
+    ``.items()``, is not: a definition elsewhere is likely someone else's."""
+    names = set(_CALLED.findall(text))
+    for line in _IMPORT_LINE.findall(text):
+        names.update(re.findall(r"[A-Za-z_$][\w$]*", line))
+    return names
 
 
 def _inside(path: str, root: str) -> bool:
@@ -149,19 +169,33 @@ class Folders:
         if len(indexes) == 1:
             return own.snippets(path, text, offset, limit=limit, budget_ms=budget_ms)
         deadline = time.perf_counter() + budget_ms / 1000
-        found = []
+        found = []  # (rank, snippet)
+        referenced = None
         for index in indexes:
             left_ms = (deadline - time.perf_counter()) * 1000
             if left_ms <= 1:
                 break
             try:
                 got = index.snippets(path, text, offset, limit=limit, budget_ms=left_ms)
+                if index is not own:
+                    defined = {sn.reason[len(DEF):] for sn in got if sn.reason.startswith(DEF)}
+                    defined = own.defines(sorted(defined)) if defined else set()
             except Exception as exc:  # e.g. its folder was removed (the index closed) meanwhile
                 log.warning("snippets from %s failed: %s", index.root, exc)
                 continue
-            found += [sn if index is own else replace(sn, path=f"{index.root.name}/{sn.path}") for sn in got]
-        found.sort(key=lambda sn: sn.reason == "similar")  # stable: definitions first, own folder first
-        return found[:limit]
+            for sn in got:
+                if index is own:
+                    found.append((0 if sn.reason.startswith(DEF) else 2, sn))
+                    continue
+                name = sn.reason[len(DEF):] if sn.reason.startswith(DEF) else None
+                if name in defined:
+                    continue  # the file's own folder defines that name: another's is someone else's
+                if name is not None and referenced is None:
+                    referenced = _referenced(text[max(0, offset - 20000):offset])
+                rank = 3 if name is None else (1 if name in referenced else 3)
+                found.append((rank, replace(sn, path=f"{index.root.name}/{sn.path}")))
+        found.sort(key=lambda r: r[0])  # stable: the own folder first within a rank
+        return [sn for _, sn in found[:limit]]
 
     def stats(self) -> list[dict]:
         return [index.stats() for index in self.all()]

@@ -710,6 +710,21 @@ class RepoIndex:
                 conn.set_progress_handler(None, 0)
         return out[:limit]
 
+    def defines(self, names: list[str]) -> set[str]:
+        """Which of ``names`` this repository defines (files or open buffers)."""
+        names = list(dict.fromkeys(names))[:64]
+        found = {n for ov in list(self.overlays.values()) for n in (d.name for d in ov.defs) if n in names}
+        conn = self._reader_conn() if self.ready.is_set() and not self.failed else None
+        if conn is None or not names:
+            return found
+        marks = ",".join("?" * len(names))
+        with self._reader_lock:
+            try:
+                found |= {r[0] for r in conn.execute(f"SELECT DISTINCT name FROM defs WHERE name IN ({marks})", names)}
+            except sqlite3.Error as exc:
+                log.warning("definition lookup failed: %s", exc)
+        return found
+
     def _definition_snippets(self, conn, key, text, near, local, out, limit, max_lines, max_sim):
         defined_here = {d.name for d in snip.definitions(text, language_of(key))}
         names = [n for n in snip.used_names(near) if n not in defined_here][:12]

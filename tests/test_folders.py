@@ -11,8 +11,9 @@ from codecomplete.indexer.suffix import Continuation, Match
 
 
 class FakeIndex:
-    def __init__(self, root: Path, primary: bool, snippets=(), matches=()):
+    def __init__(self, root: Path, primary: bool, snippets=(), defined=(), matches=()):
         self.root, self.primary = root, primary
+        self._defined = set(defined)
         self._snippets, self._matches = list(snippets), list(matches)
         self.closed = False
         self.tokenizer = None
@@ -26,6 +27,9 @@ class FakeIndex:
 
     def snippets(self, path, text, offset, *, limit, budget_ms):
         return self._snippets[:limit]
+
+    def defines(self, names):
+        return self._defined & set(names)
 
     def lookup(self, context, **kw):
         return list(self._matches)
@@ -59,22 +63,30 @@ def test_routing_overlap_limits_and_removal(tmp_path):
     assert [i.root for i in folders.all()] == [Path(str(a))]
 
 
-def test_snippets_put_definitions_first_and_name_other_folders(tmp_path):
+def test_snippets_rank_other_folders_definitions_by_use(tmp_path):
+    """Another folder's definition of a name the file calls comes before the own folder's
+    similar chunks; of a name merely used, after them; of a name the own folder defines,
+    never."""
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
     own = [Snippet("x.py", 0, 2, "x", 3.0, "similar")]
-    other = [Snippet("lib.py", 5, 7, "def f(): ...", 1.0, "definition of f"),
+    other = [Snippet("lib.py", 5, 7, "def total(): ...", 1.0, "definition of total"),
+             Snippet("val.py", 1, 2, "def value(): ...", 1.0, "definition of value"),
+             Snippet("mine.py", 1, 2, "def helper(): ...", 1.0, "definition of helper"),
+             Snippet("it.py", 1, 2, "def items(): ...", 1.0, "definition of items"),
              Snippet("y.py", 0, 1, "y", 9.0, "similar")]
-    table = {a: own, b: other}
-    folders = Folders(lambda root, primary: FakeIndex(root, primary, snippets=table[Path(root)]))
+    table = {a: (own, {"helper"}), b: (other, set())}
+    folders = Folders(lambda root, primary: FakeIndex(root, primary, *table[Path(root)]))
     folders.add(a)
     folders.add(b)
-    got = folders.snippets(str(a / "main.py"), "", 0, limit=3)
-    assert [(s.path, s.reason) for s in got] == [("b/lib.py", "definition of f"), ("x.py", "similar"),
-                                                ("b/y.py", "similar")]
-    got = folders.snippets(str(b / "main.py"), "", 0, limit=2)  # b's file: b's own paths stay as they are
-    assert [s.path for s in got] == ["lib.py", "y.py"]
+    text = "from lib import total\nvalue = 3\nhelper(value)\nfor k in d.items():\n    x = total("
+    got = folders.snippets(str(a / "main.py"), text, len(text), limit=6)
+    assert [(s.path, s.reason) for s in got] == [
+        ("b/lib.py", "definition of total"), ("x.py", "similar"), ("b/val.py", "definition of value"),
+        ("b/it.py", "definition of items"), ("b/y.py", "similar")]
+    got = folders.snippets(str(b / "main.py"), text, len(text), limit=2)  # b's own file: its paths stay
+    assert [s.path for s in got] == ["lib.py", "val.py"]
 
 
 def test_lookup_with_one_folder_is_its_own(tmp_path):
