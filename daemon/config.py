@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -68,6 +69,11 @@ class CompletionConfig:
     # While the user types the start of the last completion, answer with its rest at once
     # instead of running the model again (the suggestion stays as typed through).
     type_through: bool = True
+    # No completions in these languages (the LSP language ids editors send: "plaintext",
+    # "markdown", "yaml"...) or files (gitignore-style patterns, relative to the workspace
+    # folder: ".env", "secrets/**", "*.min.js").  A list, or one comma-separated string.
+    disabled_languages: tuple[str, ...] = ()
+    disabled_paths: tuple[str, ...] = ()
 
 
 @dataclass
@@ -188,6 +194,11 @@ def _coerce(value: Any, typ: type, meta: dict) -> Any:
         if choices and value not in choices:
             raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
         return value
+    if typing.get_origin(typ) is tuple:  # tuple[str, ...]: a list, or "a, b" from a flag or an env
+        items = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+            raise ValueError(f"expected a list of strings, got {value!r}")
+        return tuple(v for v in items if v)
     raise ValueError(f"unsupported type {typ}")
 
 

@@ -16,6 +16,7 @@ No torch here: the engine is any object with ``submit``, ``configure`` and ``sta
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -103,6 +104,7 @@ class Counters:
     partially_accepted: int = 0
     rejected: int = 0
     with_context: int = 0  # requests whose prompt opened with repository snippets
+    disabled: int = 0  # of the empty ones, in a language or file completions are off for
     latencies_ms: deque = field(default_factory=lambda: deque(maxlen=2000))
 
     def as_dict(self) -> dict:
@@ -456,6 +458,38 @@ class CodecompleteServer(LanguageServer):
         return warnings
 
     # -- completions -----------------------------------------------------------------
+    def _disabled_for(self, uri: str) -> str | None:
+        """Why completions are off in ``uri`` (completion.disabled_languages or
+        disabled_paths), or None.  The language is the one the editor opened the document
+        with, and the one its file name implies."""
+        cfg = self.config.completion
+        path = to_fs_path(uri) if uri.startswith("file:") else None
+        doc = self.workspace.text_documents.get(unquote(uri))
+        languages = {x.lower() for x in ((doc.language_id if doc else None), language_of(path or uri)) if x}
+        off = languages & {x.lower() for x in cfg.disabled_languages}
+        if off:
+            return f"language {sorted(off)[0]}"
+        if path and cfg.disabled_paths:
+            spec = self._path_spec(cfg.disabled_paths)
+            index = self.folders.for_path(path)
+            roots = [index.root] if index is not None else []
+            if self.repo is not None:
+                roots.append(Path(self.repo))
+            real = Path(path).resolve()
+            # relative to the folder holding it; a file in none: its whole path ("**/.env")
+            names = [real.relative_to(r.resolve()).as_posix() for r in roots if real.is_relative_to(r.resolve())]
+            names = names or [real.as_posix().lstrip("/")]
+            if any(spec.match_file(name) for name in names):
+                return "its path (completion.disabled_paths)"
+        return None
+
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def _path_spec(patterns: tuple[str, ...]):
+        import pathspec
+
+        return pathspec.PathSpec.from_lines("gitwildmatch", patterns)
+
     def document_text(self, uri: str) -> str:
         """Text of an open document, else of the file on disk."""
         text = self.open_text(uri)
@@ -521,6 +555,11 @@ class CodecompleteServer(LanguageServer):
         cfg = self.config.completion
         text = self.document_text(uri)
         if not cfg.enabled:
+            return self._count_empty()
+        off = self._disabled_for(uri) if cfg.disabled_languages or cfg.disabled_paths else None
+        if off is not None:
+            log.debug("%s: completions are off for %s", uri, off)
+            self.counters.disabled += 1
             return self._count_empty()
         if len(text) > cfg.max_document_bytes:
             log.info("%s: %d characters, over max_document_bytes; no completion", uri, len(text))

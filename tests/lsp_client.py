@@ -40,9 +40,9 @@ async def start_daemon(repo: Path, model: Path, *, encodings: list[str] | None =
     return client
 
 
-def open_doc(client: LanguageClient, uri: str, text: str, version: int = 1) -> None:
+def open_doc(client: LanguageClient, uri: str, text: str, version: int = 1, language: str = "python") -> None:
     client.text_document_did_open(T.DidOpenTextDocumentParams(
-        T.TextDocumentItem(uri=uri, language_id="python", version=version, text=text)))
+        T.TextDocumentItem(uri=uri, language_id=language, version=version, text=text)))
 
 
 def insert(client: LanguageClient, uri: str, version: int, line: int, char: int, text: str) -> None:

@@ -314,6 +314,36 @@ async def test_close_frees_the_document(client, repo):
     assert s["position_encoding"] == "utf-16"  # a client that offers none gets LSP's default
 
 
+async def test_completions_are_off_in_disabled_languages_and_paths(repo, tiny_model, model_cache):
+    """completion.disabled_languages / disabled_paths: no model run there (the language
+    the editor sends, or the file name's; patterns relative to the workspace folder), the
+    other files are served, and a settings change turns them back on."""
+    c = await start_daemon(repo, tiny_model, init_options={"completion": {
+        "disabledLanguages": ["Markdown"], "disabledPaths": [".env", "secrets/**"]}})
+    try:
+        docs = {"notes.md": "plaintext", "notes.txt": "markdown", ".env": "python", "secrets/key.py": "python",
+                "app/.env": "python", "tmp/ok.py": "python"}
+        for name, language in docs.items():
+            open_doc(c, (repo / name).as_uri(), POINT, language=language)
+        served = {}
+        for name in docs:
+            before = (await stats(c))["engine"]["completions"]
+            items = await complete(c, (repo / name).as_uri(), 3, 13)
+            served[name] = (await stats(c))["engine"]["completions"] > before
+            assert bool(items) == served[name], name
+        assert served == {"notes.md": False, "notes.txt": False, ".env": False, "secrets/key.py": False,
+                          "app/.env": False, "tmp/ok.py": True}
+        assert (await stats(c))["counters"]["disabled"] == 5
+        c.workspace_did_change_configuration(T.DidChangeConfigurationParams(
+            settings={"codecomplete": {"completion": {"disabledLanguages": [], "disabledPaths": "secrets/**"}}}))
+        assert await complete(c, (repo / "notes.md").as_uri(), 3, 13)
+        assert await complete(c, (repo / ".env").as_uri(), 3, 13)
+        assert not await complete(c, (repo / "secrets/key.py").as_uri(), 3, 13)
+    finally:
+        await c.shutdown_session()
+        await c.stop()
+
+
 async def test_telemetry_counts_shown_accepted_rejected(client, repo):
     """Guards the acceptance counters, ours and Copilot-shaped."""
     uri = (repo / "t.py").as_uri()
