@@ -66,7 +66,8 @@ class IndexStats:
     files_removed: int = 0
     files_skipped: int = 0  # binary, not UTF-8, minified, unreadable
     reconciles: int = 0
-    events: int = 0
+    events: int = 0  # from the watcher
+    client_events: int = 0  # from the editor (workspace/didChangeWatchedFiles)
     last_reconcile_ms: float = 0.0
     scan_seconds: float = 0.0
     tokens_seconds: float = 0.0
@@ -170,9 +171,14 @@ class RepoIndex:
     def close_overlay(self, path: str | Path) -> None:
         self._put("unoverlay", self.key_of(path))
 
-    def notify(self, path: str | Path) -> None:
-        """A path may have changed on disk (a hint; the reconcile decides)."""
-        self._put("path", self.key_of(path))
+    def notify(self, path: str | Path) -> bool:
+        """A path may have changed on disk (a hint; the reconcile decides).  False for a
+        path outside the repository or inside ``.git`` (nothing to do)."""
+        key = self.key_of(path)
+        if key.startswith("/") or key in (".", ".git") or key.startswith(".git/") and key != ".git/info/exclude":
+            return False
+        self._put("path", key)
+        return True
 
     def rescan(self) -> None:
         self._put("rescan", None)
@@ -821,7 +827,7 @@ class RepoIndex:
                "overlays": len(self.overlays), "files_indexed": s.files_indexed,
                "files_unchanged": s.files_unchanged, "files_removed": s.files_removed,
                "files_skipped": s.files_skipped, "skipped": dict(s.skipped), "reconciles": s.reconciles,
-               "events": s.events, "last_reconcile_ms": round(s.last_reconcile_ms, 2),
+               "events": s.events, "client_events": s.client_events, "last_reconcile_ms": round(s.last_reconcile_ms, 2),
                "scan_seconds": round(s.scan_seconds, 3), "tokens_seconds": round(s.tokens_seconds, 3),
                "errors": s.errors, "rebuilt_from": self.store.rebuilt if self.store else None}
         if self.drafts is not None:

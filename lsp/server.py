@@ -301,6 +301,38 @@ class CodecompleteServer(LanguageServer):
                     old.close_overlay(path)
                 self.overlay(uri)
 
+    async def watch_through_client(self) -> None:
+        """Ask the editor to report file changes too (workspace/didChangeWatchedFiles),
+        when it can register watchers dynamically.  Our own watcher misses changes where
+        inotify does not reach (WSL's /mnt drives, network file systems, the inotify watch
+        limit); the editor watches those its own way.  Reports are hints: the index
+        re-reads only what changed, and a change it has already seen costs a stat."""
+        cfg = self.config.index
+        caps = self.client_capabilities
+        ws = caps.workspace if caps is not None else None
+        watched = ws.did_change_watched_files if ws is not None else None
+        if not (cfg.enabled and cfg.watch and watched is not None and watched.dynamic_registration):
+            return
+        options = types.DidChangeWatchedFilesRegistrationOptions(
+            watchers=[types.FileSystemWatcher(glob_pattern="**/*")])
+        registration = types.Registration(id="codecomplete/watch", method=types.WORKSPACE_DID_CHANGE_WATCHED_FILES,
+                                          register_options=options)
+        try:  # a client that never answers must not hold up start-up
+            await asyncio.wait_for(self.client_register_capability_async(
+                types.RegistrationParams(registrations=[registration])), 10)
+        except Exception as exc:  # declined, or no answer: our watcher alone
+            log.info("the client watches no files for us: %r", exc)
+
+    def files_changed(self, uris: list[str]) -> None:
+        """The editor saw these files change on disk."""
+        for uri in uris:
+            if not uri.startswith("file:"):
+                continue
+            path = to_fs_path(uri)
+            index = self.folders.for_path(path) if path else None
+            if index is not None and index.notify(path):
+                index.stats_.client_events += 1
+
     def _open_file_uris(self) -> list[str]:
         try:
             return [uri for uri in self.workspace.text_documents if uri.startswith("file:")]
@@ -885,10 +917,15 @@ def create_server(engine, config: Config, repo: Path | None = None,
 
     @server.feature(types.INITIALIZED)
     async def initialized(ls: CodecompleteServer, params: types.InitializedParams):
+        await ls.watch_through_client()
         try:
             await ls.report_startup()
         except Exception:  # progress is a courtesy: never a reason to fail
             log.exception("start-up progress failed")
+
+    @server.feature(types.WORKSPACE_DID_CHANGE_WATCHED_FILES)
+    def did_change_watched_files(ls: CodecompleteServer, params: types.DidChangeWatchedFilesParams):
+        ls.files_changed([change.uri for change in params.changes])
 
     @server.feature(types.WORKSPACE_DID_CHANGE_WORKSPACE_FOLDERS)
     async def did_change_folders(ls: CodecompleteServer, params: types.DidChangeWorkspaceFoldersParams):

@@ -16,10 +16,15 @@ from codecomplete.lsp.server import plain
 async def start_daemon(repo: Path, model: Path, *, encodings: list[str] | None = None,
                        init_options: dict | None = None, extra_args: tuple[str, ...] = (),
                        inline: bool = True, markdown: bool = False, progress: bool = False,
-                       folders: list[Path] | None = None) -> LanguageClient:
+                       folders: list[Path] | None = None, registrations: list | None = None) -> LanguageClient:
     """``inline``: the client announces inline-completion support (False: a client that
     only has the completion menu, as Neovim 0.11 with nvim-cmp or Helix)."""
     client = make_test_lsp_client()
+    if registrations is not None:  # the client watches files for the server when asked
+        @client.feature(T.CLIENT_REGISTER_CAPABILITY)
+        def register(params: T.RegistrationParams):
+            registrations.extend(params.registrations)
+            return None
     env = dict(os.environ)
     await client.start_io(sys.executable, "-m", "codecomplete.daemon", "--repo", str(repo),
                           "--model", str(model), "--dtype", "float32", *extra_args, env=env)
@@ -31,6 +36,8 @@ async def start_daemon(repo: Path, model: Path, *, encodings: list[str] | None =
             inline_completion=T.InlineCompletionClientCapabilities() if inline else None,
             completion=T.CompletionClientCapabilities(completion_item=T.ClientCompletionItemOptions(
                 documentation_format=[T.MarkupKind.Markdown, T.MarkupKind.PlainText])) if markdown else None),
+        workspace=T.WorkspaceClientCapabilities(did_change_watched_files=T.DidChangeWatchedFilesClientCapabilities(
+            dynamic_registration=True)) if registrations is not None else None,
         window=T.WindowClientCapabilities(show_message=T.ShowMessageRequestClientCapabilities(),
                                           work_done_progress=progress or None))
     await client.initialize_session(T.InitializeParams(

@@ -263,3 +263,46 @@ async def test_workspace_folders_are_indexed_and_follow_changes(repo, tiny_model
     finally:
         await c.shutdown_session()
         await c.stop()
+
+
+@ASYNC
+async def test_the_editor_watches_files_for_the_index(repo, tiny_model, tmp_path):
+    """A client that can register watchers is asked to report file changes
+    (workspace/didChangeWatchedFiles) beside the daemon's own watcher, which inotify does
+    not serve everywhere (WSL's /mnt drives, network file systems).  Its reports reach the
+    index of the folder holding each file; others (outside every folder, .git, other
+    schemes) are dropped."""
+    from lsprotocol import types as T
+
+    registrations: list = []
+    c = await start_daemon(repo, tiny_model, extra_args=("--index-dir", str(tmp_path / "index")),
+                           registrations=registrations)
+    try:
+        await until(lambda: _ready(c))
+        assert [(r.method, [w["globPattern"] for w in r.register_options["watchers"]]) for r in registrations] == [
+            ("workspace/didChangeWatchedFiles", ["**/*"])]
+        (repo / "told.py").write_text("def reported_by_the_editor(x):\n    return x\n")
+        (repo / ".git").mkdir()
+        (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+        changes = [T.FileEvent(uri=(repo / "told.py").as_uri(), type=T.FileChangeType.Created),
+                   T.FileEvent(uri=(repo / ".git" / "HEAD").as_uri(), type=T.FileChangeType.Changed),
+                   T.FileEvent(uri=(tmp_path / "elsewhere.py").as_uri(), type=T.FileChangeType.Created),
+                   T.FileEvent(uri="untitled:Untitled-1", type=T.FileChangeType.Changed)]
+        c.workspace_did_change_watched_files(T.DidChangeWatchedFilesParams(changes=changes))
+        main = (repo / "main.py").as_uri()
+        open_doc(c, main, "from told import reported_by_the_editor\n\nreported_by_the_editor(")
+
+        async def found():
+            r = await retrieve(c, main, 2, len("reported_by_the_editor("))
+            return [s["reason"] for s in r["snippets"]][:1] == ["definition of reported_by_the_editor"]
+
+        assert await until(found)
+        assert (await stats(c))["index"]["client_events"] == 1
+    finally:
+        await c.shutdown_session()
+        await c.stop()
+
+
+@ASYNC
+async def test_a_client_without_dynamic_watchers_is_not_asked(client):
+    assert (await stats(client))["index"]["client_events"] == 0  # and no request it cannot answer

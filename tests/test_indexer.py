@@ -672,3 +672,21 @@ def test_common_datastore_builds_maps_and_serves_drafts(tmp_path: Path, tokenize
     (folder / "meta.json").write_text("{broken")
     assert load_common(tokenizer, folder) is None  # a broken datastore is reported, not used
     idx.close()
+
+
+def test_notify_takes_paths_in_the_repository_only(tmp_path: Path):
+    """The editor's file reports (workspace/didChangeWatchedFiles) are hints: a path
+    outside the repository or in .git is nothing to reconcile; one inside is read."""
+    root = tmp_path / "repo"
+    write(root, "a.py", "a = 1\n")
+    idx = RepoIndex(root, tmp_path / "idx", watch=False).start()
+    try:
+        assert idx.ready.wait(30)
+        assert not idx.notify(tmp_path / "elsewhere.py") and not idx.notify(root / ".git" / "HEAD")
+        assert not idx.notify(root)
+        write(root, "b.py", "b = 2\n")
+        assert idx.notify(root / "b.py") and idx.notify(root / ".git" / "info" / "exclude")
+        assert idx.wait_idle()
+        assert idx.counts()["files"] == 2
+    finally:
+        idx.close()
