@@ -330,7 +330,7 @@ class RepoIndex:
     # -- reconcile ---------------------------------------------------------------------
     def _full_scan(self) -> None:
         t0 = time.perf_counter()
-        if not self.root.is_dir():
+        if not os.path.isdir(self.root):  # (os.path answers False where pathlib raises: EACCES)
             log.warning("repository %s is gone; index kept as it was", self.root)
             return
         known = self.store.file_states()
@@ -361,7 +361,7 @@ class RepoIndex:
             if rel.startswith("/") or rel.startswith(".git/") or rel == ".git":
                 continue
             full = self.root / rel
-            if full.is_dir() and not full.is_symlink():
+            if os.path.isdir(full) and not os.path.islink(full):
                 # a folder appeared or moved in: walk it with the same rules
                 parts = rel.split("/")
                 if not any(self.rules.ignored("/".join(parts[:i + 1]), True) for i in range(len(parts))):
@@ -373,7 +373,7 @@ class RepoIndex:
             # a vanished file, or a vanished folder: drop what the index had under it
             prefix = rel + "/"
             gone = [p for p in known if (p == rel and entry is None) or p.startswith(prefix)]
-            removed.extend(p for p in gone if not (self.root / p).is_file()
+            removed.extend(p for p in gone if not os.path.isfile(self.root / p)
                            or self.rules.accepts(p) is None)
         fresh = [e for e in entries if known.get(e.path, (None, None))[:2] != (e.size, e.mtime_ns)]
         for i in range(0, max(len(fresh), 1), BATCH_FILES):

@@ -45,7 +45,10 @@ class Entry:
 
 
 def is_virtualenv(path: Path) -> bool:
-    return (path / "pyvenv.cfg").is_file()
+    try:  # Path.is_file raises on EACCES (a folder we may list but not search)
+        return stat.S_ISREG(os.stat(path / "pyvenv.cfg").st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 class Rules:

@@ -103,6 +103,39 @@ def test_scan_skips_unreadable_folders(tree: Path, monkeypatch):
     assert "big.py" in got and not any(p.startswith("src/") for p in got)
 
 
+def test_a_folder_we_may_not_enter_is_skipped_not_fatal(tmp_path: Path, monkeypatch):
+    """A folder of another user with mode 700 (a Docker volume's data folder in a
+    repository): its own stat works, anything inside raises EACCES.  pathlib's is_file
+    (Python 3.11) raises on EACCES; it stopped the whole scan, so the repository got no
+    index.  The scan and a reconcile of paths in there now skip it."""
+    root = tmp_path / "repo"
+    write(root, "app.py", "def main():\n    return 1\n")
+    write(root, "pgdata/base/1.py", "x = 1\n")
+    locked = str(root / "pgdata")
+    real_stat, real_scandir = os.stat, os.scandir
+
+    def stat(path, *a, **kw):
+        if str(path).startswith(locked + os.sep):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *a, **kw)
+
+    def scandir(path="."):
+        if str(path).startswith(locked):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "stat", stat)
+    monkeypatch.setattr(os, "scandir", scandir)
+    idx = RepoIndex(root, tmp_path / "idx", watch=False).start()
+    try:
+        assert idx.ready.wait(30) and not idx.failed
+        assert idx.notify(root / "pgdata" / "base" / "1.py") and idx.notify(root / "pgdata")
+        assert idx.wait_idle()
+        assert idx.counts()["files"] == 1 and idx.stats()["errors"] == 0
+    finally:
+        idx.close()
+
+
 def test_corrupt_and_foreign_databases_are_moved_aside_and_rebuilt(tmp_path: Path):
     db = tmp_path / "index.sqlite"
     db.write_bytes(b"this is not sqlite" * 100)
