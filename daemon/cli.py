@@ -212,7 +212,8 @@ def index(argv: list[str]) -> int:
             print(f"codecomplete-daemon index: {exc}", file=sys.stderr)
             return 1
     idx = RepoIndex(repo, Path(cfg.index_dir) if cfg.index_dir else None, tokenizer=tokenizer,
-                    max_file_bytes=cfg.index.max_file_bytes, watch=False)
+                    max_file_bytes=cfg.index.max_file_bytes, max_files=cfg.index.max_files,
+                    max_draft_tokens=cfg.index.max_draft_tokens, watch=False)
     t0 = time.perf_counter()
     with Progress("indexing", enabled=sys.stderr.isatty() and not args.json) as bar:
         idx.progress = bar.update

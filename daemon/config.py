@@ -92,6 +92,10 @@ class IndexConfig:
     enabled: bool = True  # index the repository and watch it
     watch: bool = True  # a watchdog observer; off: the start-up scan and open buffers only
     max_file_bytes: int = field(default=1_000_000, metadata=_range(1024, None))
+    max_files: int = field(default=100_000, metadata=_range(1, None))  # a larger folder: the first this many
+    # the draft index (suffix arrays) starts with at most this many tokens, of the most recently
+    # modified files: ~6 bytes a token in memory, ~60 while it is built
+    max_draft_tokens: int = field(default=32_000_000, metadata=_range(1000, None))
     debounce_ms: int = field(default=50, metadata=_range(0, 10000))  # quiet time before a reconcile
     common: bool = True  # the common-code datastore (built once per tokenizer, memory-mapped)
     snippet_budget_ms: int = field(default=40, metadata=_range(1, 5000))

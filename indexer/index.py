@@ -16,6 +16,7 @@ is time-boxed.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import queue
@@ -30,13 +31,15 @@ from pathlib import Path
 
 from . import snippets as snip
 from .files import SourceError, decode_source, language_of
-from .scan import DEFAULT_MAX_FILE_BYTES, Entry, Rules, walk
+from .scan import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_FILES, Entry, Rules, walk
 from .store import CHUNK_BITS, Store, connect, open_store
 from .store import counts as store_counts
 from .suffix import DraftIndex, Match, Segment, lookup, width_for
 from .tokens import TokenizerInfo, blob_to_ids, ids_to_blob
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_DRAFT_TOKENS = 32_000_000  # the draft index's start-up budget (see _draft_files)
 
 BATCH_FILES = 256  # files per transaction
 MINIFIED_LINE = 1000  # a file whose average line is longer than this is generated/minified
@@ -84,12 +87,20 @@ class RepoIndex:
                  tokenizer: TokenizerInfo | None = None, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                  watch: bool = True, debounce_ms: int = 50, max_delay_ms: int = 1000,
                  common: Segment | None = None, want_common: bool = False, check_s: float = 5.0,
-                 poll_s: float = 30.0):
+                 poll_s: float = 30.0, max_files: int = DEFAULT_MAX_FILES,
+                 max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS):
         self.root = Path(root).resolve()
         self.index_dir = Path(index_dir) if index_dir else default_index_dir(self.root)
         self.db_path = self.index_dir / "index.sqlite"
         self.tokenizer = tokenizer
         self.rules = Rules(self.root, max_file_bytes)
+        # A folder of more files than this (a home folder or / opened as the workspace) is
+        # indexed up to this many, in walk order, with a warning: its database, token ids
+        # and suffix arrays grow with it (~6 bytes per token in memory).
+        self.max_files = max_files
+        self.capped = False
+        self.max_draft_tokens = max_draft_tokens
+        self.draft_tokens_left_out = 0
         self.watch = watch
         self.debounce = debounce_ms / 1000
         self.max_delay = max_delay_ms / 1000
@@ -103,6 +114,8 @@ class RepoIndex:
         self._root_id: tuple[int, int] | None = None
         self._polled_at = time.monotonic()
         self._blind = False  # the last observer failed to start
+        self._poll_cost = 0.0  # seconds of the last blind cycle: observer attempt + full scan
+        self._scan_s = 0.0  # the last full scan's
         # Re-reading an open buffer (tokens, chunks, definitions) costs ~0.5 s for 1 MB;
         # done on every keystroke it would keep a core busy beside the engine.  A buffer's
         # next text is applied no sooner than its last one's cost x (1/share - 1) later;
@@ -334,7 +347,12 @@ class RepoIndex:
             log.warning("repository %s is gone; index kept as it was", self.root)
             return
         known = self.store.file_states()
-        entries = list(walk(self.rules))
+        entries = list(itertools.islice(walk(self.rules), self.max_files + 1))
+        self.capped = len(entries) > self.max_files
+        if self.capped:
+            entries = entries[:self.max_files]
+            log.warning("%s holds more than %d files; indexing the first %d (index.max_files)",
+                        self.root, self.max_files, self.max_files)
         seen = {e.path for e in entries}
         changed = []
         for entry in entries:
@@ -348,9 +366,10 @@ class RepoIndex:
         for i in range(0, max(len(changed), 1), BATCH_FILES):
             self._write(changed[i:i + BATCH_FILES], removed if i == 0 else [], known)
             self.progress(min(i + BATCH_FILES, len(changed)), len(changed))
-        self.stats_.scan_seconds += time.perf_counter() - t0
+        self._scan_s = time.perf_counter() - t0
+        self.stats_.scan_seconds += self._scan_s
         self.stats_.reconciles += 1
-        self.stats_.last_reconcile_ms = (time.perf_counter() - t0) * 1000
+        self.stats_.last_reconcile_ms = self._scan_s * 1000
 
     def _reconcile_paths(self, paths: set[str]) -> None:
         t0 = time.perf_counter()
@@ -376,6 +395,15 @@ class RepoIndex:
             removed.extend(p for p in gone if not os.path.isfile(self.root / p)
                            or self.rules.accepts(p) is None)
         fresh = [e for e in entries if known.get(e.path, (None, None))[:2] != (e.size, e.mtime_ns)]
+        new = [e for e in fresh if e.path not in known]
+        if new:  # new files stop at max_files
+            room = self.max_files - self.store.conn.execute("SELECT count(*) FROM files").fetchone()[0] + len(removed)
+            if len(new) > room:
+                drop = {e.path for e in new[max(room, 0):]}
+                fresh = [e for e in fresh if e.path not in drop]
+                self.capped = True
+                log.warning("%s: %d new files not indexed (index.max_files = %d)", self.root, len(drop),
+                            self.max_files)
         for i in range(0, max(len(fresh), 1), BATCH_FILES):
             self._write(fresh[i:i + BATCH_FILES], removed if i == 0 else [], known)
         self.stats_.reconciles += 1
@@ -466,13 +494,11 @@ class RepoIndex:
         dropped = self.store.drop_other_tokenizers(tok.id)
         if dropped:
             log.info("dropped %d token rows of an earlier tokenizer", dropped)
-        hashes = dict(self.store.conn.execute(
-            "SELECT t.path, t.hash FROM tokens t JOIN files f ON f.path = t.path AND f.hash = t.hash "
-            "WHERE t.tokenizer = ?", (tok.id,)))
+        hashes = self._draft_files(tok.id)
         drafts = self._load_saved_drafts(hashes)
         self.drafts_source = "mapped" if drafts is not None else "built"
         if drafts is None:
-            docs = [(p, blob_to_ids(b)) for p, b in self.store.all_tokens(tok.id)]
+            docs = [(p, blob_to_ids(b)) for p, b in self.store.all_tokens(tok.id) if p in hashes]
             drafts = DraftIndex.from_documents(docs, width_for(tok.vocab_size))
             self._save_drafts(drafts, hashes)
         for key, ov in self.overlays.items():
@@ -485,6 +511,28 @@ class RepoIndex:
     # -- the saved base segment: a restart maps it instead of rebuilding the suffix array
     def _drafts_dir(self) -> Path:
         return self.index_dir / f"drafts-{self.tokenizer.id}"
+
+    def _draft_files(self, tokenizer: str) -> dict[str, str]:
+        """path -> hash of the files the draft index starts with: all of them, or when
+        their tokens exceed ``max_draft_tokens`` the most recently modified that fit (the
+        suffix arrays cost ~6 bytes per token in memory and ~60 while built).  A file left
+        out enters when it changes."""
+        rows = self.store.conn.execute(
+            "SELECT t.path, t.hash, length(t.ids) / 4, f.mtime_ns FROM tokens t JOIN files f "
+            "ON f.path = t.path AND f.hash = t.hash WHERE t.tokenizer = ?", (tokenizer,)).fetchall()
+        total = sum(r[2] for r in rows)
+        self.draft_tokens_left_out = 0
+        if total <= self.max_draft_tokens:
+            return {p: h for p, h, _, _ in rows}
+        out, used = {}, 0
+        for p, h, n, _ in sorted(rows, key=lambda r: -r[3]):
+            if used + n <= self.max_draft_tokens:
+                out[p] = h
+                used += n
+        self.draft_tokens_left_out = total - used
+        log.warning("%s: %d of %d files' tokens (%d of %d) in the draft index, the most recently modified "
+                    "(index.max_draft_tokens)", self.root, len(out), len(rows), used, total)
+        return out
 
     def _save_drafts(self, drafts: DraftIndex, hashes: dict) -> None:
         base = drafts.base()
@@ -608,10 +656,12 @@ class RepoIndex:
             return
         if now != self._root_id:
             log.info("repository %s is back (or replaced): watching it again and rescanning", self.root)
-        elif time.monotonic() - self._polled_at < self.poll_s:
-            return
+        elif time.monotonic() - self._polled_at < max(self.poll_s, 10 * self._poll_cost):
+            return  # blind: a rescan (and a new observer's attempt) takes at most ~10% of the time
         self._polled_at = time.monotonic()
+        t0 = time.perf_counter()
         self._start_watcher()  # replaces a dead or blind observer; may fail again (watch limit)
+        self._poll_cost = time.perf_counter() - t0 + self._scan_s
         self._put("rescan", None)
 
     def _stop_watcher(self) -> None:
@@ -827,9 +877,11 @@ class RepoIndex:
                "overlays": len(self.overlays), "files_indexed": s.files_indexed,
                "files_unchanged": s.files_unchanged, "files_removed": s.files_removed,
                "files_skipped": s.files_skipped, "skipped": dict(s.skipped), "reconciles": s.reconciles,
-               "events": s.events, "client_events": s.client_events, "last_reconcile_ms": round(s.last_reconcile_ms, 2),
-               "scan_seconds": round(s.scan_seconds, 3), "tokens_seconds": round(s.tokens_seconds, 3),
-               "errors": s.errors, "rebuilt_from": self.store.rebuilt if self.store else None}
+               "events": s.events, "client_events": s.client_events,
+               "last_reconcile_ms": round(s.last_reconcile_ms, 2), "scan_seconds": round(s.scan_seconds, 3),
+               "tokens_seconds": round(s.tokens_seconds, 3), "errors": s.errors, "capped": self.capped,
+               "draft_tokens_left_out": self.draft_tokens_left_out,
+               "rebuilt_from": self.store.rebuilt if self.store else None}
         if self.drafts is not None:
             out["drafts"] = dict(self.drafts.stats(), source=self.drafts_source)
         if self.common is not None:

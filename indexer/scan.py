@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,28 @@ EXCLUDED_SUFFIXES = (".min.js", ".min.css", ".map", ".lock", ".svg", ".csv", ".t
 EXCLUDED_NAMES = frozenset({"package-lock.json", "yarn.lock", "pnpm-lock.yaml", "poetry.lock",
                             "Cargo.lock", "uv.lock", ".DS_Store"})
 DEFAULT_MAX_FILE_BYTES = 1_000_000
+DEFAULT_MAX_FILES = 100_000
+# Kernel and virtual file systems: their "files" are not code, and reading some of them
+# blocks (/proc/kmsg waits for the kernel's next message).  A repository at / or one that
+# holds such a mount (a container's /proc bound in) must not walk into them.
+PSEUDO_FS = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "securityfs", "debugfs",
+                       "tracefs", "configfs", "fusectl", "mqueue", "hugetlbfs", "bpf", "pstore", "binfmt_misc",
+                       "autofs", "efivarfs", "rpc_pipefs", "nsfs", "selinuxfs"})
+
+
+def pseudo_mounts(mounts: str = "/proc/self/mounts") -> frozenset[str]:
+    """Mount points of kernel and virtual file systems (Linux; empty elsewhere)."""
+    try:
+        lines = Path(mounts).read_text(errors="replace").splitlines()
+    except OSError:
+        return frozenset()
+    out = set()
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 3 and parts[2] in PSEUDO_FS:
+            # the mount table escapes spaces, tabs and backslashes in paths as octal (\040)
+            out.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[1]))
+    return frozenset(out)
 
 
 @dataclass(frozen=True)
@@ -61,6 +84,7 @@ class Rules:
         self._specs: dict[str, pathspec.GitIgnoreSpec | None] = {}
         exclude = root / ".git" / "info" / "exclude"
         self.info_exclude = self._load(exclude)
+        self.pseudo = pseudo_mounts()
 
     @staticmethod
     def _load(path: Path) -> pathspec.GitIgnoreSpec | None:
@@ -128,6 +152,8 @@ class Rules:
         if self.ignored(rel, False):
             return None
         path = self.root / rel
+        if self.pseudo and any(str(path).startswith(m.rstrip("/") + "/") for m in self.pseudo):
+            return None
         try:
             st = path.stat()  # follows a symlink
             if path.is_symlink() and not self.inside(path):
@@ -156,6 +182,9 @@ def walk(rules: Rules, start: str = ""):
             continue
         seen.add(key)
         if folder and is_virtualenv(path):
+            continue
+        if rules.pseudo and os.path.realpath(path) in rules.pseudo:
+            log.info("not indexing %s: a kernel or virtual file system", path)
             continue
         try:
             with os.scandir(path) as it:

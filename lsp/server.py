@@ -278,7 +278,8 @@ class CodecompleteServer(LanguageServer):
         if index_dir is not None and not primary:  # a configured folder holds the repository's index
             index_dir = index_dir / "folders" / default_index_dir(root).name
         index = RepoIndex(root, index_dir, max_file_bytes=cfg.max_file_bytes, watch=cfg.watch,
-                          debounce_ms=cfg.debounce_ms, want_common=cfg.common and primary).start()
+                          debounce_ms=cfg.debounce_ms, want_common=cfg.common and primary,
+                          max_files=cfg.max_files, max_draft_tokens=cfg.max_draft_tokens).start()
         log.info("indexing %s into %s", root, index.db_path)
         return index
 

@@ -723,3 +723,101 @@ def test_notify_takes_paths_in_the_repository_only(tmp_path: Path):
         assert idx.counts()["files"] == 2
     finally:
         idx.close()
+
+
+def test_a_folder_of_too_many_files_is_indexed_up_to_max_files(tmp_path: Path):
+    """A home folder opened as the workspace: the first max_files files in walk order,
+    and files that appear later stay out while the index is full."""
+    root = tmp_path / "repo"
+    for i in range(12):
+        write(root, f"d{i // 5}/f{i:02d}.py", f"v{i} = {i}\n")
+    idx = RepoIndex(root, tmp_path / "idx", watch=False, max_files=10).start()
+    try:
+        assert idx.ready.wait(30)
+        assert idx.counts()["files"] == 10 and idx.stats()["capped"]
+        write(root, "late.py", "late = 1\n")
+        idx.notify(root / "late.py")
+        assert idx.wait_idle()
+        assert idx.counts()["files"] == 10
+        (root / "d0" / "f00.py").unlink()  # room for one
+        idx.notify(root / "d0" / "f00.py")
+        assert idx.wait_idle()
+        idx.notify(root / "late.py")
+        assert idx.wait_idle()
+        conn = sqlite3.connect(idx.db_path)
+        assert "late.py" in {r[0] for r in conn.execute("SELECT path FROM files")}
+        conn.close()
+    finally:
+        idx.close()
+
+
+def test_kernel_and_virtual_file_systems_are_not_walked(tmp_path: Path):
+    """A repository at / (or one that holds a bound /proc): reading /proc/kmsg blocks for
+    ever.  Mount points of proc, sysfs, devtmpfs... are skipped, from the mount table."""
+    from codecomplete.indexer import scan
+
+    table = tmp_path / "mounts"
+    table.write_text(f"proc {tmp_path}/repo/proc proc rw 0 0\nsysfs /sys sysfs rw 0 0\n"
+                     f"/dev/sda1 {tmp_path}/repo ext4 rw 0 0\nx {tmp_path}/repo/my\\040dir tmpfs rw 0 0\n"
+                     f"y {tmp_path}/repo/with\\040space cgroup2 rw 0 0\n")
+    assert scan.pseudo_mounts(str(table)) == {f"{tmp_path}/repo/proc", "/sys", f"{tmp_path}/repo/with space"}
+    root = tmp_path / "repo"
+    write(root, "a.py", "a = 1\n")
+    write(root, "proc/kmsg", "would block\n")
+    write(root, "with space/x.py", "x = 1\n")
+    rules = Rules(root)
+    rules.pseudo = scan.pseudo_mounts(str(table))
+    assert [e.path for e in walk(rules)] == ["a.py"]
+    assert rules.accepts("proc/kmsg") is None and rules.accepts("a.py") is not None
+    assert scan.pseudo_mounts(str(tmp_path / "missing")) == frozenset()
+
+
+def test_the_draft_index_starts_with_the_newest_files_within_its_token_budget(tmp_path: Path,
+                                                                             tokenizer: TokenizerInfo):
+    """Suffix arrays cost memory per token: past max_draft_tokens the draft index starts
+    with the most recently modified files that fit; one left out enters when it changes."""
+    root = tmp_path / "repo"
+    old = write(root, "old.py", "def ancient_walrus_helper(x):\n    return x + 1\n")
+    os.utime(old, (1_000_000_000, 1_000_000_000))
+    write(root, "new.py", UNIQUE)
+    n_new = len(tokenizer.encode(UNIQUE))
+    idx = RepoIndex(root, tmp_path / "idx", tokenizer=tokenizer, watch=False, max_draft_tokens=n_new + 2).start()
+    try:
+        assert idx.tokens_ready.wait(30)
+        assert drafts_after(idx, tokenizer, UNIQUE, "def zebra_quokka_handler(")
+        assert not drafts_after(idx, tokenizer, "def ancient_walrus_helper(x):\n", "def ancient_walrus_helper(")
+        assert idx.stats()["draft_tokens_left_out"] > 0
+        assert idx.counts()["files"] == 2  # snippets still see every file
+        write(root, "old.py", "def ancient_walrus_helper(x):\n    return x + 2\n")
+        idx.notify(root / "old.py")
+        assert idx.wait_idle()
+        assert drafts_after(idx, tokenizer, "def ancient_walrus_helper(x):\n", "def ancient_walrus_helper(")
+    finally:
+        idx.close()
+
+
+def test_a_blind_index_polls_less_often_when_polling_is_costly(tmp_path: Path, monkeypatch):
+    """Without an observer the repository is rescanned every poll_s, and each time a new
+    observer is tried.  On a huge tree both are slow (a home folder opened as the
+    workspace): the interval stretches to ten times their cost."""
+    import watchdog.observers
+
+    attempts = []
+
+    class SlowBlind(watchdog.observers.Observer):
+        def start(self):
+            attempts.append(time.monotonic())
+            time.sleep(0.3)  # adding watches to a huge tree until the limit
+            raise OSError(28, "inotify watch limit reached")
+
+    monkeypatch.setattr(watchdog.observers, "Observer", SlowBlind)
+    root = tmp_path / "repo"
+    write(root, "a.py", "a = 1\n")
+    idx = RepoIndex(root, tmp_path / "idx", debounce_ms=10, check_s=0.02, poll_s=0.05).start()
+    try:
+        assert idx.ready.wait(10)
+        time.sleep(2.5)
+        # unthrottled: one attempt per 0.35 s (~7); throttled: one per >= 3 s after the first
+        assert 1 <= len(attempts) <= 3, attempts
+    finally:
+        idx.close()
