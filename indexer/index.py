@@ -677,6 +677,10 @@ class RepoIndex:
         from watchdog.observers import Observer
 
         index = self
+        try:  # the index folder, when it lies inside the repository (a home folder as the workspace)
+            own = Path(os.path.realpath(self.index_dir)).relative_to(self.root).as_posix()
+        except ValueError:
+            own = None
 
         class Handler(FileSystemEventHandler):
             def on_any_event(self, event):
@@ -694,6 +698,8 @@ class RepoIndex:
                         index._root_id = None  # this observer is blind now; see _check_watcher
                     if rel == "." or (rel.startswith(".git/") and rel != ".git/info/exclude"):
                         continue
+                    if own is not None and (rel == own or rel.startswith(own + "/")):
+                        continue  # our own database's writes (an index folder inside the repository)
                     index.stats_.events += 1
                     index._put("path", rel)
 

@@ -821,3 +821,21 @@ def test_a_blind_index_polls_less_often_when_polling_is_costly(tmp_path: Path, m
         assert 1 <= len(attempts) <= 3, attempts
     finally:
         idx.close()
+
+
+def test_the_index_folder_inside_the_repository_is_not_watched_back(tmp_path: Path):
+    """A home folder as the workspace holds the default index folder (~/.cache/...): the
+    database's own writes are not events to reconcile."""
+    root = tmp_path / "home"
+    write(root, "proj/a.py", "a = 1\n")
+    idx = RepoIndex(root, root / ".cache" / "codecomplete" / "idx", debounce_ms=20).start()
+    try:
+        assert idx.ready.wait(30) and wait_for(lambda: idx._observer is not None)
+        write(root, "proj/b.py", "b = 2\n")
+        assert wait_for(lambda: idx.counts()["files"] == 2)
+        assert idx.wait_idle()
+        time.sleep(0.3)
+        # b.py's and its folder's events (4 here); with the database's writes it was 11
+        assert 1 <= idx.stats()["events"] <= 6
+    finally:
+        idx.close()
