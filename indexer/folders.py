@@ -157,7 +157,10 @@ class Folders:
         m = lookup(segments, context, **kw) if segments else None
         if m:
             out.append(Match(m.length, m.occurrences, m.continuations, "repository"))
-        out += [m for m in indexes[0].lookup(context, **kw) if m.source != "repository"]
+        common = getattr(indexes[0], "common", None)
+        m = lookup([common], context, **kw) if common is not None else None
+        if m:
+            out.append(Match(m.length, m.occurrences, m.continuations, "common"))
         return out
 
     def snippets(self, path: str | Path, text: str, offset: int, *, limit: int = 3,

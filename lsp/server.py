@@ -335,10 +335,11 @@ class CodecompleteServer(LanguageServer):
                 index.stats_.client_events += 1
 
     def _open_file_uris(self) -> list[str]:
-        try:
-            return [uri for uri in self.workspace.text_documents if uri.startswith("file:")]
+        try:  # list() copies at once: change_folders runs on a thread beside the event loop
+            uris = list(self.workspace.text_documents)
         except RuntimeError:  # never initialized
             return []
+        return [uri for uri in uris if uri.startswith("file:")]
 
     def _tokenizer_loaded(self, lm) -> None:
         from codecomplete.indexer.tokens import TokenizerInfo
