@@ -133,7 +133,7 @@ def main() -> None:
         return (f"| {label} | {cells[0]} | {round(f['matched'] / n, 2)} | {cells[1]} | {f['snippets']} | {other} |")
 
     md = (header("Multi-root workspaces: lookups over several folders' indexes") + f"""
-{__doc__.split(chr(10), 1)[1].strip()}
+{__doc__.strip()}
 
 Folders (indexed cold, one after another, watcher off):
 
