@@ -1,8 +1,9 @@
 """What a multi-root workspace costs: draft lookups and snippet searches over one folder's
 index against the same over several folders' (indexer/folders.py).
 
-The draft lookup runs in every speculative decoding pass, so its time is paid per pass;
-the snippet search runs when the cursor enters a new block of lines.  Each folder is a
+The draft lookup runs in the speculative decoding passes that consult the repository, so
+its time is paid per pass; the snippet search runs when the cursor enters a new block of
+lines (with completion.context_snippets on).  Each folder is a
 real repository (checkouts of repositories brought with ``fetch``, code never
 committed), indexed with the default model's tokenizer.  Queries: positions at random
 line starts of the first folder's Python files; the context is the file's text before the
