@@ -203,6 +203,8 @@ class CodecompleteServer(LanguageServer):
                 finally:
                     self.end_connection()
                     writer.close()
+                    # the next client brings its own folders (closing waits for each worker)
+                    await asyncio.to_thread(self.folders.close_secondary)
                 log.info("client %s gone; listening on %s:%s", peer, host, port)
             finally:
                 busy.release()
@@ -236,7 +238,6 @@ class CodecompleteServer(LanguageServer):
             uris = []
         for uri in uris:
             self.overlay(uri, closed=True)
-        self.folders.close_secondary()  # the next client brings its own folders
 
     # -- the repository index ----------------------------------------------------------
     @property

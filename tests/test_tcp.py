@@ -87,20 +87,27 @@ async def test_tcp_daemon_outlives_its_clients_one_at_a_time(repo, tiny_model, m
                 await asyncio.sleep(0.1)
         pytest.fail("daemon did not listen on its port")
 
-    async def initialize(reader, writer, options=None):
+    lib = repo.parent / "lib"
+    lib.mkdir()
+    (lib / "shared.py").write_text("def shared_helper():\n    return 1\n")
+
+    async def initialize(reader, writer, options=None, folders=()):
         init = await asyncio.wait_for(rpc(reader, writer, 1, "initialize", {
             "processId": None, "rootUri": repo.as_uri(), "capabilities": {},
+            "workspaceFolders": [{"uri": f.as_uri(), "name": f.name} for f in folders] or None,
             "initializationOptions": options}), 60)
         send(writer, {"jsonrpc": "2.0", "method": "initialized", "params": {}})
         return init
 
     try:
-        # the first client turns speculation off, opens a buffer, completes in it, and
-        # drops without a word
+        # the first client turns speculation off, has a second workspace folder, opens a
+        # buffer, completes in it, and drops without a word
         reader, writer = await connect()
-        assert "result" in await initialize(reader, writer, {"codecomplete": {"speculation": {"enabled": False}}})
+        assert "result" in await initialize(reader, writer, {"codecomplete": {"speculation": {"enabled": False}}},
+                                            folders=(repo, lib))
         stats = await asyncio.wait_for(rpc(reader, writer, 9, "codecomplete/stats", {}), 30)
         assert stats["result"]["engine"]["speculation"] is False
+        assert [f["root"] for f in stats["result"]["folders"]] == [str(repo.resolve()), str(lib.resolve())]
         send(writer, {"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {
             "uri": uri, "languageId": "python", "version": 1, "text": "def add(a, b):\n    return "}}})
         got = await asyncio.wait_for(rpc(reader, writer, 2, "textDocument/inlineCompletion", complete), 60)
@@ -112,6 +119,7 @@ async def test_tcp_daemon_outlives_its_clients_one_at_a_time(repo, tiny_model, m
         assert "result" in await initialize(reader, writer)
         stats = await asyncio.wait_for(rpc(reader, writer, 9, "codecomplete/stats", {}), 30)
         assert stats["result"]["engine"]["speculation"] is True
+        assert [f["root"] for f in stats["result"]["folders"]] == [str(repo.resolve())]  # its folders only
         got = await asyncio.wait_for(rpc(reader, writer, 2, "textDocument/inlineCompletion", complete), 60)
         assert got["error"]["code"] == -32602 and "does not exist" in got["error"]["message"]
         # a second client while this one is served
