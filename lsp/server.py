@@ -153,8 +153,12 @@ async def _refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me
 class CodecompleteServer(LanguageServer):
     def __init__(self, engine, config: Config, repo: Path | None = None,
                  cli_settings: dict | None = None):
+        # Notebooks (Jupyter in VS Code) are synced as notebooks, so a cell's completion
+        # sees the code cells around it in their order (see _notebook_context).
         super().__init__("codecomplete-daemon", __version__, protocol_cls=RobustProtocol,
-                         text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
+                         text_document_sync_kind=types.TextDocumentSyncKind.Incremental,
+                         notebook_document_sync=types.NotebookDocumentSyncOptions(
+                             notebook_selector=[types.NotebookDocumentFilterWithNotebook(notebook="*")]))
         self.engine = engine
         self.config = config
         self.startup_config = config  # what a new TCP client starts from
@@ -334,6 +338,14 @@ class CodecompleteServer(LanguageServer):
             index = self.folders.for_path(path) if path else None
             if index is not None and index.notify(path):
                 index.stats_.client_events += 1
+
+    def forget(self, uri: str) -> None:
+        """A document was closed: its request stops, what was kept for it goes."""
+        self._supersede(uri, superseded=False)
+        self.pending.pop(uri, None)
+        self._contexts.pop(uri, None)
+        self.shown.pop(uri, None)
+        self.overlay(uri, closed=True)
 
     def _open_file_uris(self) -> list[str]:
         try:  # list() copies at once: change_folders runs on a thread beside the event loop
@@ -609,6 +621,8 @@ class CodecompleteServer(LanguageServer):
         if selected is not None:
             a, b, item = selected
             prefix, suffix = text[:a] + item, text[b:]
+        before, after = self._notebook_context(uri)
+        prefix, suffix = before + prefix, suffix + after
 
         rid = f"c{next(self._ids)}"
         through = self._typed_through(uri, prefix, suffix) if cfg.type_through else None
@@ -649,6 +663,30 @@ class CodecompleteServer(LanguageServer):
         if completion.text.strip():
             self.shown[uri] = Shown(prefix, suffix, completion)
         return self._answer(rid, uri, text, cursor, position, completion, encoding, selected, started)
+
+    def _notebook_context(self, uri: str) -> tuple[str, str]:
+        """For a notebook cell: the code cells of its language before it and after it, in
+        the notebook's order, each followed (before) or preceded (after) by a blank line;
+        the model completes the cell as part of one file.  ("", "") for other documents."""
+        ws = self.workspace
+        notebook = ws.get_notebook_document(cell_uri=uri)
+        if notebook is None:
+            return "", ""
+        own = ws.text_documents.get(unquote(uri))
+        language = own.language_id if own is not None else None
+        before, after, seen = [], [], False
+        for cell in notebook.cells:
+            if unquote(cell.document) == unquote(uri):
+                seen = True
+                continue
+            doc = ws.text_documents.get(unquote(cell.document))
+            if cell.kind != types.NotebookCellKind.Code or doc is None or (
+                    language and doc.language_id and doc.language_id != language):
+                continue
+            (after if seen else before).append(without_lone_surrogates(doc.source).rstrip("\n"))
+        if not seen:
+            return "", ""
+        return "".join(t + "\n\n" for t in before), "".join("\n\n" + t for t in after)
 
     def _typed_through(self, uri: str, prefix: str, suffix: str) -> Completion | None:
         """The rest of the document's last completion when the user has typed its start
@@ -955,13 +993,27 @@ def create_server(engine, config: Config, repo: Path | None = None,
     def did_save(ls: CodecompleteServer, params: types.DidSaveTextDocumentParams):
         log.debug("saved %s", params.text_document.uri)
 
+    @server.feature(types.NOTEBOOK_DOCUMENT_DID_CHANGE)
+    def did_change_notebook(ls: CodecompleteServer, params: types.DidChangeNotebookDocumentParams):
+        # an edited cell's pending request is stale; cells added, moved or removed: every cell's
+        cells = params.change.cells
+        if cells is None:
+            return
+        stale = [text.document.uri for text in cells.text_content or []]
+        notebook = ls.workspace.get_notebook_document(notebook_uri=params.notebook_document.uri)
+        if cells.structure is not None and notebook is not None:
+            stale += [cell.document for cell in notebook.cells]
+        for uri in stale:
+            ls._supersede(uri, superseded=False)
+
     @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
     def did_close(ls: CodecompleteServer, params: types.DidCloseTextDocumentParams):
-        ls._supersede(params.text_document.uri, superseded=False)
-        ls.pending.pop(params.text_document.uri, None)
-        ls._contexts.pop(params.text_document.uri, None)
-        ls.shown.pop(params.text_document.uri, None)
-        ls.overlay(params.text_document.uri, closed=True)
+        ls.forget(params.text_document.uri)
+
+    @server.feature(types.NOTEBOOK_DOCUMENT_DID_CLOSE)
+    def did_close_notebook(ls: CodecompleteServer, params: types.DidCloseNotebookDocumentParams):
+        for cell in params.cell_text_documents:
+            ls.forget(cell.uri)
 
     @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
     async def inline_completion(ls: CodecompleteServer, params: types.InlineCompletionParams):

@@ -212,6 +212,54 @@ async def test_buffers_are_found_under_the_uris_clients_send(client, repo, refer
         await complete(client, unsaved, 3, 13)
 
 
+async def test_a_notebook_cell_is_completed_with_the_code_cells_around_it(client, repo, reference_engine):
+    """Notebooks synced as notebooks (notebookDocument/*, as VS Code does for Jupyter once
+    the server offers it): a cell's prompt holds the code cells before it and after it, in
+    the notebook's order; markdown cells and cells of another language are left out; cell
+    edits and a new cell order apply."""
+    nb = (repo / "analysis.ipynb").as_uri()
+    cell = ["vscode-notebook-cell:" + (repo / "analysis.ipynb").as_posix() + f"#W{i}sZmlsZQ%3D%3D" for i in range(5)]
+    texts = [POINT.rsplit("\n", 1)[0] + "\n", "# Points", "%%bash\nls", "p = Point(1, 2)\np.", "print(p)\n"]
+    kinds = [T.NotebookCellKind.Code, T.NotebookCellKind.Markup, T.NotebookCellKind.Code, T.NotebookCellKind.Code,
+             T.NotebookCellKind.Code]
+    languages = ["python", "markdown", "shellscript", "python", "python"]
+    client.notebook_document_did_open(T.DidOpenNotebookDocumentParams(
+        notebook_document=T.NotebookDocument(uri=nb, notebook_type="jupyter-notebook", version=1, cells=[
+            T.NotebookCell(kind=k, document=u) for k, u in zip(kinds, cell)]),
+        cell_text_documents=[T.TextDocumentItem(uri=u, language_id=lang, version=1, text=t)
+                             for u, lang, t in zip(cell, languages, texts)]))
+    alone = expected(reference_engine, texts[3], "")
+    want = expected(reference_engine, texts[0].rstrip("\n") + "\n\n" + texts[3], "\n\n" + texts[4].rstrip("\n"))
+    assert want != alone, "the context should change the tiny model's completion"
+    assert proposed(await complete(client, cell[3], 1, 2), "p.") == [want]
+
+    # an edit to a cell (notebookDocument/didChange), then the last cell moved to the top
+    client.notebook_document_did_change(T.DidChangeNotebookDocumentParams(
+        notebook_document=T.VersionedNotebookDocumentIdentifier(version=2, uri=nb),
+        change=T.NotebookDocumentChangeEvent(cells=T.NotebookDocumentCellChanges(text_content=[
+            T.NotebookDocumentCellContentChanges(
+                document=T.VersionedTextDocumentIdentifier(uri=cell[4], version=2),
+                changes=[T.TextDocumentContentChangePartial(range=T.Range(T.Position(0, 0), T.Position(0, 0)),
+                                                            text="q = 3\n")])]))))
+    client.notebook_document_did_change(T.DidChangeNotebookDocumentParams(
+        notebook_document=T.VersionedNotebookDocumentIdentifier(version=3, uri=nb),
+        change=T.NotebookDocumentChangeEvent(cells=T.NotebookDocumentCellChanges(
+            structure=T.NotebookDocumentCellChangeStructure(
+                array=T.NotebookCellArrayChange(start=4, delete_count=1))))))
+    client.notebook_document_did_change(T.DidChangeNotebookDocumentParams(
+        notebook_document=T.VersionedNotebookDocumentIdentifier(version=4, uri=nb),
+        change=T.NotebookDocumentChangeEvent(cells=T.NotebookDocumentCellChanges(
+            structure=T.NotebookDocumentCellChangeStructure(array=T.NotebookCellArrayChange(
+                start=0, delete_count=0, cells=[T.NotebookCell(T.NotebookCellKind.Code, cell[4])]))))))
+    moved = expected(reference_engine, "q = 3\nprint(p)\n\n" + texts[0].rstrip("\n") + "\n\n" + texts[3], "")
+    assert proposed(await complete(client, cell[3], 1, 2), "p.") == [moved]
+    client.notebook_document_did_close(T.DidCloseNotebookDocumentParams(
+        notebook_document=T.NotebookDocumentIdentifier(nb),
+        cell_text_documents=[T.TextDocumentIdentifier(u) for u in cell]))
+    with pytest.raises(JsonRpcException):
+        await complete(client, cell[3], 1, 2)
+
+
 async def test_a_lone_surrogate_in_a_buffer_is_read_as_a_replacement_character(client, repo, reference_engine):
     """Guards text from JSON: ``"\\ud800"`` decodes to an unpaired surrogate, which no
     tokenizer takes; it is completed as U+FFFD (one UTF-16 unit, so positions hold)."""
