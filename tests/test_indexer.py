@@ -607,17 +607,28 @@ def test_a_repository_that_vanishes_and_comes_back_is_watched_again(tmp_path: Pa
         idx.close()
 
 
-def test_without_an_observer_the_repository_is_rescanned(tmp_path: Path, monkeypatch):
+def blind_index(tmp_path: Path, monkeypatch, start_s: float = 0.0, **kw) -> tuple[RepoIndex, list[float]]:
+    """An index of one file whose observers never start, as when inotify's watch limit is
+    reached (each attempt taking ``start_s``), and the times of those attempts."""
     import watchdog.observers
 
-    class Blind(watchdog.observers.Observer):  # as when inotify's watch limit is reached
+    attempts: list[float] = []
+
+    class Blind(watchdog.observers.Observer):
         def start(self):
+            attempts.append(time.monotonic())
+            time.sleep(start_s)  # adding watches to a huge tree until the limit
             raise OSError(28, "inotify watch limit reached")
 
     monkeypatch.setattr(watchdog.observers, "Observer", Blind)
     root = tmp_path / "repo"
     write(root, "a.py", "a = 1\n")
-    idx = RepoIndex(root, tmp_path / "idx", debounce_ms=30, check_s=0.05, poll_s=0.2).start()
+    return RepoIndex(root, tmp_path / "idx", **kw).start(), attempts
+
+
+def test_without_an_observer_the_repository_is_rescanned(tmp_path: Path, monkeypatch):
+    idx, _ = blind_index(tmp_path, monkeypatch, debounce_ms=30, check_s=0.05, poll_s=0.2)
+    root = idx.root
     try:
         assert idx.ready.wait(10) and indexed(idx, "a.py")
         assert idx._observer is None
@@ -800,20 +811,7 @@ def test_a_blind_index_polls_less_often_when_polling_is_costly(tmp_path: Path, m
     """Without an observer the repository is rescanned every poll_s, and each time a new
     observer is tried.  On a huge tree both are slow (a home folder opened as the
     workspace): the interval stretches to ten times their cost."""
-    import watchdog.observers
-
-    attempts = []
-
-    class SlowBlind(watchdog.observers.Observer):
-        def start(self):
-            attempts.append(time.monotonic())
-            time.sleep(0.3)  # adding watches to a huge tree until the limit
-            raise OSError(28, "inotify watch limit reached")
-
-    monkeypatch.setattr(watchdog.observers, "Observer", SlowBlind)
-    root = tmp_path / "repo"
-    write(root, "a.py", "a = 1\n")
-    idx = RepoIndex(root, tmp_path / "idx", debounce_ms=10, check_s=0.02, poll_s=0.05).start()
+    idx, attempts = blind_index(tmp_path, monkeypatch, start_s=0.3, debounce_ms=10, check_s=0.02, poll_s=0.05)
     try:
         assert idx.ready.wait(10)
         time.sleep(2.5)
