@@ -38,9 +38,11 @@ async def start_daemon(repo: Path, model: Path, *, encodings: list[str] | None =
                 documentation_format=[T.MarkupKind.Markdown, T.MarkupKind.PlainText])) if markdown else None),
         workspace=T.WorkspaceClientCapabilities(did_change_watched_files=T.DidChangeWatchedFilesClientCapabilities(
             dynamic_registration=True)) if registrations is not None else None,
+        notebook_document=T.NotebookDocumentClientCapabilities(  # as VS Code's client
+            synchronization=T.NotebookDocumentSyncClientCapabilities()),
         window=T.WindowClientCapabilities(show_message=T.ShowMessageRequestClientCapabilities(),
                                           work_done_progress=progress or None))
-    await client.initialize_session(T.InitializeParams(
+    client.initialized_with = await client.initialize_session(T.InitializeParams(
         capabilities=caps, root_uri=repo.as_uri(), initialization_options=init_options,
         workspace_folders=[T.WorkspaceFolder(uri=f.as_uri(), name=f.name) for f in folders] if folders else None,
         client_info=T.ClientInfo(name="pytest-lsp")))

@@ -217,6 +217,8 @@ async def test_a_notebook_cell_is_completed_with_the_code_cells_around_it(client
     the server offers it): a cell's prompt holds the code cells before it and after it, in
     the notebook's order; markdown cells and cells of another language are left out; cell
     edits and a new cell order apply."""
+    sync = client.initialized_with.capabilities.notebook_document_sync  # to clients that sync notebooks
+    assert sync is not None and sync.notebook_selector[0].notebook == "*"
     nb = (repo / "analysis.ipynb").as_uri()
     cell = ["vscode-notebook-cell:" + (repo / "analysis.ipynb").as_posix() + f"#W{i}sZmlsZQ%3D%3D" for i in range(5)]
     texts = [POINT.rsplit("\n", 1)[0] + "\n", "# Points", "%%bash\nls", "p = Point(1, 2)\np.", "print(p)\n"]
