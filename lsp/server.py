@@ -958,11 +958,14 @@ def create_server(engine, config: Config, repo: Path | None = None,
 
     @server.feature(types.INITIALIZED)
     async def initialized(ls: CodecompleteServer, params: types.InitializedParams):
-        await ls.watch_through_client()
-        try:
-            await ls.report_startup()
-        except Exception:  # progress is a courtesy: never a reason to fail
-            log.exception("start-up progress failed")
+        async def progress():
+            try:
+                await ls.report_startup()
+            except Exception:  # progress is a courtesy: never a reason to fail
+                log.exception("start-up progress failed")
+
+        # side by side: a client slow to answer the registration does not delay progress
+        await asyncio.gather(ls.watch_through_client(), progress())
 
     @server.feature(types.WORKSPACE_DID_CHANGE_WATCHED_FILES)
     def did_change_watched_files(ls: CodecompleteServer, params: types.DidChangeWatchedFilesParams):
