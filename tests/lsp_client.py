@@ -16,13 +16,16 @@ from codecomplete.lsp.server import plain
 async def start_daemon(repo: Path, model: Path, *, encodings: list[str] | None = None,
                        init_options: dict | None = None, extra_args: tuple[str, ...] = (),
                        inline: bool = True, markdown: bool = False, progress: bool = False,
-                       folders: list[Path] | None = None, registrations: list | None = None) -> LanguageClient:
+                       folders: list[Path] | None = None, registrations: list | None = None,
+                       registration_gate: asyncio.Event | None = None) -> LanguageClient:
     """``inline``: the client announces inline-completion support (False: a client that
     only has the completion menu, as Neovim 0.11 with nvim-cmp or Helix)."""
     client = make_test_lsp_client()
     if registrations is not None:  # the client watches files for the server when asked
         @client.feature(T.CLIENT_REGISTER_CAPABILITY)
-        def register(params: T.RegistrationParams):
+        async def register(params: T.RegistrationParams):
+            if registration_gate is not None:  # a client slow to answer
+                await registration_gate.wait()
             registrations.extend(params.registrations)
             return None
     env = dict(os.environ)

@@ -493,8 +493,11 @@ async def test_clients_without_inline_completions_get_a_menu_item(repo, tiny_mod
 async def test_startup_progress_while_the_model_loads(repo, model_cache):
     """Guards work-done progress: a client that supports it sees the model load (the
     default model takes seconds) and the first index scan begin and end, with the end
-    saying the model is ready; a client without the capability gets none."""
-    c = await start_daemon(repo, "default", progress=True)
+    saying the model is ready; a client without the capability gets none.  A client slow
+    to answer the daemon's file-watcher registration does not hold progress up."""
+    registrations: list = []
+    gate = asyncio.Event()
+    c = await start_daemon(repo, "default", progress=True, registrations=registrations, registration_gate=gate)
     try:
         for _ in range(600):
             reports = c.progress_reports.get("codecomplete/model", [])
@@ -504,6 +507,13 @@ async def test_startup_progress_while_the_model_loads(repo, model_cache):
         reports = c.progress_reports["codecomplete/model"]
         assert isinstance(reports[0], T.WorkDoneProgressBegin) and reports[0].title == "codecomplete: loading model"
         assert isinstance(reports[-1], T.WorkDoneProgressEnd) and "ready" in reports[-1].message
+        assert not registrations  # still unanswered
+        gate.set()
+        for _ in range(100):
+            if registrations:
+                break
+            await asyncio.sleep(0.1)
+        assert registrations
         assert (await stats(c))["engine"]["ready"]
         index = c.progress_reports.get("codecomplete/index")
         if index:  # a small repository may be indexed before the client is initialized
