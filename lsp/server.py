@@ -508,9 +508,11 @@ class CodecompleteServer(LanguageServer):
     def _disabled_for(self, uri: str) -> str | None:
         """Why completions are off in ``uri`` (completion.disabled_languages or
         disabled_paths), or None.  The language is the one the editor opened the document
-        with, and the one its file name implies."""
+        with, and the one its file name implies; a notebook cell's path is its notebook's."""
         cfg = self.config.completion
         path = to_fs_path(uri) if uri.startswith("file:") else None
+        if uri.startswith("vscode-notebook-cell:"):  # vscode-notebook-cell:/dir/nb.ipynb#cell
+            path = to_fs_path("file:" + uri.split(":", 1)[1].split("#", 1)[0]) or None
         doc = self.workspace.text_documents.get(unquote(uri))
         languages = {x.lower() for x in ((doc.language_id if doc else None), language_of(path or uri)) if x}
         off = languages & {x.lower() for x in cfg.disabled_languages}

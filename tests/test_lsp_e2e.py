@@ -369,21 +369,26 @@ async def test_completions_are_off_in_disabled_languages_and_paths(repo, tiny_mo
     the editor sends, or the file name's; patterns relative to the workspace folder), the
     other files are served, and a settings change turns them back on."""
     c = await start_daemon(repo, tiny_model, init_options={"completion": {
-        "disabledLanguages": ["Markdown"], "disabledPaths": [".env", "secrets/**"]}})
+        "disabledLanguages": ["Markdown"], "disabledPaths": [".env", "secrets/**", "scratch/*.ipynb"]}})
     try:
+        cell = "vscode-notebook-cell:" + (repo / "scratch" / "nb.ipynb").as_posix() + "#W0sZmlsZQ%3D%3D"
         docs = {"notes.md": "plaintext", "notes.txt": "markdown", ".env": "python", "secrets/key.py": "python",
-                "app/.env": "python", "tmp/ok.py": "python"}
+                "app/.env": "python", "tmp/ok.py": "python", cell: "python"}
+
+        def uri_of(name: str) -> str:
+            return name if ":" in name else (repo / name).as_uri()
+
         for name, language in docs.items():
-            open_doc(c, (repo / name).as_uri(), POINT, language=language)
+            open_doc(c, uri_of(name), POINT, language=language)
         served = {}
         for name in docs:
             before = (await stats(c))["engine"]["completions"]
-            items = await complete(c, (repo / name).as_uri(), 3, 13)
+            items = await complete(c, uri_of(name), 3, 13)
             served[name] = (await stats(c))["engine"]["completions"] > before
             assert bool(items) == served[name], name
         assert served == {"notes.md": False, "notes.txt": False, ".env": False, "secrets/key.py": False,
-                          "app/.env": False, "tmp/ok.py": True}
-        assert (await stats(c))["counters"]["disabled"] == 5
+                          "app/.env": False, "tmp/ok.py": True, cell: False}  # a cell: its notebook's path
+        assert (await stats(c))["counters"]["disabled"] == 6
         c.workspace_did_change_configuration(T.DidChangeConfigurationParams(
             settings={"codecomplete": {"completion": {"disabledLanguages": [], "disabledPaths": "secrets/**"}}}))
         assert await complete(c, (repo / "notes.md").as_uri(), 3, 13)
