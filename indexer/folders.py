@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import snippets as snip
-from .suffix import Match, lookup
+from .suffix import Match
 
 log = logging.getLogger("codecomplete.index")
 
@@ -150,18 +150,11 @@ class Folders:
         """Draft continuations: the longest context suffix over every folder's tokens,
         and the primary's common datastore."""
         indexes = self.all()
-        if len(indexes) <= 1:
-            return indexes[0].lookup(context, **kw) if indexes else []
-        out = []
-        segments = [seg for index in indexes if index.drafts is not None for seg in index.drafts.segments()]
-        m = lookup(segments, context, **kw) if segments else None
-        if m:
-            out.append(Match(m.length, m.occurrences, m.continuations, "repository"))
-        common = getattr(indexes[0], "common", None)
-        m = lookup([common], context, **kw) if common is not None else None
-        if m:
-            out.append(Match(m.length, m.occurrences, m.continuations, "common"))
-        return out
+        if not indexes:
+            return []
+        if len(indexes) == 1:
+            return indexes[0].lookup(context, **kw)
+        return indexes[0].lookup(context, others=tuple(i.drafts for i in indexes[1:]), **kw)
 
     def snippets(self, path: str | Path, text: str, offset: int, *, limit: int = 3,
                  budget_ms: float = 40.0) -> list[snip.Snippet]:

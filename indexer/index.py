@@ -92,6 +92,10 @@ class RepoIndex:
         self.root = Path(root).resolve()
         self.index_dir = Path(index_dir) if index_dir else default_index_dir(self.root)
         self.db_path = self.index_dir / "index.sqlite"
+        try:  # the index folder, when it lies inside the repository (a home folder as the workspace)
+            self._own_rel = Path(os.path.realpath(self.index_dir)).relative_to(self.root).as_posix()
+        except ValueError:
+            self._own_rel = None
         self.tokenizer = tokenizer
         self.rules = Rules(self.root, max_file_bytes)
         # A folder of more files than this (a home folder or / opened as the workspace) is
@@ -186,12 +190,21 @@ class RepoIndex:
 
     def notify(self, path: str | Path) -> bool:
         """A path may have changed on disk (a hint; the reconcile decides).  False for a
-        path outside the repository or inside ``.git`` (nothing to do)."""
+        path there is nothing to do for (see ``_unwatched``)."""
         key = self.key_of(path)
-        if key.startswith("/") or key in (".", ".git") or key.startswith(".git/") and key != ".git/info/exclude":
+        if self._unwatched(key):
             return False
         self._put("path", key)
         return True
+
+    def _unwatched(self, rel: str) -> bool:
+        """Reports of changes to ``rel`` (a key) that queue nothing: a path outside the
+        repository, the root, ``.git`` (but its ``info/exclude``), and the index's own folder
+        when it lies inside the repository (its database's writes)."""
+        own = self._own_rel
+        return (rel.startswith("/") or rel in (".", ".git")
+                or (rel.startswith(".git/") and rel != ".git/info/exclude")
+                or (own is not None and (rel == own or rel.startswith(own + "/"))))
 
     def rescan(self) -> None:
         self._put("rescan", None)
@@ -677,10 +690,6 @@ class RepoIndex:
         from watchdog.observers import Observer
 
         index = self
-        try:  # the index folder, when it lies inside the repository (a home folder as the workspace)
-            own = Path(os.path.realpath(self.index_dir)).relative_to(self.root).as_posix()
-        except ValueError:
-            own = None
 
         class Handler(FileSystemEventHandler):
             def on_any_event(self, event):
@@ -696,10 +705,8 @@ class RepoIndex:
                         continue
                     if rel == "." and event.event_type in ("deleted", "moved"):
                         index._root_id = None  # this observer is blind now; see _check_watcher
-                    if rel == "." or (rel.startswith(".git/") and rel != ".git/info/exclude"):
+                    if index._unwatched(rel):
                         continue
-                    if own is not None and (rel == own or rel.startswith(own + "/")):
-                        continue  # our own database's writes (an index folder inside the repository)
                     index.stats_.events += 1
                     index._put("path", rel)
 
@@ -719,13 +726,15 @@ class RepoIndex:
         self._observer = observer
 
     # -- retrieval ---------------------------------------------------------------------
-    def lookup(self, context: list[int], **kw) -> list[Match]:
-        """Draft continuations for the token ids before the cursor, per source."""
+    def lookup(self, context: list[int], *, others: tuple = (), **kw) -> list[Match]:
+        """Draft continuations for the token ids before the cursor, per source.  ``others``:
+        more repositories' draft indexes, searched as one with this one's (the folders of a
+        multi-root workspace: the longest match in any of them wins)."""
         out = []
-        if self.drafts is not None:
-            m = self.drafts.lookup(context, **kw)
-            if m:
-                out.append(m)
+        segments = [seg for d in (self.drafts, *others) if d is not None for seg in d.segments()]
+        m = lookup(segments, context, **kw) if segments else None
+        if m:
+            out.append(Match(m.length, m.occurrences, m.continuations, "repository"))
         if self.common is not None:
             m = lookup([self.common], context, **kw)
             if m:

@@ -84,7 +84,10 @@ class Rules:
         self._specs: dict[str, pathspec.GitIgnoreSpec | None] = {}
         exclude = root / ".git" / "info" / "exclude"
         self.info_exclude = self._load(exclude)
-        self.pseudo = pseudo_mounts()
+        # only mounts inside the repository matter (links out of it are never followed), so
+        # for a usual repository this is empty and the walk pays nothing per folder
+        inside = str(self.real_root).rstrip("/") + "/"
+        self.pseudo = frozenset(m for m in pseudo_mounts() if m == str(self.real_root) or m.startswith(inside))
 
     @staticmethod
     def _load(path: Path) -> pathspec.GitIgnoreSpec | None:

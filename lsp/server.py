@@ -236,11 +236,7 @@ class CodecompleteServer(LanguageServer):
         if self.config != self.startup_config:  # its settings were its own
             self.config = self.startup_config
             self.engine.configure(engine_settings(self.config))
-        try:
-            uris = list(self.workspace.text_documents)
-        except RuntimeError:  # never initialized
-            uris = []
-        for uri in uris:
+        for uri in self._open_file_uris():
             self.overlay(uri, closed=True)
 
     # -- the repository index ----------------------------------------------------------
