@@ -134,7 +134,12 @@ def complete(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print JSON with timings")
     p.add_argument("--mode", choices=["auto", "single", "multi"])
     p.add_argument("--max-tokens", type=int)
+    p.add_argument("--alternatives", type=int, default=1, metavar="N",
+                   help="up to N completions: the greedy one, then others branching where the model is unsure "
+                        "(what an editor's invoked request offers)")
     args = p.parse_args(argv)
+    if not 1 <= args.alternatives <= 8:
+        p.error("--alternatives must be 1-8")
     setup_logging(args.verbose, args.log_file, quiet=True)
     from codecomplete.indexer.files import SourceError, read_source
     from codecomplete.lsp.documents import PositionError, cursor_at, split_lines
@@ -164,7 +169,8 @@ def complete(argv: list[str]) -> int:
     c = cfg.completion
     request = CompletionRequest(cursor.prefix, cursor.suffix, request_id="cli",
                                 mode=args.mode or c.mode, max_tokens=args.max_tokens or c.max_tokens,
-                                max_lines=c.max_lines, time_budget_ms=c.time_budget_ms)
+                                max_lines=c.max_lines, time_budget_ms=c.time_budget_ms,
+                                alternatives=args.alternatives)
     result = engine.complete(request)
     stats = engine.stats()
     engine.close()
@@ -175,12 +181,16 @@ def complete(argv: list[str]) -> int:
         print(json.dumps({
             "file": str(path), "line": line, "column": column + 1, "text": result.text,
             "stop_reason": result.stop_reason, "multiline": result.multiline,
+            "alternatives": [t for t in result.texts if t != result.text],
             "prompt_tokens": result.prompt_tokens, "generated_tokens": result.generated_tokens,
             "timings_ms": {k: round(v, 2) for k, v in result.timings.items()},
             "model": stats["model"], "device": stats["device"], "dtype": stats["dtype"],
             "template": stats["template"], "load_seconds": stats["load_seconds"]}, indent=2))
     else:
         print(result.text)
+        for i, text in enumerate([t for t in result.texts if t != result.text], 2):
+            print(f"--- alternative {i}")
+            print(text)
     return 0
 
 

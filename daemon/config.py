@@ -74,6 +74,12 @@ class CompletionConfig:
     # folder: ".env", "secrets/**", "*.min.js").  A list, or one comma-separated string.
     disabled_languages: tuple[str, ...] = ()
     disabled_paths: tuple[str, ...] = ()
+    # Completions offered when the user asks for one (an invoked request: VS Code's
+    # Alt+\ or cycling with Alt+] / Alt+[, the Neovim plugin's next / previous keys, a
+    # menu's Ctrl+Space): the greedy one and up to this many - 1 others, decoded together
+    # with it, each branching where the model is unsure.  Requests made while typing get
+    # the greedy one alone.  1: never more than one.
+    alternatives: int = field(default=3, metadata=_range(1, 8))
 
 
 @dataclass

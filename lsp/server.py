@@ -101,6 +101,8 @@ class Counters:
     errors: int = 0
     shown: int = 0
     accepted: int = 0
+    accepted_alternatives: int = 0  # of them, an item after the first (an invoked request's others)
+    alternatives: int = 0  # items offered after the first
     partially_accepted: int = 0
     rejected: int = 0
     with_context: int = 0  # requests whose prompt opened with repository snippets
@@ -551,8 +553,10 @@ class CodecompleteServer(LanguageServer):
     async def inline_completion(self, params: types.InlineCompletionParams) -> types.InlineCompletionList:
         """Answer one request; a failure inside is an empty result and a log line."""
         automatic = params.context.trigger_kind == types.InlineCompletionTriggerKind.Automatic
+        # "Invoked: triggered explicitly by a user gesture" (LSP 3.18): offer others too
+        alternatives = 1 if automatic else self.config.completion.alternatives
         got = await self._guarded(params.text_document.uri, params.position, automatic,
-                                  params.context.selected_completion_info)
+                                  params.context.selected_completion_info, alternatives)
         if got is None:
             return types.InlineCompletionList(items=[])
         return types.InlineCompletionList(items=self._items(got))
@@ -560,7 +564,8 @@ class CodecompleteServer(LanguageServer):
     async def completion(self, params: types.CompletionParams) -> types.CompletionList:
         """``textDocument/completion``: the same completion as one menu item, for clients
         without inline completions (``completion.lsp_completion``).  Incomplete, so the
-        client asks again as the user types on."""
+        client asks again as the user types on.  No alternatives: a menu's "Invoked" is
+        also "triggered by typing an identifier" (LSP), not a request for more."""
         setting = self.config.completion.lsp_completion
         if setting == "never" or (setting == "auto" and self.client_has_inline):
             return types.CompletionList(is_incomplete=False, items=[])
@@ -578,9 +583,9 @@ class CodecompleteServer(LanguageServer):
         return td is not None and td.inline_completion is not None
 
     async def _guarded(self, uri: str, position: types.Position, automatic: bool,
-                       selected: types.SelectedCompletionInfo | None = None) -> Answer | None:
+                       selected: types.SelectedCompletionInfo | None = None, alternatives: int = 1) -> Answer | None:
         try:
-            return await self._complete(uri, position, automatic, selected)
+            return await self._complete(uri, position, automatic, selected, alternatives)
         except (JsonRpcException, asyncio.CancelledError):
             raise
         except Exception:
@@ -590,11 +595,13 @@ class CodecompleteServer(LanguageServer):
             return None
 
     async def _complete(self, uri: str, position: types.Position, automatic: bool,
-                        selected_info: types.SelectedCompletionInfo | None = None) -> Answer | None:
-        """One completion at ``position``, or None when there is nothing to offer (counted
-        and logged).  ``selected_info``: the item selected in the editor's completion menu
-        (VS Code sends it while the menu is open); the completion then continues the text
-        as if that item were inserted, so that the editor can show both together."""
+                        selected_info: types.SelectedCompletionInfo | None = None,
+                        alternatives: int = 1) -> Answer | None:
+        """One completion at ``position`` (``alternatives`` > 1: with up to that many - 1
+        others), or None when there is nothing to offer (counted and logged).
+        ``selected_info``: the item selected in the editor's completion menu (VS Code sends
+        it while the menu is open); the completion then continues the text as if that item
+        were inserted, so that the editor can show both together."""
         started = time.perf_counter()
         self.counters.requests += 1
         cfg = self.config.completion
@@ -623,7 +630,7 @@ class CodecompleteServer(LanguageServer):
         prefix, suffix = before + prefix, suffix + after
 
         rid = f"c{next(self._ids)}"
-        through = self._typed_through(uri, prefix, suffix) if cfg.type_through else None
+        through = self._typed_through(uri, prefix, suffix) if cfg.type_through and alternatives == 1 else None
         if through is not None:
             self._supersede(uri, superseded=True)  # older requests were for text typed since
             self.counters.typed_through += 1
@@ -633,7 +640,8 @@ class CodecompleteServer(LanguageServer):
         self.counters.with_context += bool(context)
         request = CompletionRequest(prefix=prefix, suffix=suffix, request_id=rid,
                                     mode=cfg.mode, max_tokens=cfg.max_tokens, max_lines=cfg.max_lines,
-                                    time_budget_ms=cfg.time_budget_ms, session_key=uri, context=context)
+                                    time_budget_ms=cfg.time_budget_ms, session_key=uri, context=context,
+                                    alternatives=alternatives)
         pending = Pending(request, uri)
         self._supersede(uri, superseded=True)
         self.pending[uri] = pending
@@ -718,11 +726,16 @@ class CodecompleteServer(LanguageServer):
         log.info("[%s] %s:%d:%d %.0f ms (%s%s) -> %r", rid, Path(to_fs_path(uri) or uri).name,
                  position.line + 1, position.character + 1, latency,
                  completion.stop_reason, ", typed through" if through else "", completion.text[:60])
-        if not completion.text.strip():
+        if completion.alternatives:
+            log.info("[%s] alternatives: %s", rid, [a.text[:40] for a in completion.alternatives])
+        if not completion.texts:
             self._count_empty()
             return None
         self.counters.completions += 1
-        self.issued[rid] = {"uri": uri, "chars": len(completion.text), "at": time.time()}
+        texts = completion.texts
+        self.counters.alternatives += len(texts) - 1
+        for i, item in enumerate(texts):
+            self.issued[_item_id(rid, i)] = {"uri": uri, "chars": len(item), "at": time.time(), "rank": i}
         while len(self.issued) > 512:
             self.issued.popitem(last=False)
         return Answer(rid, uri, text, cursor, completion, encoding, selected)
@@ -768,18 +781,22 @@ class CodecompleteServer(LanguageServer):
         return context
 
     def _items(self, ans: Answer) -> list:
-        """One item whose range starts at the beginning of the cursor's line and whose
-        text repeats what is typed there (Copilot's convention): clients filter it as
-        the user keeps typing, and Neovim and VS Code both draw it from there.  With a
-        selected menu item: that item's range, its text and the completion (inline items
-        "must extend the text of the selected item and use the same range", LSP 3.18)."""
-        if ans.selected is not None:
-            a, b, item = ans.selected
-            insert, rng = item + ans.completion.text, _range(ans.text, a, b, ans.encoding)
-        else:
-            insert, rng = self._edit(ans, self._echo_start(ans))
-        return [types.InlineCompletionItem(insert_text=insert, range=rng,
-                                           command=self._accept_command(ans.rid, ans.uri))]
+        """An item per completion (the greedy one, then any alternatives) whose range
+        starts at the beginning of the cursor's line and whose text repeats what is typed
+        there (Copilot's convention): clients filter it as the user keeps typing, and
+        Neovim and VS Code both draw it from there.  With a selected menu item: that item's
+        range, its text and the completion (inline items "must extend the text of the
+        selected item and use the same range", LSP 3.18)."""
+        items = []
+        for i, completion in enumerate(ans.completion.texts):
+            if ans.selected is not None:
+                a, b, item = ans.selected
+                insert, rng = item + completion, _range(ans.text, a, b, ans.encoding)
+            else:
+                insert, rng = self._edit(ans, completion, self._echo_start(ans))
+            items.append(types.InlineCompletionItem(insert_text=insert, range=rng,
+                                                    command=self._accept_command(_item_id(ans.rid, i), ans.uri)))
+        return items
 
     @staticmethod
     def _echo_start(ans: Answer) -> int:
@@ -794,11 +811,15 @@ class CodecompleteServer(LanguageServer):
         return word if word > floor else cursor.offset
 
     def _menu_items(self, ans: Answer) -> list:
-        """One completion-menu item that replaces the word being typed (clients filter menu
-        items by it) with that word and the completion, inserted as is (no re-indenting);
-        the label is its first line, the documentation the whole text."""
+        """A completion-menu item per completion (the greedy one first, preselected) that
+        replaces the word being typed (clients filter menu items by it) with that word and
+        the completion, inserted as is (no re-indenting); the label is its first line, the
+        documentation the whole text."""
+        return [self._menu_item(ans, completion, i) for i, completion in enumerate(ans.completion.texts)]
+
+    def _menu_item(self, ans: Answer, completion: str, i: int) -> types.CompletionItem:
         text, cursor, uri = ans.text, ans.cursor, ans.uri
-        insert, rng = self._edit(ans, _word_start(text, cursor.offset, cursor.line_start))
+        insert, rng = self._edit(ans, completion, _word_start(text, cursor.offset, cursor.line_start))
         lines = insert.split("\n")
         label = lines[0].strip() or insert.strip().split("\n")[0]
         if len(label) > 80:
@@ -806,13 +827,13 @@ class CodecompleteServer(LanguageServer):
         more = len(lines) - 1
         lang = language_of(to_fs_path(uri) if uri.startswith("file:") else uri) or ""
         fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", insert)), default=0))
-        return [types.CompletionItem(
-            label=label, kind=types.CompletionItemKind.Text, preselect=True, sort_text="0",
+        return types.CompletionItem(
+            label=label, kind=types.CompletionItemKind.Text, preselect=i == 0, sort_text=str(i),
             filter_text=insert, detail="codecomplete" + (f" (+{more} line{'s' if more > 1 else ''})" if more else ""),
             documentation=(types.MarkupContent(types.MarkupKind.Markdown, f"{fence}{lang}\n{insert}\n{fence}")
                            if self._client_reads_markdown() else insert),
             text_edit=types.TextEdit(rng, insert), insert_text_format=types.InsertTextFormat.PlainText,
-            insert_text_mode=types.InsertTextMode.AsIs, command=self._accept_command(ans.rid, uri))]
+            insert_text_mode=types.InsertTextMode.AsIs, command=self._accept_command(_item_id(ans.rid, i), uri))
 
     def _client_reads_markdown(self) -> bool:
         caps = self.client_capabilities
@@ -823,15 +844,15 @@ class CodecompleteServer(LanguageServer):
         return types.MarkupKind.Markdown in (formats or [])
 
     @staticmethod
-    def _edit(ans: Answer, start: int) -> tuple[str, types.Range]:
-        """The text from ``start`` (at or before the cursor, on its line) through the
-        completion, and the range it replaces: up to the cursor, or to the line's end
+    def _edit(ans: Answer, completion: str, start: int) -> tuple[str, types.Range]:
+        """The text from ``start`` (at or before the cursor, on its line) through
+        ``completion``, and the range it replaces: up to the cursor, or to the line's end
         when the completion rewrote what follows the cursor there."""
-        text, cursor, completion = ans.text, ans.cursor, ans.completion
-        insert = text[start:cursor.offset] + completion.text
+        text, cursor = ans.text, ans.cursor
+        insert = text[start:cursor.offset] + completion
         end = cursor.offset
         rest_of_line = text[cursor.offset:cursor.line_end]
-        if rest_of_line.strip() and completion.text.rstrip().endswith(rest_of_line.strip()):
+        if rest_of_line.strip() and completion.rstrip().endswith(rest_of_line.strip()):
             end = cursor.line_end
         return insert, _range(text, start, end, ans.encoding)
 
@@ -874,6 +895,8 @@ class CodecompleteServer(LanguageServer):
         cid = completion_id_of(params)
         setattr(self.counters, kind, getattr(self.counters, kind) + 1)
         info = self.issued.get(cid) if cid else None
+        if kind == "accepted" and info is not None and info["rank"] > 0:
+            self.counters.accepted_alternatives += 1
         log.info("completion %s %s%s", cid or "?", kind, "" if info else " (unknown id)")
 
     def stats(self, recent: bool = False) -> dict:
@@ -904,6 +927,11 @@ def plain(value: Any) -> Any:
 def _folder_paths(folders) -> list[Path]:
     """The local directories of LSP workspace folders (other schemes are skipped)."""
     return [Path(to_fs_path(f.uri)) for f in folders or [] if f.uri.startswith("file:") and to_fs_path(f.uri)]
+
+
+def _item_id(rid: str, i: int) -> str:
+    """The completion id of a request's ``i``-th item (its alternatives: ``c7.2``, ``c7.3``)."""
+    return rid if i == 0 else f"{rid}.{i + 1}"
 
 
 def _word_start(text: str, offset: int, floor: int) -> int:

@@ -24,6 +24,7 @@ class CompletionRequest:
     session_key: str | None = None  # (client, document): EFIM sessions are kept per key
     ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
     context: str = ""  # repository code for the prompt's head (retrieved snippets, rendered)
+    alternatives: int = 1  # >1: also up to this many - 1 other completions (Completion.alternatives)
 
 
 @dataclass
@@ -42,6 +43,16 @@ class Completion:
     accepted_tokens: int = 0  # drafted tokens the model accepted
     forward_passes: int = 0  # decode passes (generated_tokens / forward_passes: tokens per pass)
     layers_run: int = 0  # transformer layers run for the generated tokens (early exit: fewer than tokens x layers)
+    alternatives: list["Completion"] = field(default_factory=list)  # other completions, most likely first
+
+    @property
+    def texts(self) -> list[str]:
+        """This completion's text, then its alternatives' (none empty, none twice)."""
+        out = []
+        for c in [self, *self.alternatives]:
+            if c.text.strip() and c.text not in out:
+                out.append(c.text)
+        return out
 
     @property
     def cancelled(self) -> bool:

@@ -62,7 +62,7 @@ class _Vocab:
         return torch.tensor(ok, dtype=torch.long)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a fork starts equal to its head
 class Live:
     """One request being decoded."""
 
@@ -88,6 +88,15 @@ class Live:
     passes: int = 0  # decode forward passes
     live: "LiveIndex | None" = None  # the request's own tokens indexed for drafting (speculation)
     layers: int = 0  # transformer layers run by decode steps
+    # alternatives (CompletionRequest.alternatives): the request's greedy decode is the head;
+    # where it is unsure it forks, and each fork takes another token there, then decodes greedily
+    branches: int = 0  # forks the head may still make
+    forced: int | None = None  # a fork's token at the branch (its next pick)
+    head: "Live | None" = None  # a fork's head
+    forks: list["Live"] = field(default_factory=list)  # a head's forks, most likely first
+    spawned: list["Live"] = field(default_factory=list)  # forks made by the last pick, not yet decoding
+    open: int = 1  # a head's members (itself and its forks) not finished yet
+    born: int = 0  # a fork's tokens taken from its head
 
 
 # -- the algorithm ---------------------------------------------------------------------
@@ -100,6 +109,56 @@ def pick_token(logits: torch.Tensor, pending: str, vocab: "_Vocab | None") -> in
         if len(allowed):
             return int(allowed[greedy_tokens(logits[allowed])])
     return greedy_tokens(logits)
+
+
+BRANCH_WINDOW = 16  # a head forks only at its first this many tokens
+BRANCH_MIN_P = 0.05  # ... and only for tokens at least this likely there (any, where greedy would stop)
+MAX_ALTERNATIVES = 8
+
+
+def branch_tokens(logits: torch.Tensor, greedy: int, pending: str, vocab: "_Vocab | None",
+                  stop_ids, n: int) -> list[int]:
+    """Up to ``n`` tokens besides ``greedy`` to fork alternatives on, most likely first:
+    no stop token, each at least BRANCH_MIN_P likely (normalised over what token healing
+    allows); where the greedy choice is a stop token (the model would offer nothing) the
+    likeliest others, however unlikely, since the user asked for a completion.  A token
+    whose text starts the greedy one's (" " for " y": most often the same text, spelt in
+    more tokens) is passed over."""
+    allowed = vocab.candidates(pending).to(logits.device) if pending and vocab is not None else None
+    if allowed is not None and not len(allowed):
+        allowed = None
+    x = logits.float() if allowed is None else logits[allowed].float()
+    probs = torch.softmax(x, -1)
+    top = torch.topk(probs, min(len(probs), n + 1 + len(stop_ids)))
+    floor = 0.0 if greedy in stop_ids else BRANCH_MIN_P
+    out = []
+    for p, j in zip(top.values.tolist(), top.indices.tolist()):
+        tok = int(allowed[j]) if allowed is not None else j
+        if tok == greedy or tok in stop_ids or (
+                vocab is not None and vocab.texts[greedy].startswith(vocab.texts[tok])):
+            continue
+        if p < floor or len(out) == n or not math.isfinite(p):
+            break
+        out.append(tok)
+    return out
+
+
+def fork(live: Live, token: int) -> Live:
+    """A copy of ``live`` before its next pick that will pick ``token`` instead; its KV is
+    its own (no store nodes: the copy holds what it needs).  At a pick, the KV holds the
+    prompt and the tokens generated so far (a verification pass has put the accepted
+    drafts' KV in already when their picks are replayed: the copy stops before them)."""
+    n = len(live.plan.ids) + len(live.generated)
+    cache = live.cache.clone()
+    cache.length = n
+    f = Live(live.request, None, live.plan, cache, live.fed[:n], live.rules, live.budget,
+             live.deadline, live.t0, reused=live.reused, logits=live.logits, generated=list(live.generated),
+             pending=live.pending, text=live.text, timings=dict(live.timings), forced=token, head=live,
+             born=len(live.generated))
+    f.timings["decode_start"] = time.perf_counter()  # its own decoding: from here
+    live.forks.append(f)
+    live.open += 1
+    return f
 
 
 def plan_prompt(lm: LoadedModel, request: CompletionRequest, settings: EngineSettings,
@@ -119,7 +178,8 @@ def start(lm: LoadedModel, request: CompletionRequest, plan: PromptPlan, store: 
     budget = max(0, min(request.max_tokens + (1 if plan.healed else 0), max_ctx - len(ids)))
     cache = lm.model.new_cache(len(ids) + budget + 1)
     live = Live(request, None, plan, cache, list(ids), StopRules(shape, request.max_lines), budget,
-                t0 + request.time_budget_ms / 1000, t0, pending=plan.healed)
+                t0 + request.time_budget_ms / 1000, t0, pending=plan.healed,
+                branches=max(0, min(request.alternatives, MAX_ALTERNATIVES) - 1))
     if store is not None:
         match = store.match_prefix(ids)
         reuse = min(match.length, len(ids) - 1)  # at least one token runs: its logits start decoding
@@ -131,7 +191,7 @@ def start(lm: LoadedModel, request: CompletionRequest, plan: PromptPlan, store: 
         store.record_reuse(reuse)
     t1 = time.perf_counter()
     rest = torch.tensor([ids[live.reused:]], device=lm.device)
-    live.logits = lm.model(rest, [cache], greedy=not live.pending)[0].float()
+    live.logits = lm.model(rest, [cache], greedy=not (live.pending or live.branches))[0].float()
     live.timings["prefill_ms"] = (time.perf_counter() - t1) * 1000
     live.timings["decode_start"] = time.perf_counter()
     return live
@@ -142,7 +202,16 @@ def advance(lm: LoadedModel, live: Live, vocab: "_Vocab | None") -> bool:
     request, rules = live.request, live.rules
     if request.cancel.is_set():
         return _finish(live, "", "cancelled")
-    token = pick_token(live.logits, live.pending, vocab)
+    if live.forced is not None:
+        token, live.forced = live.forced, None
+    else:
+        token = pick_token(live.logits, live.pending, vocab)
+        if live.branches:
+            alts = branch_tokens(live.logits, token, live.pending, vocab, lm.stop_ids, live.branches)
+            live.spawned.extend(fork(live, t) for t in alts)
+            live.branches -= len(alts)
+            if len(live.generated) + 1 >= BRANCH_WINDOW:
+                live.branches = 0  # from here its steps may take the greedy head
     if token in lm.stop_ids and not (request.ignore_eos and not live.pending):
         return _finish(live, rules.finish(live.text), "eos")
     if not live.generated:
@@ -164,11 +233,17 @@ def advance(lm: LoadedModel, live: Live, vocab: "_Vocab | None") -> bool:
     return True
 
 
+def _full(lv: Live) -> bool:
+    """Whether the next pick reads every logit (not just the greedy one)."""
+    return bool(lv.pending or lv.branches)
+
+
 def step(lm: LoadedModel, lives: list[Live]) -> None:
     """One batched forward pass: each live request's last token -> its next logits."""
     tokens = torch.tensor([[lv.generated[-1]] for lv in lives], device=lm.device)
-    # healing picks among the tokens that fit its pending text: it needs every logit
-    logits = lm.model(tokens, [lv.cache for lv in lives], greedy=not any(lv.pending for lv in lives)).float()
+    # healing picks among the tokens that fit its pending text, and a head looking for a
+    # branch ranks tokens: they need every logit
+    logits = lm.model(tokens, [lv.cache for lv in lives], greedy=not any(_full(lv) for lv in lives)).float()
     for lv, row in zip(lives, logits):
         lv.fed.append(lv.generated[-1])
         lv.logits = row
@@ -313,7 +388,7 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
     going = []
     for lv, root, tree, (acc, logits) in zip(lives, roots, trees,
                                               verify(lm.model, roots, trees, [lv.cache for lv in lives],
-                                                     greedy=not any(lv.pending for lv in lives))):
+                                                     greedy=not any(_full(lv) for lv in lives))):
         context = lv.fed[-4:] + [root]
         lv.layers += lm.model.args.n_layers
         if len(tree):
@@ -334,7 +409,7 @@ def decode_step(lm: LoadedModel, lives: list[Live], vocab: "_Vocab | None", exit
     full model's greedy output).  With retrieval speculation on too, a step whose requests
     have retrieved drafts verifies them (they cost no layers to make, and measured far
     faster); early exit takes the steps with none."""
-    if exits is not None and exits.takes(len(lives)):
+    if exits is not None and exits.takes(len(lives)) and not any(lv.branches for lv in lives):
         def early() -> list[Live]:
             if exits.lossless:
                 return self_spec_step(lm, lives, exits, vocab)
@@ -383,13 +458,51 @@ def generate(lm: LoadedModel, request: CompletionRequest, settings: EngineSettin
     if request.cancel.is_set():
         return Completion("", "cancelled", len(plan.ids), prompt_kind=plan.kind)
     live = start(lm, request, plan, store)
-    while advance(lm, live, vocab):
-        if not decode_step(lm, [live], vocab, exits, drafter):
-            break
+    members, going = [live], [live]
+    while going:
+        going = advance_all(lm, going, vocab, members)
+        if going:
+            stepped = going
+            going = decode_step(lm, going, vocab, exits, drafter)
+            going += adopt(stepped, members)
     if drafter is not None:
         drafter.learn_output(live.plan.ids, live.generated)
-    release(live, store)
-    return live.result
+    for lv in members:
+        release(lv, store)
+    return gathered(live)
+
+
+def advance_all(lm: LoadedModel, lives: list[Live], vocab: "_Vocab | None", members: list[Live]) -> list[Live]:
+    """``advance`` each of ``lives``; the forks a pick makes are added to ``members`` at
+    once and take their own first pick.  Returns the ones still going."""
+    going = []
+    for lv in list(lives):
+        if advance(lm, lv, vocab):
+            going.append(lv)
+        while lv.spawned:
+            f = lv.spawned.pop(0)
+            members.append(f)
+            if advance(lm, f, vocab):
+                going.append(f)
+    return going
+
+
+def adopt(lives: list[Live], members: list[Live]) -> list[Live]:
+    """The forks made during a decode step (a verification pass replays its accepted
+    tokens' picks, and a head forks there), added to ``members``; returns them.  Their
+    first pick is the next ``advance``."""
+    forks = []
+    for lv in lives:
+        forks += lv.spawned
+        lv.spawned = []
+    members += forks
+    return forks
+
+
+def gathered(head: Live) -> Completion:
+    """The head's completion with its forks' as alternatives (once all have finished)."""
+    head.result.alternatives = [f.result for f in head.forks if f.result is not None]
+    return head.result
 
 
 def kv_dtype(name: str, model) -> torch.dtype:
@@ -430,7 +543,8 @@ class Engine:
         self._stats = {"completions": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
                        "reused_tokens": 0, "generated_tokens": 0, "prefill_ms": 0.0, "decode_ms": 0.0,
                        "iterations": 0, "batched_tokens": 0, "max_batch_seen": 0,
-                       "spec_steps": 0, "accepted_tokens": 0, "layers_run": 0, "decode_passes": 0}
+                       "spec_steps": 0, "accepted_tokens": 0, "layers_run": 0, "decode_passes": 0,
+                       "alternatives": 0}
 
     # -- public API (any thread) -------------------------------------------------------
     def start(self) -> "Engine":
@@ -570,12 +684,15 @@ class Engine:
         batch = 0
         try:
             with torch.inference_mode():
-                going = [lv for lv in live if advance(self.lm, lv, vocab)]
+                going = advance_all(self.lm, live, vocab, live)
                 batch = len(going)
                 if going:
+                    stepped = going
                     going = decode_step(self.lm, going, vocab, self._exits(), self._drafter())
+                    going += adopt(stepped, live)
         except Exception as exc:
             log.exception("decode step failed for %d requests", len(live))
+            adopt(list(live), live)  # forks made before the failure: their heads wait for them
             for lv in live:
                 if lv.result is None:
                     lv.result = Completion("", "error", error=f"{type(exc).__name__}: {exc}")
@@ -588,24 +705,31 @@ class Engine:
             self._retire(lv)
 
     def _retire(self, lv: Live) -> None:
-        if self.drafter is not None and lv.result is not None and lv.result.stop_reason != "error":
+        fork = lv.head is not None  # not greedy decoding's output: not learnt from
+        if self.drafter is not None and not fork and lv.result is not None and lv.result.stop_reason != "error":
             self.drafter.learn_output(lv.plan.ids, lv.generated)
         try:
             release(lv, self.store)
         except Exception:
             log.exception("[%s] could not store KV", lv.request.request_id)
         r = lv.result
-        self._count(completions=1, cancelled=int(r.cancelled), failed=int(r.stop_reason == "error"),
-                    prompt_tokens=r.prompt_tokens, reused_tokens=r.reused_tokens,
-                    generated_tokens=r.generated_tokens, prefill_ms=r.timings.get("prefill_ms", 0.0),
+        # a fork's prompt and first tokens are its head's: counted once, there
+        own = 0 if fork else 1
+        self._count(completions=own, alternatives=1 - own, cancelled=int(r.cancelled),
+                    failed=int(r.stop_reason == "error"), prompt_tokens=own * r.prompt_tokens,
+                    reused_tokens=own * r.reused_tokens, generated_tokens=r.generated_tokens - lv.born,
+                    prefill_ms=own * r.timings.get("prefill_ms", 0.0),
                     decode_ms=r.timings.get("decode_ms", 0.0), spec_steps=r.spec_steps,
                     accepted_tokens=r.accepted_tokens, layers_run=r.layers_run,
                     decode_passes=r.forward_passes)
-        log.info("[%s] %s prompt %d (%d reused) + %d generated, prefill %.0f ms, decode %.0f ms, stop %s",
-                 lv.request.request_id, r.prompt_kind, r.prompt_tokens, r.reused_tokens, r.generated_tokens,
+        log.info("[%s]%s %s prompt %d (%d reused) + %d generated, prefill %.0f ms, decode %.0f ms, stop %s",
+                 lv.request.request_id, " alternative" if fork else "", r.prompt_kind, r.prompt_tokens,
+                 r.reused_tokens, r.generated_tokens,
                  r.timings.get("prefill_ms", 0), r.timings.get("decode_ms", 0), r.stop_reason)
-        if lv.future is not None:
-            lv.future.set_result(r)
+        head = lv.head or lv
+        head.open -= 1
+        if head.open == 0 and head.future is not None:
+            head.future.set_result(gathered(head))
 
     def _load(self, settings: EngineSettings) -> None:
         self.ready.clear()

@@ -157,6 +157,13 @@ class SeqKV:
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
 
+    def clone(self) -> "SeqKV":
+        """A copy that grows apart from this one (a forked decode: an alternative completion)."""
+        new = SeqKV.__new__(SeqKV)
+        new.args, new.dtype, new.device, new.length = self.args, self.dtype, self.device, self.length
+        new.k, new.v = self.k.clone(), self.v.clone()
+        return new
+
     def load(self, parts: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
         """Fill the first ``n`` positions from cached KV pieces ``(k, v): [L, K, m, E]``
         (the KV store's edges, in order), copying each once."""

@@ -64,14 +64,14 @@ def insert(client: LanguageClient, uri: str, version: int, line: int, char: int,
         [T.TextDocumentContentChangePartial(range=T.Range(pos, pos), text=text)]))
 
 
-def inline_params(uri: str, line: int, char: int, invoked: bool = True) -> T.InlineCompletionParams:
+def inline_params(uri: str, line: int, char: int, invoked: bool = False) -> T.InlineCompletionParams:
     kind = T.InlineCompletionTriggerKind.Invoked if invoked else T.InlineCompletionTriggerKind.Automatic
     return T.InlineCompletionParams(context=T.InlineCompletionContext(trigger_kind=kind),
                                     text_document=T.TextDocumentIdentifier(uri=uri),
                                     position=T.Position(line, char))
 
 
-async def complete(client: LanguageClient, uri: str, line: int, char: int, invoked: bool = True):
+async def complete(client: LanguageClient, uri: str, line: int, char: int, invoked: bool = False):
     result = await client.text_document_inline_completion_async(inline_params(uri, line, char, invoked))
     return list(result.items if isinstance(result, T.InlineCompletionList) else (result or []))
 

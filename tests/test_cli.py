@@ -40,6 +40,24 @@ def test_complete_text_output_matches_json(repo, tiny_model, model_cache):
     assert text.returncode == 0 and text.stdout == data["text"] + "\n"
 
 
+def test_complete_offers_alternatives(repo, tiny_model, model_cache):
+    """Guards --alternatives: the greedy completion first (the same as without the flag),
+    then the others, distinct, in JSON and as text; out of range is a usage error."""
+    (repo / "point.py").write_text("class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.\n")
+    args = ("complete", "--repo", str(repo), "point.py:4:14", "--model", str(tiny_model), "--dtype", "float32")
+    one = json.loads(run(*args, "--json").stdout)
+    data = json.loads(run(*args, "--json", "--alternatives", "3").stdout)
+    assert data["text"] == one["text"] and one["alternatives"] == []
+    assert 1 <= len(data["alternatives"]) <= 2
+    assert len({data["text"], *data["alternatives"]}) == 1 + len(data["alternatives"])
+    text = run(*args, "--alternatives", "3")
+    assert text.returncode == 0
+    assert text.stdout == data["text"] + "\n" + "".join(
+        f"--- alternative {i}\n{t}\n" for i, t in enumerate(data["alternatives"], 2))
+    bad = run(*args, "--alternatives", "9")
+    assert bad.returncode == 2 and "--alternatives" in bad.stderr
+
+
 @pytest.mark.parametrize("location,message", [
     ("util.py:99:1", "line"), ("latin1.py:1:1", "UTF-8"), ("nope.py:1:1", "does not exist")])
 def test_complete_bad_input_exits_2_with_a_reason(repo, tiny_model, location, message):

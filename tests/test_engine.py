@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from codecomplete.model.api import CompletionRequest, EngineSettings
-from codecomplete.model.engine import Engine, _Vocab, advance, generate, plan_prompt, release, start, step
+from codecomplete.model.engine import (BRANCH_MIN_P, BRANCH_WINDOW, Engine, _Vocab, advance, generate, plan_prompt,
+                                       release, start, step)
 from codecomplete.model.kvstore import KVStore
 from codecomplete.model.loader import load_model
 from codecomplete.model.prompts import SessionPool, Tokens
@@ -323,5 +324,98 @@ def test_kv_dtype_setting_reloads_and_serves(tiny_model):
         again = engine.complete(CompletionRequest("import os\nimport ", "", max_tokens=6, ignore_eos=True))
         assert first.generated_tokens == again.generated_tokens == full.generated_tokens > 0
         assert again.reused_tokens > 0 and again.text == first.text
+    finally:
+        engine.close()
+
+
+ALTERNATIVE_PROMPTS = [
+    (POINT, "\n"),
+    ("def mean(data):\n    total = 0\n    for x in data:\n        total", "\n    return total\n"),
+    ("import os\nimport ", ""),
+    ("def f(x):\n    if x is None:\n        ", "\n"),
+]
+
+
+def branch_point(head: list[int], alt: list[int]) -> int:
+    return next(i for i in range(len(alt)) if i >= len(head) or head[i] != alt[i])
+
+
+@pytest.mark.parametrize("prefix,suffix", ALTERNATIVE_PROMPTS)
+def test_alternatives_fork_where_unsure_and_decode_greedily(lm, hf, prefix, suffix):
+    """Guards alternatives (an invoked request's other completions): the first completion
+    is greedy decoding's, untouched; each alternative follows it to a branch within the
+    first BRANCH_WINDOW tokens, takes another token there that is at least BRANCH_MIN_P
+    likely (any, where greedy decoding stops), and from there is greedy decoding again,
+    checked against transformers recomputing everything."""
+    def request(n):
+        return CompletionRequest(prefix, suffix, mode="multi", max_tokens=16, max_lines=200, alternatives=n)
+
+    with torch.inference_mode():
+        alone = generate(lm, request(1), NO_HEAL)
+        got = generate(lm, request(4), NO_HEAL)
+    plan = plan_prompt(lm, request(4), NO_HEAL, None, None)
+    assert got.token_ids == alone.token_ids and got.text == alone.text
+    assert 1 <= len(got.alternatives) <= 3
+    seen = {tuple(got.token_ids)}
+    for alt in got.alternatives:
+        ids = alt.token_ids
+        assert tuple(ids) not in seen
+        seen.add(tuple(ids))
+        b = branch_point(got.token_ids, ids)
+        assert b < BRANCH_WINDOW
+        with torch.inference_mode():
+            probs = torch.softmax(hf(input_ids=torch.tensor([plan.ids + ids[:b]])).logits[0, -1].float(), -1)
+        greedy = int(probs.argmax())
+        assert ids[b] != greedy and ids[b] not in lm.stop_ids
+        assert greedy in lm.stop_ids or float(probs[ids[b]]) >= BRANCH_MIN_P * 0.999
+        assert ids[b + 1:] == greedy_without_cache(hf, lm.stop_ids, plan.ids + ids[:b + 1], len(ids) - b - 1)
+    assert got.texts[0] == got.text or not got.text.strip()
+    assert len(got.texts) == len(set(got.texts)) and all(t.strip() for t in got.texts)
+
+
+def test_alternatives_with_healing_start_with_the_healed_text(lm):
+    """Guards the branch under token healing: an alternative picks among the tokens that
+    agree with the text backed up, so every one regenerates it."""
+    vocab = _Vocab(lm.tokenizer)
+    prefix = "def area(radius):\n    return radius * radi"
+    plan = plan_prompt(lm, CompletionRequest(prefix, "\n"), EngineSettings(), vocab, None)
+    assert plan.healed
+    with torch.inference_mode():
+        got = generate(lm, CompletionRequest(prefix, "\n", max_tokens=8, alternatives=4), EngineSettings(), vocab)
+        alone = generate(lm, CompletionRequest(prefix, "\n", max_tokens=8), EngineSettings(), vocab)
+    assert got.token_ids == alone.token_ids and got.alternatives
+    for alt in got.alternatives:
+        produced = "".join(vocab.texts[i] for i in alt.token_ids)
+        assert produced.startswith(plan.healed) or plan.healed.startswith(produced)
+
+
+def test_engine_serves_alternatives_batched_and_releases_every_node(tiny_model, lm):
+    """Guards alternatives on the engine thread, decoded in a batch beside other requests,
+    with retrieval speculation on: the same completions as each request alone, the
+    alternatives counted apart, and no KV-store node left locked afterwards."""
+    prompts = ALTERNATIVE_PROMPTS
+    with torch.inference_mode():
+        alone = [generate(lm, CompletionRequest(p, s, mode="multi", max_tokens=12, max_lines=200,
+                                                alternatives=3 if i % 2 == 0 else 1), NO_HEAL)
+                 for i, (p, s) in enumerate(prompts)]
+    engine = Engine(EngineSettings(model=str(tiny_model), dtype="float32", token_healing=False)).start()
+    try:
+        engine.ready.wait(60)
+        for _ in range(2):  # the second round prefills from the store
+            futures = [engine.submit(CompletionRequest(p, s, mode="multi", max_tokens=12, max_lines=200,
+                                                       alternatives=3 if i % 2 == 0 else 1))
+                       for i, (p, s) in enumerate(prompts)]
+            together = [f.result(timeout=60) for f in futures]
+            assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+            assert [[a.token_ids for a in c.alternatives] for c in together] == \
+                [[a.token_ids for a in c.alternatives] for c in alone]
+        stats = engine.stats()
+        assert stats["completions"] == 2 * len(prompts)
+        assert stats["alternatives"] == 2 * sum(len(c.alternatives) for c in alone) > 0
+        assert stats["max_batch_seen"] > len(prompts)  # the forks decoded beside the others
+        assert all(n.refs == 0 for n in engine.store._nodes())
+        cancelled = CompletionRequest(POINT, "\n", alternatives=3)
+        cancelled.cancel.set()
+        assert engine.complete(cancelled).stop_reason == "cancelled"
     finally:
         engine.close()

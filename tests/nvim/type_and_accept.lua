@@ -16,7 +16,7 @@ cc.setup({
   cmd = vim.json.decode(env.CC_CMD),
   builtin = env.CC_BUILTIN == '1',
   debounce_ms = 10,
-  keymaps = { accept = '<Tab>', accept_word = '<M-Right>' },
+  keymaps = { accept = '<Tab>', accept_word = '<M-Right>', next = '<M-]>' },
 })
 
 local function poll(cond, done, timeout)
@@ -76,11 +76,27 @@ end, function(attached)
     if not shown then
       return finish()
     end
-    vim.api.nvim_feedkeys(vim.keycode('<Tab>'), 'm', false)
+    local function accept()
+      vim.api.nvim_feedkeys(vim.keycode('<Tab>'), 'm', false)
+      poll(function()
+        return vim.api.nvim_get_current_line() ~= result.typed_line
+      end, function()
+        vim.defer_fn(finish, 300) -- let the accept command reach the daemon
+      end, 5000)
+    end
+    if env.CC_CYCLE ~= '1' then
+      return accept()
+    end
+    -- ask for the alternatives (the next key), then accept the one shown
+    vim.api.nvim_feedkeys(vim.keycode('<M-]>'), 'm', false)
     poll(function()
-      return vim.api.nvim_get_current_line() ~= result.typed_line
-    end, function()
-      vim.defer_fn(finish, 300) -- let the accept command reach the daemon
-    end, 5000)
+      return require('codecomplete.ghost').position(0) ~= nil
+    end, function(cycled)
+      result.position = { require('codecomplete.ghost').position(0) }
+      if not cycled then
+        return finish()
+      end
+      accept()
+    end, 30000)
   end, 60000)
 end, 60000)

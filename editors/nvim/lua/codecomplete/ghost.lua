@@ -1,12 +1,14 @@
 --- Ghost text for Neovim without vim.lsp.inline_completion (0.10, 0.11), or when the
 --- user sets `builtin = false`: request textDocument/inlineCompletion after a pause in
 --- typing, draw the item with extmarks (inline text at the cursor, virtual lines below),
---- accept all of it, its next word or the rest of its line, or dismiss it. Shown,
---- accepted and rejected items are reported to the daemon.
+--- accept all of it, its next word or the rest of its line, or dismiss it; cycle through
+--- the daemon's alternatives (an invoked request, as VS Code's Alt+]). Shown, accepted
+--- and rejected items are reported to the daemon. On Neovim 0.12's built-in client, which
+--- only asks while typing, cycling draws the alternatives here too.
 local M = {}
 
 local ns = vim.api.nvim_create_namespace('codecomplete_ghost')
-local state = {} -- bufnr -> { client_id, item, row, col, text, request_id, timer }
+local state = {} -- bufnr -> { client_id, item, row, col, text, request_id, timer, items, index }
 
 local function cfg()
   return require('codecomplete').config
@@ -75,7 +77,7 @@ local function remainder(bufnr, item, encoding, row, col)
   return text:sub(#typed + 1)
 end
 
-local function show(bufnr, client, item)
+local function show(bufnr, client, item, hint)
   local win = vim.api.nvim_get_current_win()
   if vim.api.nvim_win_get_buf(win) ~= bufnr or not vim.api.nvim_get_mode().mode:match('^i') then
     return
@@ -92,8 +94,12 @@ local function show(bufnr, client, item)
   for i = 2, #lines do
     virt_lines[#virt_lines + 1] = { { lines[i], 'Comment' } }
   end
+  local virt_text = { { lines[1], 'Comment' } }
+  if hint then
+    virt_text[2] = { hint, 'NonText' }
+  end
   vim.api.nvim_buf_set_extmark(bufnr, ns, row, col, {
-    virt_text = { { lines[1], 'Comment' } },
+    virt_text = virt_text,
     virt_text_pos = 'inline',
     virt_lines = #virt_lines > 0 and virt_lines or nil,
     hl_mode = 'combine',
@@ -103,14 +109,17 @@ local function show(bufnr, client, item)
   notify(client, 'codecomplete/didShowCompletion', item)
 end
 
-local function request(bufnr, client)
+--- Ask for completions at the cursor; `on_items` gets the items (none: not called).
+--- Automatic (2) while typing; Invoked (1) when the user asks, which the daemon answers
+--- with its alternatives too.
+local function request(bufnr, client, kind, on_items)
   local s = state[bufnr]
   if s.request_id then
     call(client, 'cancel_request', s.request_id)
     s.request_id = nil
   end
   local params = vim.lsp.util.make_position_params(0, client.offset_encoding)
-  params.context = { triggerKind = 2 } -- Automatic
+  params.context = { triggerKind = kind or 2 }
   local ok, id = call(client, 'request', 'textDocument/inlineCompletion', params, function(err, result)
     s.request_id = nil
     if err or not result then
@@ -118,7 +127,7 @@ local function request(bufnr, client)
     end
     local items = result.items or result
     if items[1] then
-      show(bufnr, client, items[1])
+      on_items(items)
     end
   end, bufnr)
   if ok then
@@ -138,7 +147,10 @@ local function schedule(bufnr, client)
   s.timer = s.timer or vim.uv.new_timer()
   s.timer:start(cfg().debounce_ms, 0, vim.schedule_wrap(function()
     if vim.api.nvim_buf_is_valid(bufnr) and vim.api.nvim_get_mode().mode:match('^i') then
-      request(bufnr, client)
+      request(bufnr, client, 2, function(items)
+        s.items, s.index = nil, nil -- the alternatives are asked for when the user cycles
+        show(bufnr, client, items[1])
+      end)
     end
   end))
 end
@@ -185,6 +197,78 @@ function M.attach(client, bufnr)
       state[bufnr] = nil
     end,
   })
+end
+
+--- For Neovim 0.12's built-in client: drop ghost text drawn here (an alternative) when
+--- the cursor moves or insert mode ends, as the attached path does.
+local function watch(bufnr)
+  if state[bufnr] then
+    return
+  end
+  state[bufnr] = { manual = true }
+  local group = vim.api.nvim_create_augroup('codecomplete_cycle_' .. bufnr, { clear = true })
+  vim.api.nvim_create_autocmd({ 'TextChangedI', 'CursorMovedI' }, {
+    group = group,
+    buffer = bufnr,
+    callback = function()
+      local s = state[bufnr]
+      local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+      if s.item and (row - 1 ~= s.row or col ~= s.col) then
+        M.dismiss(bufnr)
+      end
+    end,
+  })
+  vim.api.nvim_create_autocmd({ 'InsertLeave', 'BufLeave' }, {
+    group = group,
+    buffer = bufnr,
+    callback = function()
+      M.dismiss(bufnr)
+    end,
+  })
+  vim.api.nvim_create_autocmd('BufUnload', {
+    group = group,
+    buffer = bufnr,
+    callback = function()
+      state[bufnr] = nil
+    end,
+  })
+end
+
+--- Show the next (count > 0) or previous completion at the cursor. The first time at a
+--- position it asks the daemon as the user's own request (Invoked), which brings its
+--- alternatives; then it cycles through them, wrapping around. Returns false when no
+--- daemon is attached to the buffer.
+function M.cycle(client, count)
+  local bufnr = vim.api.nvim_get_current_buf()
+  if not client then
+    return false
+  end
+  watch(bufnr)
+  local s = state[bufnr]
+  local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+  if s.items and s.row == row - 1 and s.col == col and #s.items > 1 then
+    local n = #s.items
+    s.index = (s.index - 1 + count) % n + 1
+    local items, index = s.items, s.index
+    notify(client, 'codecomplete/didRejectCompletion', s.item)
+    show(bufnr, client, items[index], (' (%d/%d)'):format(index, n))
+    s.items, s.index = items, index
+    return true
+  end
+  request(bufnr, client, 1, function(items)
+    local r, c = unpack(vim.api.nvim_win_get_cursor(0))
+    if r ~= row or c ~= col then
+      return -- the user went on typing
+    end
+    local n = #items
+    local index = n == 1 and 1 or (count > 0 and 2 or n)
+    if s.item then
+      notify(client, 'codecomplete/didRejectCompletion', s.item)
+    end
+    show(bufnr, client, items[index], n > 1 and (' (%d/%d)'):format(index, n) or nil)
+    s.items, s.index = items, index
+  end)
+  return true
 end
 
 --- The part of `text` to take: everything, the next word, or up to the end of its line.
@@ -279,6 +363,16 @@ function M.dismiss_builtin()
   local marks = vim.api.nvim_buf_get_extmarks(0, id, 0, -1, {})
   vim.api.nvim_buf_clear_namespace(0, id, 0, -1)
   return #marks > 0
+end
+
+--- Which of the daemon's completions is shown (1-based) and how many there are, after
+--- cycling; nil when none or not cycled (for tests and statuslines).
+function M.position(bufnr)
+  local s = state[bufnr == nil or bufnr == 0 and vim.api.nvim_get_current_buf() or bufnr]
+  if not s or not s.item or not s.items then
+    return nil
+  end
+  return s.index, #s.items
 end
 
 --- Whether ghost text is shown in a buffer (for tests and statuslines).

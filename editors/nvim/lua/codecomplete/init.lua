@@ -20,6 +20,8 @@ M.defaults = {
     accept_word = '<M-Right>',
     accept_line = '<M-C-Right>',
     dismiss = '<C-]>',
+    next = '<M-]>', -- ask for the daemon's alternatives and cycle through them
+    prev = '<M-[>',
   },
 }
 
@@ -90,7 +92,8 @@ end
 --- Accept the shown completion: all of it, the next word, or the rest of its line.
 --- Returns false when nothing is shown (so a mapping can fall back to the key).
 function M.accept(part)
-  if M.use_builtin() then
+  local ghost = require('codecomplete.ghost')
+  if M.use_builtin() and not ghost.visible(0) then
     if part == nil or part == 'all' then
       return vim.lsp.inline_completion.get()
     end
@@ -103,8 +106,22 @@ function M.accept(part)
   return require('codecomplete.ghost').accept(part)
 end
 
-function M.dismiss()
+--- Show the next (count 1) or previous (-1) completion: the first time at a position it
+--- asks the daemon for its alternatives (an invoked request), then cycles through them.
+function M.cycle(count)
+  local client = M.client(0)
+  if not client then
+    return false
+  end
   if M.use_builtin() then
+    -- the built-in client asks only while typing (one completion): draw the others here
+    require('codecomplete.ghost').dismiss_builtin()
+  end
+  return require('codecomplete.ghost').cycle(client, count or 1)
+end
+
+function M.dismiss()
+  if M.use_builtin() and not require('codecomplete.ghost').visible(0) then
     -- Leaving nothing shown: the built-in client clears on the next request.
     return require('codecomplete.ghost').dismiss_builtin()
   end
@@ -150,6 +167,12 @@ function M.setup(opts)
     return M.accept('line')
   end)
   map(k.dismiss, M.dismiss)
+  map(k.next, function()
+    return M.cycle(1)
+  end)
+  map(k.prev, function()
+    return M.cycle(-1)
+  end)
   vim.api.nvim_create_user_command('CodecompleteStats', function()
     local client = M.client(0)
     if not client then
