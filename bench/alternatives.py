@@ -30,6 +30,7 @@ from common import RESULTS, header  # noqa: E402
 from infill import SETS, load, passes  # noqa: E402
 
 from codecomplete.model.api import CompletionRequest, EngineSettings  # noqa: E402
+from codecomplete.model import engine as engine_mod  # noqa: E402
 from codecomplete.model.engine import Engine  # noqa: E402
 
 
@@ -101,15 +102,21 @@ def main() -> None:
     ap.add_argument("--sets", default="single,multi")
     ap.add_argument("--limit", type=int, default=60)
     ap.add_argument("--k", default="3,5", help="completions per invoked request")
+    ap.add_argument("--offset", type=int, default=0,
+                    help="shift the evenly spaced sample by this many tasks (a tuning split apart from the table's)")
+    ap.add_argument("--min-p", type=float, default=engine_mod.BRANCH_MIN_P, help="engine.BRANCH_MIN_P")
+    ap.add_argument("--window", type=int, default=engine_mod.BRANCH_WINDOW, help="engine.BRANCH_WINDOW")
     ap.add_argument("--out", default=str(RESULTS / "alternatives"))
     args = ap.parse_args()
     ks = [int(k) for k in args.k.split(",")]
+    engine_mod.BRANCH_MIN_P, engine_mod.BRANCH_WINDOW = args.min_p, args.window
     engine = Engine(EngineSettings(model=args.model, dtype=args.dtype)).start()  # the daemon's defaults
     engine.ready.wait()
     st = engine.stats()
     if st["load_error"]:
         raise SystemExit(st["load_error"])
-    results = {name: run(engine, load(name, args.limit), SETS[name][1], ks) for name in args.sets.split(",")}
+    results = {name: run(engine, load(name, args.limit, args.offset), SETS[name][1], ks)
+               for name in args.sets.split(",")}
     engine.close()
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"model": st["model"], "dtype": st["dtype"], "results": results},
@@ -117,7 +124,8 @@ def main() -> None:
     lines = [header("Alternatives: what an invoked request's other completions buy and cost"),
              f"Model: {st['model']} ({st['dtype']}); the daemon's engine defaults (EFIM head8 prompt of a new "
              f"session, retrieval speculation, token healing); fixed evenly spaced samples of at most "
-             f"{args.limit} HumanEval-Infilling tasks per set; one request at a time.", "",
+             f"{args.limit} HumanEval-Infilling tasks per set (offset {args.offset}); one request at a time; "
+             f"forks where another token is at least {args.min_p} likely within the first {args.window} tokens.", "",
              "Quality: the first completion is greedy decoding's in every row (checked per task); "
              "\"any\" counts a task when at least one completion offered passes its tests (EM: matches).", "",
              "| set | K | tasks | pass@1 (first) | pass, any of K | EM@1 | EM, any of K | completions offered "

@@ -64,13 +64,15 @@ def heldout(limit: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def load(name: str, limit: int) -> list[dict]:
+def load(name: str, limit: int, offset: int = 0) -> list[dict]:
+    """``limit`` evenly spaced tasks of a set, from ``offset`` on (another split: an offset
+    below the spacing)."""
     if name == "heldout":
         return heldout(limit)
     rows = [json.loads(line) for line in gzip.open(DATA / SETS[name][0])]
     if limit and limit < len(rows):
         step = len(rows) / limit
-        rows = [rows[int(i * step)] for i in range(limit)]
+        rows = [rows[min(len(rows) - 1, int(i * step) + offset)] for i in range(limit)]
     return rows
 
 
