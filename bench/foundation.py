@@ -52,8 +52,10 @@ async def lsp_session(repo: Path, file: Path, model: str, env: dict) -> dict:
     client = LanguageClient("bench", "0")
     await client.start_io(sys.executable, "-m", "codecomplete.daemon", "--repo", str(repo),
                           "--model", model, env=env)
-    await client.initialize_async(T.InitializeParams(capabilities=T.ClientCapabilities(),
-                                                     root_uri=repo.as_uri()))
+    # invoked requests (no debounce), one completion each as before alternatives existed
+    await client.initialize_async(T.InitializeParams(
+        capabilities=T.ClientCapabilities(), root_uri=repo.as_uri(),
+        initialization_options={"codecomplete": {"completion": {"alternatives": 1}}}))
     client.initialized(T.InitializedParams())
     t_init = time.perf_counter()
     text = file.read_text()

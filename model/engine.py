@@ -32,6 +32,7 @@ from .api import Completion, CompletionRequest, EngineSettings, ExitSettings
 from .early_exit import Exits, ExitPolicy, ExitsError, exit_forward, load_exits, self_spec
 from .kvstore import KVStore, Node
 from .loader import LoadedModel, ModelLoadError, load_model, model_identity
+from .native import STACK_ROWS
 from .prompts import PromptPlan, SessionPool, Tokens
 from .sampling import greedy_tokens
 from .speculate import Drafter, LiveIndex, Tree, verify
@@ -379,6 +380,11 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
             if lv.live is None:
                 lv.live = LiveIndex()
             trees.append(drafter.draft(lv.fed + [lv.generated[-1]], limit=room, live=lv.live))
+    if lm.model.native_stack is not None and len(lives) > 1:
+        # one native call takes STACK_ROWS rows (sequences x (1 + nodes)); a larger pass
+        # would run as several: past that, trees lose their last nodes instead
+        cap = max(0, STACK_ROWS // len(lives) - 1)
+        trees = [t if len(t) <= cap else Tree(t.tokens[:cap], t.parents[:cap], t.depths[:cap]) for t in trees]
     if not any(len(t) for t in trees):
         if undrafted is not None:
             return undrafted()

@@ -161,7 +161,9 @@ class SeqKV:
         """A copy that grows apart from this one (a forked decode: an alternative completion)."""
         new = SeqKV.__new__(SeqKV)
         new.args, new.dtype, new.device, new.length = self.args, self.dtype, self.device, self.length
-        new.k, new.v = self.k.clone(), self.v.clone()
+        new.k, new.v = torch.empty_like(self.k), torch.empty_like(self.v)
+        new.k[:, :, :self.length] = self.k[:, :, :self.length]  # the room after it holds nothing yet
+        new.v[:, :, :self.length] = self.v[:, :, :self.length]
         return new
 
     def load(self, parts: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
@@ -412,6 +414,16 @@ class Transformer(nn.Module):
         # over the whole prompt here (bench/results/prefill.md)
         native_step = self.native_stack is not None and not torch.is_grad_enabled()
         pieces = native_step and self.native_prefill and bsz == 1 and (masks is None or all(m is None for m in masks))
+        if native_step and bsz > 1 and s <= native.STACK_ROWS < bsz * s:
+            # a batch over the native call's rows goes through it in groups of sequences, so
+            # that every row gets the logits a one-token step of its sequence alone gets
+            # (PyTorch's path rounds differently: greedy decoding's text could change with
+            # what else is in the batch)
+            per = native.STACK_ROWS // s
+            return torch.cat([self.forward(tokens[i:i + per], caches[i:i + per],
+                                           None if positions is None else positions[i:i + per],
+                                           None if masks is None else masks[i:i + per], logits_for, greedy)
+                              for i in range(0, bsz, per)])
         if pieces and s > step:
             outs = []
             for i in range(0, s, step):

@@ -528,6 +528,56 @@ def test_bf16_tree_passes_give_every_node_the_bits_of_one_token_steps(head_dim):
 
 
 @needs_kernel
+def test_bf16_batches_past_one_native_call_keep_every_rows_bits():
+    """A pass of more rows than one native call takes (sequences x tokens > STACK_ROWS: five
+    draft trees of up to 20 nodes, or 70 one-token steps) gives each sequence, bit for bit,
+    the logits it gets alone.  Such a pass ran through PyTorch's path before, whose sums round
+    otherwise: a batch of five requests with one deep draft changed a greedy completion."""
+    from codecomplete.model import native
+    from codecomplete.model.speculate import Tree, tree_mask
+
+    model = random_bf16_model(23, 0.08, tie=True, unit_norms=True, vocab_size=300, dim=128, n_layers=2, n_heads=4,
+                              n_kv_heads=2, head_dim=32, hidden_dim=256)
+    assert model.native_decode(True)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 300, (1, 20 + 37 * i), generator=gen) for i in range(70)]
+
+    def prefilled(ps):
+        out = []
+        for p in ps:
+            c = model.new_cache(p.shape[1] + 40)
+            model(p, [c])
+            out.append(c)
+        return out
+
+    with torch.no_grad():
+        nodes = [3, 20, 0, 12, 7]
+        trees = [Tree(torch.randint(0, 300, (n,), generator=gen).tolist(), list(range(-1, n - 1)),
+                      list(range(1, n + 1))) for n in nodes]
+        roots = torch.randint(0, 300, (5,), generator=gen).tolist()
+        width = 1 + max(nodes)
+        assert 5 * width > native.STACK_ROWS
+
+        def pass_over(idx, caches):
+            w = 1 + max(nodes[b] for b in idx)
+            tokens = torch.tensor([[roots[b]] + trees[b].tokens + [roots[b]] * (w - 1 - nodes[b]) for b in idx])
+            pad = [w - 1 - nodes[b] for b in idx]
+            positions = torch.tensor([[c.length] + [c.length + d for d in trees[b].depths] + [c.length] * p
+                                      for b, c, p in zip(idx, caches, pad)])
+            masks = [tree_mask(trees[b], c.length, w, "cpu") for b, c in zip(idx, caches)]
+            return model(tokens, caches, positions, masks, logits_for="all")
+
+        together = pass_over(range(5), prefilled(prompts[:5]))
+        for b in range(5):
+            alone = pass_over([b], prefilled(prompts[b:b + 1]))[0]
+            assert torch.equal(together[b, :nodes[b] + 1], alone), b
+        tokens = torch.randint(0, 300, (70, 1), generator=gen)
+        together = model(tokens, prefilled(prompts))
+        for b in range(0, 70, 9):
+            assert torch.equal(together[b], model(tokens[b:b + 1], prefilled(prompts[b:b + 1]))[0]), b
+
+
+@needs_kernel
 def test_long_bf16_prompt_runs_in_native_pieces(monkeypatch):
     """A bf16 prompt runs through the native step in pieces of ``native.PREFILL_ROWS`` rows,
     each attending to the cache and to itself: the same logits and caches, bit for bit, as
