@@ -666,7 +666,7 @@ class CodecompleteServer(LanguageServer):
         if completion.error:
             self._report_failure(rid, completion)
             return self._count_empty()
-        if completion.text.strip():
+        if completion.texts:
             self.shown[uri] = Shown(prefix, suffix, completion)
         return self._answer(rid, uri, text, cursor, position, completion, encoding, selected, started)
 
@@ -698,16 +698,19 @@ class CodecompleteServer(LanguageServer):
         """The rest of the document's last completion when the user has typed its start
         since (same text after the cursor, the text before it grown by a prefix of the
         completion) and something is left: the suggestion stays as typed through, at no
-        model cost, as Copilot's and Tabby's clients keep it.  None otherwise."""
+        model cost, as Copilot's and Tabby's clients keep it.  After an invoked request, the
+        same for its alternatives (the one the user cycled to and types out).  None
+        otherwise."""
         shown = self.shown.get(uri)
         if shown is None or suffix != shown.suffix or len(prefix) <= len(shown.prefix) \
                 or not prefix.startswith(shown.prefix):
             return None
-        typed, text = prefix[len(shown.prefix):], shown.completion.text
-        if not text.startswith(typed) or not text[len(typed):].strip():
-            return None
-        return Completion(text[len(typed):], shown.completion.stop_reason, multiline=shown.completion.multiline,
-                          prompt_kind="typed-through")  # no prompt, no tokens: nothing ran
+        typed = prefix[len(shown.prefix):]
+        for c in [shown.completion, *shown.completion.alternatives]:
+            if c.text.startswith(typed) and c.text[len(typed):].strip():
+                return Completion(c.text[len(typed):], c.stop_reason, multiline=c.multiline,
+                                  prompt_kind="typed-through")  # no prompt, no tokens: nothing ran
+        return None
 
     def _record(self, rid: str, uri: str, position: types.Position, completion: Completion, status: str,
                 started: float) -> None:

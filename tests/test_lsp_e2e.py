@@ -690,6 +690,18 @@ async def test_an_invoked_request_offers_alternatives(repo, tiny_model, model_ca
         assert counters["accepted"] == 1 and counters["accepted_alternatives"] == 1
         assert counters["alternatives"] == len(want) - 1
 
+        # typing out an alternative keeps it, without the model (typing through)
+        other = want[1]
+        k = next(i for i, (x, y) in enumerate(zip(other + "\0", want[0] + "\1")) if x != y) + 1
+        assert other[k:].strip(), "the alternative should go on after where it departs from the first"
+        uri3 = (repo / "through.py").as_uri()
+        open_doc(client, uri3, POINT)
+        assert proposed(await complete(client, uri3, *at, invoked=True), LAST) == want
+        insert(client, uri3, 2, at[0], at[1], other[:k])
+        before = (await stats(client))["counters"]["typed_through"]
+        assert proposed(await complete(client, uri3, at[0], at[1] + k), LAST + other[:k]) == [other[k:]]
+        assert (await stats(client))["counters"]["typed_through"] == before + 1
+
         # the model would stop at once here: typing gets nothing, asking gets the others
         empty = "def main():\n    "
         assert not expected_all(reference_engine, empty, "", 1)
