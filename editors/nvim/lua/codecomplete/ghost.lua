@@ -155,27 +155,19 @@ local function schedule(bufnr, client)
   end))
 end
 
-function M.attach(client, bufnr)
-  if state[bufnr] then
-    return
-  end
-  state[bufnr] = {}
-  local group = vim.api.nvim_create_augroup('codecomplete_ghost_' .. bufnr, { clear = true })
-  vim.api.nvim_create_autocmd({ 'InsertEnter', 'TextChangedI' }, {
-    group = group,
-    buffer = bufnr,
-    callback = function()
-      schedule(bufnr, client)
-    end,
-  })
-  vim.api.nvim_create_autocmd('CursorMovedI', {
+--- The autocmds both paths need: `moved()` when one of `events` finds the cursor away
+--- from where the shown item is, a dismissal when insert mode ends, and the buffer's
+--- state dropped when it unloads. Returns the group.
+local function track(bufnr, name, events, moved)
+  local group = vim.api.nvim_create_augroup(name .. bufnr, { clear = true })
+  vim.api.nvim_create_autocmd(events, {
     group = group,
     buffer = bufnr,
     callback = function()
       local s = state[bufnr]
       local row, col = unpack(vim.api.nvim_win_get_cursor(0))
-      if s.item and (row - 1 ~= s.row or col ~= s.col) then
-        schedule(bufnr, client)
+      if s and s.item and (row - 1 ~= s.row or col ~= s.col) then
+        moved()
       end
     end,
   })
@@ -197,6 +189,24 @@ function M.attach(client, bufnr)
       state[bufnr] = nil
     end,
   })
+  return group
+end
+
+function M.attach(client, bufnr)
+  if state[bufnr] then
+    return
+  end
+  state[bufnr] = {}
+  local group = track(bufnr, 'codecomplete_ghost_', 'CursorMovedI', function()
+    schedule(bufnr, client)
+  end)
+  vim.api.nvim_create_autocmd({ 'InsertEnter', 'TextChangedI' }, {
+    group = group,
+    buffer = bufnr,
+    callback = function()
+      schedule(bufnr, client)
+    end,
+  })
 end
 
 --- For Neovim 0.12's built-in client: drop ghost text drawn here (an alternative) when
@@ -206,32 +216,9 @@ local function watch(bufnr)
     return
   end
   state[bufnr] = { manual = true }
-  local group = vim.api.nvim_create_augroup('codecomplete_cycle_' .. bufnr, { clear = true })
-  vim.api.nvim_create_autocmd({ 'TextChangedI', 'CursorMovedI' }, {
-    group = group,
-    buffer = bufnr,
-    callback = function()
-      local s = state[bufnr]
-      local row, col = unpack(vim.api.nvim_win_get_cursor(0))
-      if s.item and (row - 1 ~= s.row or col ~= s.col) then
-        M.dismiss(bufnr)
-      end
-    end,
-  })
-  vim.api.nvim_create_autocmd({ 'InsertLeave', 'BufLeave' }, {
-    group = group,
-    buffer = bufnr,
-    callback = function()
-      M.dismiss(bufnr)
-    end,
-  })
-  vim.api.nvim_create_autocmd('BufUnload', {
-    group = group,
-    buffer = bufnr,
-    callback = function()
-      state[bufnr] = nil
-    end,
-  })
+  track(bufnr, 'codecomplete_cycle_', { 'TextChangedI', 'CursorMovedI' }, function()
+    M.dismiss(bufnr)
+  end)
 end
 
 --- Show the next (count > 0) or previous completion at the cursor. The first time at a
