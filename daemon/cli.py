@@ -177,18 +177,19 @@ def complete(argv: list[str]) -> int:
     if result.error:
         print(f"codecomplete-daemon complete: {result.stop_reason}: {result.error}", file=sys.stderr)
         return 1
+    others = [t for t in result.texts if t != result.text]  # --alternatives: the other completions
     if args.json:
         print(json.dumps({
             "file": str(path), "line": line, "column": column + 1, "text": result.text,
             "stop_reason": result.stop_reason, "multiline": result.multiline,
-            "alternatives": [t for t in result.texts if t != result.text],
+            "alternatives": others,
             "prompt_tokens": result.prompt_tokens, "generated_tokens": result.generated_tokens,
             "timings_ms": {k: round(v, 2) for k, v in result.timings.items()},
             "model": stats["model"], "device": stats["device"], "dtype": stats["dtype"],
             "template": stats["template"], "load_seconds": stats["load_seconds"]}, indent=2))
     else:
         print(result.text)
-        for i, text in enumerate([t for t in result.texts if t != result.text], 2):
+        for i, text in enumerate(others, 2):
             print(f"--- alternative {i}")
             print(text)
     return 0

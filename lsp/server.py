@@ -731,11 +731,11 @@ class CodecompleteServer(LanguageServer):
                  completion.stop_reason, ", typed through" if through else "", completion.text[:60])
         if completion.alternatives:
             log.info("[%s] alternatives: %s", rid, [a.text[:40] for a in completion.alternatives])
-        if not completion.texts:
+        texts = completion.texts
+        if not texts:
             self._count_empty()
             return None
         self.counters.completions += 1
-        texts = completion.texts
         self.counters.alternatives += len(texts) - 1
         for i, item in enumerate(texts):
             self.issued[_item_id(rid, i)] = {"uri": uri, "chars": len(item), "at": time.time(), "rank": i}

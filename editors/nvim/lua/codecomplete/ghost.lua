@@ -215,10 +215,20 @@ local function watch(bufnr)
   if state[bufnr] then
     return
   end
-  state[bufnr] = { manual = true }
+  state[bufnr] = {}
   track(bufnr, 'codecomplete_cycle_', { 'TextChangedI', 'CursorMovedI' }, function()
     M.dismiss(bufnr)
   end)
+end
+
+--- Show `items[index]` in place of what is shown (passed over), with its place among them.
+local function present(bufnr, client, items, index)
+  local s = state[bufnr]
+  if s.item then
+    notify(client, 'codecomplete/didRejectCompletion', s.item)
+  end
+  show(bufnr, client, items[index], #items > 1 and (' (%d/%d)'):format(index, #items) or nil)
+  s.items, s.index = items, index
 end
 
 --- Show the next (count > 0) or previous completion at the cursor. The first time at a
@@ -234,12 +244,7 @@ function M.cycle(client, count)
   local s = state[bufnr]
   local row, col = unpack(vim.api.nvim_win_get_cursor(0))
   if s.items and s.row == row - 1 and s.col == col and #s.items > 1 then
-    local n = #s.items
-    s.index = (s.index - 1 + count) % n + 1
-    local items, index = s.items, s.index
-    notify(client, 'codecomplete/didRejectCompletion', s.item)
-    show(bufnr, client, items[index], (' (%d/%d)'):format(index, n))
-    s.items, s.index = items, index
+    present(bufnr, client, s.items, (s.index - 1 + count) % #s.items + 1)
     return true
   end
   request(bufnr, client, 1, function(items)
@@ -248,12 +253,7 @@ function M.cycle(client, count)
       return -- the user went on typing
     end
     local n = #items
-    local index = n == 1 and 1 or (count > 0 and 2 or n)
-    if s.item then
-      notify(client, 'codecomplete/didRejectCompletion', s.item)
-    end
-    show(bufnr, client, items[index], n > 1 and (' (%d/%d)'):format(index, n) or nil)
-    s.items, s.index = items, index
+    present(bufnr, client, items, n == 1 and 1 or (count > 0 and 2 or n))
   end)
   return true
 end
