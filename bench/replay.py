@@ -68,14 +68,15 @@ def main() -> None:
              "prompts; both use retrieval speculation (the daemon's default), `efim-nospec` is `efim` without it; "
              "these send every request to the model. `efim-through` is the daemon as shipped: `efim`, and a "
              "request made while the user types the start of the last completion is answered with its rest "
-             "without the model (typed through). "
+             "without the model (typed through), and a request for text an earlier request saw gets that "
+             "request's completion (cached). "
              "Acceptance = the completion is a prefix of what was typed next. Decode ms/token and tokens/pass are "
              "the daemon's own counters over the run.",
              "", "Commands:", ""] + [f"    {c}" for c in commands] + [""]
     lines += ["| repository | run | scheme | requests | answered / stale / superseded / empty | latency p50 / p90 / p99 ms "
               "| acceptance | exact | edit sim. | chars saved | reuse | decode ms/token | tokens/pass "
-              "| typed through |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| typed through | cached |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, label, folder, summary in sections:
         for s in summary:
             st, lat = s["status"], s["latency_ms"]
@@ -84,7 +85,8 @@ def main() -> None:
                          f"{st['superseded']} / {st['empty']} | {lat['p50']} / {lat['p90']} / {lat['p99']} | "
                          f"{s['acceptance']:.3f} | {s['exact_match']:.3f} | {es if es is not None else '-'} | "
                          f"{s['chars_saved']} of {s['chars_typed_after_requests']} | {s['reuse_rate']} | "
-                         f"{s.get('decode_ms_per_token')} | {s.get('tokens_per_pass')} | {s.get('typed_through', 0)} |")
+                         f"{s.get('decode_ms_per_token')} | {s.get('tokens_per_pass')} | {s.get('typed_through', 0)} | "
+                         f"{s.get('cached', 0)} |")
     lines += ["", "Per-run reports (JSON, Markdown, latency CDF and reuse-per-round plots): "
               + ", ".join(f"[`replay/{f}/`](replay/{f}/report.md)" for _, _, f, _ in sections)]
     (RESULTS / "replay.md").write_text("\n".join(lines) + "\n")

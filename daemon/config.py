@@ -69,6 +69,10 @@ class CompletionConfig:
     # While the user types the start of the last completion, answer with its rest at once
     # instead of running the model again (the suggestion stays as typed through).
     type_through: bool = True
+    # Answer a request whose document, cursor text, snippets and settings are exactly an
+    # earlier request's with that request's completion, without the model (the user typed a
+    # character and deleted it, moved away and back, asked again).  Entries kept; 0: off.
+    cache_entries: int = field(default=256, metadata=_range(0, 65536))
     # No completions in these languages (the LSP language ids editors send: "plaintext",
     # "markdown", "yaml"...) or files (gitignore-style patterns, relative to the workspace
     # folder: ".env", "secrets/**", "*.min.js").  A list, or one comma-separated string.

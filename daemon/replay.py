@@ -11,9 +11,10 @@ exact match and edit similarity against the ground truth, and characters saved.
 
 Schemes map to engine settings: ``baseline`` = no KV reuse and no EFIM, ``fim`` = KV
 reuse with PSM prompts, ``efim`` = KV reuse with EFIM prompts; in these every request runs
-the model (``completion.type_through`` off).  ``efim-through`` is the daemon as shipped:
-typing the start of the last completion answers with its rest without the model (counted
-as "typed through").  With a prefix-only model
+the model (``completion.type_through`` off, ``completion.cache_entries`` 0).  ``efim-through``
+is the daemon as shipped: typing the start of the last completion answers with its rest
+without the model (counted as "typed through"), and a request for text an earlier request
+saw gets that request's completion (counted as "cached").  With a prefix-only model
 ``fim`` and ``efim`` build the same prompts.
 """
 
@@ -36,14 +37,16 @@ from .sessions import Session, SessionError, apply_change, read_sessions, utf16_
 
 log = logging.getLogger(__name__)
 
-ENGINE_ONLY = {"typeThrough": False}  # every request reaches the model: the schemes measure the engine
+# every request reaches the model: the schemes measure the engine
+ENGINE_ONLY = {"typeThrough": False, "cacheEntries": 0}
 SCHEMES = {
     "baseline": {"engine": {"kvBudgetMb": 0, "efim": False}, "completion": ENGINE_ONLY},
     "fim": {"engine": {"efim": False}, "completion": ENGINE_ONLY},
     "efim": {"engine": {"efim": True}, "completion": ENGINE_ONLY},
     # EFIM without retrieval speculation (on by default in the other schemes): what it adds
     "efim-nospec": {"engine": {"efim": True}, "speculation": {"enabled": False}, "completion": ENGINE_ONLY},
-    # the daemon as shipped: EFIM, and typing through a completion answers with its rest
+    # the daemon as shipped: EFIM, and typing through a completion answers with its rest, a
+    # request for text an earlier request saw with that request's completion (the cache)
     "efim-through": {"engine": {"efim": True}},
 }
 
@@ -307,6 +310,7 @@ def summarize(run: dict) -> dict:
         "edit_similarity": round(sum(r["edit_similarity"] for r in answered) / len(answered), 4) if answered else None,
         "chars_saved": sum(r["chars_saved"] for r in reqs),
         "typed_through": sum(r.get("prompt_kind") == "typed-through" for r in reqs),
+        "cached": sum(r.get("prompt_kind") == "cached" for r in reqs),
         "chars_typed_after_requests": sum(len(r["truth_line"]) for r in reqs),
         "reuse_rate": round(reused / prompt, 4) if prompt else None,
         "reuse_by_round": {k: round(v[0] / v[1], 4) for k, v in sorted(by_round.items())},
@@ -334,8 +338,8 @@ def write_report(out: Path, runs: list[dict], meta: dict) -> dict:
              f"- command: `{meta['command']}`", f"- machine: {meta.get('machine', '')}\n",
              "| scheme | requests | answered | stale | superseded | empty | latency p50 / p90 / p99 ms | "
              "acceptance | exact match | edit sim. | chars saved | reuse | decode ms/token | tokens/pass | "
-             "typed through |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "typed through | cached |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         st, lat = s["status"], s["latency_ms"]
         lines.append(f"| {s['scheme']} | {s['requests']} | {st['answered']} | {st['stale']} | {st['superseded']} | "
@@ -343,11 +347,12 @@ def write_report(out: Path, runs: list[dict], meta: dict) -> dict:
                      f"{s['exact_match']:.3f} | {_dash(s['edit_similarity'])} | "
                      f"{s['chars_saved']} of {s['chars_typed_after_requests']} | {_dash(s['reuse_rate'])} | "
                      f"{_dash(s.get('decode_ms_per_token'))} | {_dash(s.get('tokens_per_pass'))} | "
-                     f"{s.get('typed_through', 0)} |")
+                     f"{s.get('typed_through', 0)} | {s.get('cached', 0)} |")
     lines += ["", "Latency counts requests the daemon answered (with or without items); stale and "
               "superseded requests were dropped because the user typed on. Typed through: answered with "
               "the rest of the last completion, without the model (only where `completion.type_through` is on: "
-              "the efim-through scheme).", ""]
+              "the efim-through scheme). Cached: answered with the completion an earlier request got for the "
+              "same text (`completion.cache_entries`; also only in efim-through).", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return report

@@ -40,6 +40,7 @@ from codecomplete.indexer.files import SourceError, language_of, read_source
 from codecomplete.indexer.folders import Folders
 from codecomplete.model.api import Completion, CompletionRequest
 
+from .cache import CompletionCache
 from .documents import PositionError, cursor_at, encoding_name, offset_at, position_at
 from .protocol import RobustProtocol
 from .workspace import lsp_workspace
@@ -94,6 +95,7 @@ class Counters:
     requests: int = 0
     completions: int = 0  # answered with at least one item
     typed_through: int = 0  # of them, answered from the last completion without the model
+    cached: int = 0  # requests answered from the completion cache (with or without items)
     empty: int = 0
     cancelled: int = 0
     superseded: int = 0
@@ -175,6 +177,7 @@ class CodecompleteServer(LanguageServer):
         self.folders = Folders(self._make_index, config.index.max_folders)
         self._contexts: dict[str, tuple[int, str]] = {}  # uri -> (line block, rendered snippets)
         self.shown: dict[str, Shown] = {}  # uri -> the last completion answered there
+        self.cache = CompletionCache(config.completion.cache_entries)  # completions by the text they were made for
         self.recent: deque = deque(maxlen=4096)  # per-request records for the replay harness
 
     # -- TCP: one client at a time, the daemon outlives each ----------------------------
@@ -235,6 +238,7 @@ class CodecompleteServer(LanguageServer):
         self.pending.clear()
         self._contexts.clear()
         self.shown.clear()
+        self.cache.clear()
         if self.config != self.startup_config:  # its settings were its own
             self.config = self.startup_config
             self.engine.configure(engine_settings(self.config))
@@ -343,6 +347,7 @@ class CodecompleteServer(LanguageServer):
         self.pending.pop(uri, None)
         self._contexts.pop(uri, None)
         self.shown.pop(uri, None)
+        self.cache.drop(uri)
         self.overlay(uri, closed=True)
 
     def _open_file_uris(self) -> list[str]:
@@ -497,6 +502,8 @@ class CodecompleteServer(LanguageServer):
         self.config = cfg
         self.engine.configure(engine_settings(cfg))
         self.shown.clear()  # completions made under the old settings
+        self.cache.clear()
+        self.cache.resize(cfg.completion.cache_entries)
         for w in warnings:
             log.warning("%s", w)
             self.window_log_message(types.LogMessageParams(types.MessageType.Warning, w))
@@ -638,6 +645,16 @@ class CodecompleteServer(LanguageServer):
             return self._answer(rid, uri, text, cursor, position, through, encoding, selected, started)
         context = await self._context(uri, text, cursor) if cfg.context_snippets and self.index else ""
         self.counters.with_context += bool(context)
+        key = self.cache.key(uri, prefix, suffix, context,
+                             (cfg.mode, cfg.max_tokens, cfg.max_lines, cfg.time_budget_ms, alternatives))
+        hit = self.cache.get(key)
+        if hit is not None:
+            self._supersede(uri, superseded=True)  # older requests were for other text
+            self.counters.cached += 1
+            if hit.texts:
+                self.shown[uri] = Shown(prefix, suffix, hit)
+            self._record(rid, uri, position, hit, "answered", started)
+            return self._answer(rid, uri, text, cursor, position, hit, encoding, selected, started)
         request = CompletionRequest(prefix=prefix, suffix=suffix, request_id=rid,
                                     mode=cfg.mode, max_tokens=cfg.max_tokens, max_lines=cfg.max_lines,
                                     time_budget_ms=cfg.time_budget_ms, session_key=uri, context=context,
@@ -668,6 +685,7 @@ class CodecompleteServer(LanguageServer):
             return self._count_empty()
         if completion.texts:
             self.shown[uri] = Shown(prefix, suffix, completion)
+        self.cache.put(key, completion)
         return self._answer(rid, uri, text, cursor, position, completion, encoding, selected, started)
 
     def _notebook_context(self, uri: str) -> tuple[str, str]:
@@ -907,6 +925,7 @@ class CodecompleteServer(LanguageServer):
         return {**extra,"version": __version__, "counters": self.counters.as_dict(),
                 "engine": self.engine.stats(), "index": self.index.stats() if self.index else None,
                 "folders": self.folders.stats(), "open_documents": len(self.workspace.text_documents),
+                "completion_cache": len(self.cache),
                 "position_encoding": encoding_name(self.workspace.position_encoding)}
 
     def report_server_error(self, error: Exception, source) -> None:

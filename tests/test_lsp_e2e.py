@@ -727,3 +727,76 @@ async def test_an_invoked_request_offers_alternatives(repo, tiny_model, model_ca
     finally:
         await menu_only.shutdown_session()
         await menu_only.stop()
+
+
+def delete(client, uri: str, version: int, line: int, start: int, end: int) -> None:
+    client.text_document_did_change(T.DidChangeTextDocumentParams(
+        T.VersionedTextDocumentIdentifier(uri=uri, version=version),
+        [T.TextDocumentContentChangePartial(range=T.Range(T.Position(line, start), T.Position(line, end)), text="")]))
+
+
+async def test_a_request_for_text_seen_before_is_answered_from_the_cache(repo, tiny_model, model_cache,
+                                                                        reference_engine):
+    """Guards the completion cache: a request whose document text and cursor are an earlier
+    request's (a typo typed and deleted) gets that request's completion without the model;
+    the number of completions asked for is part of the key (an invoked request runs the model
+    the first time, and is cached itself); closing the document forgets its entries; a
+    setting change empties the cache and cache_entries = 0 turns it off."""
+    want = expected(reference_engine, POINT, "")
+    assert want.strip(), "the tiny model should complete this prompt"
+    client = await start_daemon(repo, tiny_model)
+    try:
+        uri = (repo / "cached.py").as_uri()
+        at = (3, 13)
+
+        async def ask(invoked: bool = False) -> tuple[list[str], dict, dict]:
+            items = await complete(client, uri, *at, invoked=invoked)
+            s = await stats(client)
+            return proposed(items, LAST), s["counters"], s["engine"]
+
+        open_doc(client, uri, POINT)
+        first, counters, engine = await ask()
+        assert first == [want] and counters["cached"] == 0
+        runs = engine["completions"]
+        insert(client, uri, 2, *at, "\u00a7")  # a typo, then its deletion: the same text again
+        await complete(client, uri, at[0], at[1] + 1)
+        delete(client, uri, 3, at[0], at[1], at[1] + 1)
+        again, counters, engine = await ask()
+        assert again == [want] and counters["cached"] == 1
+        assert engine["completions"] == runs + 1  # the typo's request ran; this one did not
+
+        everything = expected_all(reference_engine, POINT, "", 3)
+        assert len(everything) > 1, "the tiny model should have alternatives here"
+        asked, counters, engine = await ask(invoked=True)
+        assert asked == everything and counters["cached"] == 1 and engine["completions"] > runs + 1
+        runs = engine["completions"]
+        asked, counters, engine = await ask(invoked=True)
+        assert asked == everything and counters["cached"] == 2 and engine["completions"] == runs
+
+        client.text_document_did_close(T.DidCloseTextDocumentParams(T.TextDocumentIdentifier(uri=uri)))
+        open_doc(client, uri, POINT)
+        reopened, counters, engine = await ask()
+        assert reopened == [want] and counters["cached"] == 2 and engine["completions"] == runs + 1
+        assert (await ask())[1]["cached"] == 3
+
+        def configure(entries: int) -> None:
+            client.workspace_did_change_configuration(T.DidChangeConfigurationParams(
+                settings={"codecomplete": {"completion": {"cacheEntries": entries}}}))
+
+        async def model_runs() -> list[bool]:  # two requests at the same text: did each run the model?
+            ran = []
+            for _ in range(2):
+                before = (await stats(client))["engine"]["completions"]
+                answer, _, engine = await ask()
+                assert answer == [want]
+                ran.append(engine["completions"] == before + 1)
+            return ran
+
+        configure(128)  # a setting change empties the cache
+        assert await model_runs() == [True, False]
+        configure(0)  # off
+        assert await model_runs() == [True, True]
+        assert (await stats(client))["counters"]["cached"] == 4
+    finally:
+        await client.shutdown_session()
+        await client.stop()

@@ -1,0 +1,66 @@
+"""The completion cache (lsp/cache.py): what it keeps, under which key, for how long."""
+
+from __future__ import annotations
+
+from codecomplete.lsp.cache import CompletionCache
+from codecomplete.model.api import Completion
+
+SHAPE = ("auto", 128, 8, 1000, 1)
+
+
+def made(text: str, reason: str = "line_end", **kw) -> Completion:
+    return Completion(text, reason, prompt_tokens=40, generated_tokens=5, reused_tokens=30,
+                      prompt_kind="efim", forward_passes=3, timings={"decode_ms": 9.0}, **kw)
+
+
+def test_the_key_is_every_input_of_the_prompt():
+    k = CompletionCache.key
+    base = k("file:///a.py", "def f(", ")", "", SHAPE)
+    assert base == k("file:///a.py", "def f(", ")", "", SHAPE)
+    others = [k("file:///b.py", "def f(", ")", "", SHAPE), k("file:///a.py", "def g(", ")", "", SHAPE),
+              k("file:///a.py", "def f(", "", "", SHAPE), k("file:///a.py", "def f(", ")", "# ctx", SHAPE),
+              k("file:///a.py", "def f(", ")", "", SHAPE[:-1] + (3,)),
+              # no two fields can be shifted into one another
+              k("file:///a.py", "def f", "()", "", SHAPE), k("file:///a.py", "def f(", "", ")", SHAPE)]
+    assert len({base, *others}) == len(others) + 1
+
+
+def test_a_hit_is_the_completion_made_marked_as_nothing_run():
+    cache = CompletionCache(8)
+    key = cache.key("u", "p", "s", "", SHAPE)
+    assert cache.get(key) is None
+    original = made("x = 1", alternatives=[made("x = 2", "eos")])
+    assert cache.put(key, original)
+    hit = cache.get(key)
+    assert hit.texts == ["x = 1", "x = 2"] and hit.stop_reason == "line_end"
+    assert hit.prompt_kind == "cached" and hit.alternatives[0].prompt_kind == "cached"
+    assert (hit.prompt_tokens, hit.generated_tokens, hit.reused_tokens, hit.forward_passes, hit.timings) == (
+        0, 0, 0, 0, {})
+    assert original.prompt_tokens == 40 and original.prompt_kind == "efim"  # the entry itself is kept as made
+    assert cache.hits == 1
+
+
+def test_only_completions_that_would_be_the_same_again_are_kept():
+    cache = CompletionCache(8)
+    key = cache.key("u", "p", "s", "", SHAPE)
+    for reason in ("time_budget", "cancelled", "error", "model_unavailable", "something_new"):
+        assert not cache.put(key, made("x", reason))
+    assert not cache.put(key, made("x", error="boom"))
+    assert not cache.put(key, made("x", alternatives=[made("y", "time_budget")]))  # a fork ran out of time
+    assert cache.get(key) is None and len(cache) == 0
+    assert cache.put(key, made("", "eos"))  # nothing to offer is an answer too
+    assert cache.get(key).texts == []
+
+
+def test_least_recently_used_entries_go_first_and_a_closed_document_takes_its_own():
+    cache = CompletionCache(2)
+    a, b, c = (cache.key(u, "p", "s", "", SHAPE) for u in ("file:///a", "file:///b", "file:///c"))
+    cache.put(a, made("a"))
+    cache.put(b, made("b"))
+    assert cache.get(a).text == "a"  # a is now the most recent
+    cache.put(c, made("c"))
+    assert cache.get(b) is None and cache.get(a).text == "a" and cache.get(c).text == "c"
+    cache.drop("file:///a")
+    assert cache.get(a) is None and cache.get(c).text == "c"
+    cache.resize(0)
+    assert len(cache) == 0 and not cache.put(a, made("a")) and cache.get(a) is None
