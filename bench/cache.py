@@ -15,7 +15,8 @@ requests are automatic (trigger kind Automatic, the daemon's 25 ms debounce appl
 requests that reach the model). Reports latency per step, how many requests the cache
 answered, and whether a cached answer is the text the first request got.
 
-Usage: python bench/cache.py --repos R1,R2,R3 [--cursors 10] [--model default]
+Usage: python bench/cache.py --repos GIT1,GIT2,GIT3 [--cursors 10] [--model default]
+(each a git directory, as ``fetch`` brings: its HEAD is extracted under bench/.work/)
 """
 
 from __future__ import annotations
@@ -127,7 +128,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS / "cache")
     args = ap.parse_args()
-    repos = [Path(r).resolve() for r in args.repos.split(",")]
+    from speculation import checkout  # a git directory's HEAD, extracted once (not committed)
+
+    repos = [checkout(Path(r).resolve())[1] for r in args.repos.split(",")]
     cases = cursors(repos, args.cursors, args.seed)
     work = Path(tempfile.mkdtemp(prefix="cc-bench-cache-"))
     repo = work / "repo"  # the daemon's workspace: the documents are opened as buffers
