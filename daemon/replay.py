@@ -25,6 +25,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +46,8 @@ SCHEMES = {
     "efim": {"engine": {"efim": True}, "completion": ENGINE_ONLY},
     # EFIM without retrieval speculation (on by default in the other schemes): what it adds
     "efim-nospec": {"engine": {"efim": True}, "speculation": {"enabled": False}, "completion": ENGINE_ONLY},
+    # EFIM with repository snippets at the prompt's head (completion.context_snippets, off by default)
+    "efim-context": {"engine": {"efim": True}, "completion": {**ENGINE_ONLY, "contextSnippets": 4}},
     # the daemon as shipped: EFIM, and typing through a completion answers with its rest, a
     # request for text an earlier request saw with that request's completion (the cache)
     "efim-through": {"engine": {"efim": True}},
@@ -311,6 +314,8 @@ def summarize(run: dict) -> dict:
         "chars_saved": sum(r["chars_saved"] for r in reqs),
         "typed_through": sum(r.get("prompt_kind") == "typed-through" for r in reqs),
         "cached": sum(r.get("prompt_kind") == "cached" for r in reqs),
+        # requests whose prompt opened with repository snippets (completion.context_snippets)
+        "with_context": ((run.get("daemon") or {}).get("counters") or {}).get("with_context"),
         "chars_typed_after_requests": sum(len(r["truth_line"]) for r in reqs),
         "reuse_rate": round(reused / prompt, 4) if prompt else None,
         "reuse_by_round": {k: round(v[0] / v[1], 4) for k, v in sorted(by_round.items())},
@@ -412,6 +417,23 @@ def materialize(sessions: list[Session], work: Path) -> Path:
     return root
 
 
+def parse_settings(items: list[str]) -> dict:
+    """``["completion.contextSnippets=4", ...]`` -> ``{"completion": {"contextSnippets": 4}}``."""
+    out: dict = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not eq or not dot or not section or not name:
+            raise ValueError(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        camel = re.sub(r"_([a-z0-9])", lambda m: m.group(1).upper(), name)  # as the schemes spell keys
+        out.setdefault(section, {})[camel] = value
+    return out
+
+
 def replay(argv: list[str]) -> int:
     from codecomplete.indexer.progress import Progress
 
@@ -429,6 +451,9 @@ def replay(argv: list[str]) -> int:
     p.add_argument("--max-requests", type=int, default=0, help="per session (0: all)")
     p.add_argument("--max-sessions", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("replay-report"))
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a daemon setting for every scheme, over the scheme's own (repeatable; "
+                        "e.g. completion.contextSnippets=4; VALUE is read as JSON, else as a string)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     schemes = [s.strip() for s in args.scheme.split(",") if s.strip()]
@@ -444,6 +469,11 @@ def replay(argv: list[str]) -> int:
         return 2
     if args.max_sessions:
         sessions = sessions[:args.max_sessions]
+    try:
+        extra = parse_settings(args.set)
+    except ValueError as exc:
+        print(f"codecomplete-daemon replay: {exc}", file=sys.stderr)
+        return 2
     work = Path(tempfile.mkdtemp(prefix="codecomplete-replay-"))
     root = args.repo.resolve() if args.repo else materialize(sessions, work)
     total = sum(min(len(s.requests), args.max_requests or 10**9) for s in sessions) * args.users * len(schemes)
@@ -459,7 +489,8 @@ def replay(argv: list[str]) -> int:
             for scheme in schemes:
                 runs.append(asyncio.run(replay_scheme(
                     sessions, root, scheme, users=args.users, speed=args.speed, model=args.model,
-                    dtype=args.dtype, max_requests=args.max_requests, work=work, tick=tick)))
+                    dtype=args.dtype, max_requests=args.max_requests, work=work, tick=tick,
+                    extra_settings=extra)))
     except RuntimeError as exc:
         print(f"codecomplete-daemon replay: {exc}", file=sys.stderr)
         return 1

@@ -290,16 +290,18 @@ def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
 
 def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: int = 3,
                       suffixes: tuple[str, ...] = (".py",), max_file_bytes: int = 200_000,
-                      max_added_lines: int = 200, root_uri: str | None = None) -> list[Session]:
-    """One session per commit: its changed files, typed from the parent's text."""
+                      max_added_lines: int = 200, root_uri: str | None = None, skip: int = 0) -> list[Session]:
+    """One session per commit: its changed files, typed from the parent's text.  ``skip``:
+    pass over the newest ``skip`` commits that would make a session (older history, for a
+    set of sessions apart from an earlier one's)."""
     repo = Path(repo).resolve()
     rng = random.Random(seed)
     typist = Typist(rng)
-    shas = git(repo, "log", "--no-merges", "--format=%H", "-n", str(commits * 5)).split()
+    shas = git(repo, "log", "--no-merges", "--format=%H", "-n", str((commits + skip) * 5)).split()
     base_uri = root_uri or repo.as_uri()
     out: list[Session] = []
     for sha in shas:
-        if len(out) >= commits:
+        if len(out) >= commits + skip:
             break
         parents = git(repo, "rev-list", "--parents", "-n", "1", sha).split()[1:]
         if len(parents) != 1:
@@ -327,4 +329,4 @@ def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: in
         if session.requests:
             session.header["files"] = [p for _, p in files[:max_files]]
             out.append(session)
-    return out
+    return out[skip:]

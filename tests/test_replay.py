@@ -12,7 +12,7 @@ import pytest
 from lsprotocol import types as T
 from pytest_lsp import make_test_lsp_client
 
-from codecomplete.daemon.replay import edit_similarity
+from codecomplete.daemon.replay import edit_similarity, parse_settings
 from codecomplete.daemon.sessions import (Session, SessionError, final_texts, make_header, read_sessions,
                                           sessions_from_git, write_sessions)
 
@@ -90,6 +90,13 @@ def test_sessions_from_git_reproduce_each_commit_exactly(history: Path, tmp_path
                            "--commits", "5", "--seed", "3", "--out", str(out)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert [x.events for x in read_sessions(out)] == [x.events for x in sessions]
+    # --skip: older history, apart from the newest sessions
+    older = sessions_from_git(history, commits=5, seed=3, skip=1)
+    assert [x.header["commit"] for x in older] == [sessions[1].header["commit"]]
+    done = subprocess.run([sys.executable, "-m", "codecomplete.daemon", "sessions", "from-git", str(history),
+                           "--commits", "1", "--skip", "1", "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert [x.header["commit"] for x in read_sessions(out)] == [sessions[1].header["commit"]]
 
 
 def test_edit_similarity():
@@ -100,6 +107,28 @@ def test_edit_similarity():
 def run_replay(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "codecomplete.daemon", "replay", *args],
                           capture_output=True, text=True, timeout=900)
+
+
+def test_replay_set_gives_every_scheme_a_setting_and_rejects_a_malformed_one(history: Path, tiny_model: Path,
+                                                                              tmp_path: Path):
+    """Guards --set: the setting reaches the daemon (completions off: every request answered
+    empty); keys are spelt as the schemes spell them, so one overrides a scheme's; a malformed
+    one is refused before any daemon starts."""
+    assert parse_settings(["completion.type_through=true", "completion.contextSnippets=4", "model.name=x y"]) == {
+        "completion": {"typeThrough": True, "contextSnippets": 4}, "model": {"name": "x y"}}
+    sessions = tmp_path / "s.jsonl"
+    write_sessions(sessions, sessions_from_git(history, commits=1, seed=1))
+    bad = run_replay(str(sessions), "--set", "enabled=false", "--out", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and "SECTION.KEY=VALUE" in bad.stderr
+    out = tmp_path / "off"
+    done = run_replay(str(sessions), "--model", str(tiny_model), "--dtype", "float32", "--speed", "0",
+                      "--scheme", "efim", "--max-requests", "2", "--set", "completion.enabled=false",
+                      "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    (s,) = report["summary"]
+    assert s["requests"] > 0 and s["status"]["empty"] == s["requests"]
+    assert "--set completion.enabled=false" in report["meta"]["command"]
 
 
 def test_replay_against_the_real_daemon_reports_every_field(history: Path, tiny_model: Path, tmp_path: Path):
