@@ -84,3 +84,13 @@ def decode_ms(model, prompts, steps: int, warm: int = 1) -> float:
     for _ in range(steps):
         model(tok, caches)
     return (time.perf_counter() - t) / steps * 1000
+
+
+def run(cmd: list[str]) -> str:
+    """Run a command (printed on stderr first), exit with its stderr's tail if it fails;
+    the command line, for a results file."""
+    print("+", " ".join(cmd), file=sys.stderr)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(done.stderr[-3000:])
+    return " ".join(cmd)

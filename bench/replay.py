@@ -15,20 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header  # noqa: E402
-
-
-def run(cmd: list[str]) -> str:
-    print("+", " ".join(cmd), file=sys.stderr)
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(done.stderr[-3000:])
-    return " ".join(cmd)
+from common import RESULTS, header, run  # noqa: E402
 
 
 def main() -> None:

@@ -50,6 +50,9 @@ class CompletionCache:
         self.entries = entries
         self._map: OrderedDict[tuple[str, bytes], Completion] = OrderedDict()
         self.hits = 0
+        # bumped by clear(): a request that started before (under other settings, perhaps
+        # another model) must not put its completion in after
+        self.generation = 0
 
     def __len__(self) -> int:
         return len(self._map)
@@ -70,9 +73,11 @@ class CompletionCache:
         self.hits += 1
         return _served(hit)
 
-    def put(self, key: tuple[str, bytes], completion: Completion) -> bool:
-        """Keep ``completion`` if it would be the same next time; True if kept."""
-        if self.entries <= 0 or not cacheable(completion):
+    def put(self, key: tuple[str, bytes], completion: Completion, generation: int | None = None) -> bool:
+        """Keep ``completion`` if it would be the same next time and (``generation``: the
+        cache's generation when its request started) nothing cleared the cache since; True
+        if kept."""
+        if self.entries <= 0 or not cacheable(completion) or generation not in (None, self.generation):
             return False
         self._map[key] = completion
         self._map.move_to_end(key)
@@ -87,6 +92,7 @@ class CompletionCache:
 
     def clear(self) -> None:
         self._map.clear()
+        self.generation += 1
 
     def resize(self, entries: int) -> None:
         self.entries = entries

@@ -24,7 +24,7 @@ import re
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -645,9 +645,13 @@ class CodecompleteServer(LanguageServer):
             return self._answer(rid, uri, text, cursor, position, through, encoding, selected, started)
         context = await self._context(uri, text, cursor) if cfg.context_snippets and self.index else ""
         self.counters.with_context += bool(context)
-        key = self.cache.key(uri, prefix, suffix, context,
-                             (cfg.mode, cfg.max_tokens, cfg.max_lines, cfg.time_budget_ms, alternatives))
-        hit = self.cache.get(key)
+
+        def key(n: int):  # n: completions asked for
+            return self.cache.key(uri, prefix, suffix, context, (cfg.mode, cfg.max_tokens, cfg.max_lines,
+                                                                 cfg.time_budget_ms, n))
+
+        generation = self.cache.generation
+        hit = self.cache.get(key(alternatives))
         if hit is not None:
             self._supersede(uri, superseded=True)  # older requests were for other text
             self.counters.cached += 1
@@ -685,7 +689,9 @@ class CodecompleteServer(LanguageServer):
             return self._count_empty()
         if completion.texts:
             self.shown[uri] = Shown(prefix, suffix, completion)
-        self.cache.put(key, completion)
+        if self.cache.put(key(alternatives), completion, generation) and alternatives > 1:
+            # its first completion is greedy decoding's, what a request while typing gets
+            self.cache.put(key(1), replace(completion, alternatives=[]), generation)
         return self._answer(rid, uri, text, cursor, position, completion, encoding, selected, started)
 
     def _notebook_context(self, uri: str) -> tuple[str, str]:

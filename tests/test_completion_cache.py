@@ -64,3 +64,14 @@ def test_least_recently_used_entries_go_first_and_a_closed_document_takes_its_ow
     assert cache.get(a) is None and cache.get(c).text == "c"
     cache.resize(0)
     assert len(cache) == 0 and not cache.put(a, made("a")) and cache.get(a) is None
+
+
+def test_a_completion_whose_request_started_before_a_clear_is_not_kept():
+    """A request in flight while the settings changed (the cache was emptied; the model may
+    be another) must not put its completion in after."""
+    cache = CompletionCache(8)
+    key = cache.key("u", "p", "s", "", SHAPE)
+    started = cache.generation
+    cache.clear()
+    assert not cache.put(key, made("old model's"), started) and cache.get(key) is None
+    assert cache.put(key, made("new model's"), cache.generation) and cache.get(key).text == "new model's"
