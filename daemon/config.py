@@ -56,8 +56,8 @@ class CompletionConfig:
     max_suffix_tokens: int = field(default=256, metadata=_range(0, 32768))
     token_healing: bool = True
     # Repository snippets at the head of the prompt (definitions of names used near the
-    # cursor, similar code); 0 = none.  Off by default until the replay harness measures
-    # what they buy against the prefill they cost on a CPU.
+    # cursor, similar code); 0 = none.  Off by default: with the default model the replay
+    # harness measured no steady gain for their prefill (bench/results/context_snippets.md).
     context_snippets: int = field(default=0, metadata=_range(0, 16))
     context_tokens: int = field(default=256, metadata=_range(16, 8192))
     max_document_bytes: int = field(default=2_000_000, metadata=_range(1024, None))
