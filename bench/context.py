@@ -26,6 +26,19 @@ from common import RESULTS, header, run  # noqa: E402
 SETS = (("newest", ["--seed", "1"]), ("older", ["--seed", "2", "--skip", "4"]))
 
 
+def session_sets(repos: list[Path], work: Path, commands: list[str]):
+    """Per repository and set of SETS: (repository name, set label, its sessions file), made
+    with ``sessions from-git`` under ``work`` (each command line appended to ``commands``)."""
+    exe = [sys.executable, "-m", "codecomplete.daemon"]
+    for repo in repos:
+        name = repo.resolve().parent.name if repo.name in ("repo", ".git") else repo.name
+        for label, how in SETS:
+            sessions = work / f"{name}-{label}.sessions.jsonl"
+            commands.append(run(exe + ["sessions", "from-git", str(repo), "--commits", "4", *how,
+                                       "--out", str(sessions)]))
+            yield name, label, sessions
+
+
 def pooled(runs: list[dict]) -> dict:
     """Scores over every request of ``runs`` (one scheme's runs), as the harness computes them."""
     reqs = [r for run in runs for r in run["requests"]]
@@ -62,19 +75,13 @@ def main() -> None:
     exe = [sys.executable, "-m", "codecomplete.daemon"]
     work = Path(tempfile.mkdtemp(prefix="cc-bench-context-"))
     commands, results = [], []
-    for repo in args.repos:
-        name = repo.resolve().parent.name if repo.name in ("repo", ".git") else repo.name
-        for label, how in SETS:
-            sessions = work / f"{name}-{label}.sessions.jsonl"
-            commands.append(run(exe + ["sessions", "from-git", str(repo), "--commits", "4", *how,
-                                       "--out", str(sessions)]))
-            out = work / f"{name}-{label}"
-            commands.append(run(exe + ["replay", str(sessions), "--scheme", "efim,efim-context", "--model",
-                                       args.model, "--speed", "0", "--max-requests", str(args.max_requests),
-                                       "--out", str(out)]))
-            report = json.loads((out / "report.json").read_text())
-            results.append({"repo": name, "set": label,
-                            "runs": {r["scheme"]: r for r in report["runs"]}})
+    for name, label, sessions in session_sets(args.repos, work, commands):
+        out = work / f"{name}-{label}"
+        commands.append(run(exe + ["replay", str(sessions), "--scheme", "efim,efim-context", "--model",
+                                   args.model, "--speed", "0", "--max-requests", str(args.max_requests),
+                                   "--out", str(out)]))
+        report = json.loads((out / "report.json").read_text())
+        results.append({"repo": name, "set": label, "runs": {r["scheme"]: r for r in report["runs"]}})
     schemes = ("efim", "efim-context")
     table = {"per_set": [{"repo": x["repo"], "set": x["set"], **{s: pooled([x["runs"][s]]) for s in schemes}}
                          for x in results],

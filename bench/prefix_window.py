@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, run  # noqa: E402
-from context import SETS, pooled, row  # noqa: E402
+from context import SETS, pooled, row, session_sets  # noqa: E402
 
 
 def main() -> None:
@@ -34,20 +34,15 @@ def main() -> None:
     exe = [sys.executable, "-m", "codecomplete.daemon"]
     work = Path(tempfile.mkdtemp(prefix="cc-bench-window-"))
     commands, results = [], []
-    for repo in args.repos:
-        name = repo.resolve().parent.name if repo.name in ("repo", ".git") else repo.name
-        for label, how in SETS:
-            sessions = work / f"{name}-{label}.sessions.jsonl"
-            commands.append(run(exe + ["sessions", "from-git", str(repo), "--commits", "4", *how,
-                                       "--out", str(sessions)]))
-            runs = {}
-            for w in windows:  # settings interleaved per set: the machine's speed drifts
-                out = work / f"{name}-{label}-{w}"
-                commands.append(run(exe + ["replay", str(sessions), "--scheme", "efim", "--model", args.model,
-                                           "--speed", "0", "--max-requests", str(args.max_requests),
-                                           "--set", f"completion.max_prefix_tokens={w}", "--out", str(out)]))
-                runs[w] = json.loads((out / "report.json").read_text())["runs"][0]
-            results.append({"repo": name, "set": label, "runs": runs})
+    for name, label, sessions in session_sets(args.repos, work, commands):
+        runs = {}
+        for w in windows:  # settings interleaved per set: the machine's speed drifts
+            out = work / f"{name}-{label}-{w}"
+            commands.append(run(exe + ["replay", str(sessions), "--scheme", "efim", "--model", args.model,
+                                       "--speed", "0", "--max-requests", str(args.max_requests),
+                                       "--set", f"completion.max_prefix_tokens={w}", "--out", str(out)]))
+            runs[w] = json.loads((out / "report.json").read_text())["runs"][0]
+        results.append({"repo": name, "set": label, "runs": runs})
     table = {"per_set": [{"repo": x["repo"], "set": x["set"], **{str(w): pooled([x["runs"][w]]) for w in windows}}
                          for x in results],
              "by_set": {label: {str(w): pooled([x["runs"][w] for x in results if x["set"] == label])
