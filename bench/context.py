@@ -40,22 +40,16 @@ def session_sets(repos: list[Path], work: Path, commands: list[str]):
 
 
 def pooled(runs: list[dict]) -> dict:
-    """Scores over every request of ``runs`` (one scheme's runs), as the harness computes them."""
-    reqs = [r for run in runs for r in run["requests"]]
-    answered = [r for r in reqs if r["status"] == "answered"]
-    lat = sorted(r["latency_ms"] for r in reqs if r["status"] in ("answered", "empty"))
+    """Scores over every request of ``runs`` (one scheme's runs): the harness's own summary of
+    them taken as one run, and the requests whose prompt opened with snippets."""
+    from codecomplete.daemon.replay import summarize
 
-    def pct(p: float) -> float:
-        return round(lat[min(len(lat) - 1, int(p * len(lat)))], 1)
-
-    n = len(reqs) or 1
-    return {"requests": len(reqs), "answered": len(answered),
-            "acceptance": round(sum(r["accepted"] for r in reqs) / n, 4),
-            "exact_match": round(sum(r["exact"] for r in reqs) / n, 4),
-            "edit_similarity": round(sum(r["edit_similarity"] for r in answered) / max(1, len(answered)), 4),
-            "chars_saved": sum(r["chars_saved"] for r in reqs),
-            "chars_typed": sum(len(r["truth_line"]) for r in reqs),
-            "latency_ms": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "mean": round(sum(lat) / len(lat), 1)},
+    s = summarize({"scheme": runs[0]["scheme"], "wall_seconds": None,
+                   "requests": [r for run in runs for r in run["requests"]]})
+    return {"requests": s["requests"], "answered": s["status"]["answered"], "acceptance": s["acceptance"],
+            "exact_match": s["exact_match"], "edit_similarity": s["edit_similarity"],
+            "chars_saved": s["chars_saved"], "chars_typed": s["chars_typed_after_requests"],
+            "latency_ms": s["latency_ms"],
             "with_context": sum((run.get("daemon") or {}).get("counters", {}).get("with_context") or 0 for run in runs)}
 
 
