@@ -26,7 +26,7 @@ from codecomplete.model.api import Completion
 # Stop reasons that depend only on the prompt (and the model): the same request gives the
 # same completion.  ``time_budget``, ``cancelled``, ``error``, ``model_unavailable`` do not.
 DETERMINISTIC = frozenset({"eos", "max_tokens", "line_end", "block_end", "blank_lines", "max_lines",
-                           "suffix_overlap"})
+                           "suffix_overlap", "repetition"})
 
 
 def _digest(*parts: str) -> bytes:

@@ -152,7 +152,8 @@ def fork(live: Live, token: int) -> Live:
     n = len(live.plan.ids) + len(live.generated)
     cache = live.cache.clone()
     cache.length = n
-    f = Live(live.request, None, live.plan, cache, live.fed[:n], live.rules, live.budget,
+    rules = StopRules(live.rules.shape, live.rules.max_lines)  # its own: the rules remember lines checked
+    f = Live(live.request, None, live.plan, cache, live.fed[:n], rules, live.budget,
              live.deadline, live.t0, reused=live.reused, logits=live.logits, generated=list(live.generated),
              pending=live.pending, text=live.text, timings=dict(live.timings), forced=token, head=live,
              born=len(live.generated))
@@ -228,9 +229,9 @@ def advance(lm: LoadedModel, live: Live, vocab: "_Vocab | None") -> bool:
             if decision.stop:
                 return _finish(live, rules.finish(decision.text), decision.reason)
     if len(live.generated) >= live.budget:
-        return _finish(live, rules.finish(live.text), "max_tokens")
+        return _finish(live, rules.finish(live.text, budget_cut=not request.ignore_eos), "max_tokens")
     if time.perf_counter() > live.deadline and not request.ignore_eos:
-        return _finish(live, rules.finish(live.text), "time_budget")
+        return _finish(live, rules.finish(live.text, budget_cut=not request.ignore_eos), "time_budget")
     return True
 
 

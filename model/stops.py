@@ -70,6 +70,7 @@ class StopRules:
     def __init__(self, shape: CompletionShape, max_lines: int):
         self.shape = shape
         self.max_lines = max(1, max_lines)
+        self._lines_checked = 0  # complete lines the loop check last saw (it runs once per new line)
 
     def check(self, text: str) -> StopDecision:
         shape = self.shape
@@ -109,6 +110,11 @@ class StopRules:
                 return StopDecision(True, "\n".join(lines[:i]), "block_end")
             if i >= self.max_lines:
                 return StopDecision(True, "\n".join(lines[:i]), "max_lines")
+        if len(complete) != self._lines_checked:
+            self._lines_checked = len(complete)
+            keep = repetition_cut(complete, shape.line_prefix)
+            if keep is not None:
+                return StopDecision(True, "\n".join(lines[:keep]), "repetition")
         return StopDecision(False, text)
 
     def _suffix_on_line(self, text: str) -> StopDecision:
@@ -118,12 +124,65 @@ class StopRules:
             return StopDecision(True, text, "suffix_overlap")
         return StopDecision(False, text)
 
-    def finish(self, text: str) -> str:
-        """Shape the final text: drop a trailing partial line in multi-line mode only
-        when it is blank, and trailing whitespace everywhere."""
+    def finish(self, text: str, budget_cut: bool = False) -> str:
+        """Shape the final text: in multi-line mode drop trailing blank lines, and when the
+        token or time budget cut the text (``budget_cut``) the partial line it cut too, if
+        a complete line with code stands before it (a half-written statement, perhaps past the
+        block's end, is no suggestion; the next request continues from the whole lines);
+        trailing whitespace everywhere."""
         if self.shape.multiline:
             lines = text.split("\n")
+            if budget_cut and len(lines) > 1 and "".join(lines[:-1]).strip():
+                lines.pop()
             while len(lines) > 1 and not lines[-1].strip():
                 lines.pop()
             text = "\n".join(lines)
         return text.rstrip()
+
+
+EXACT_COPIES = {1: 3, 2: 2, 3: 2, 4: 2}  # a block of n lines repeated this many times in a row is a loop
+NEAR_RUN = 6  # this many consecutive lines, each nearly the one before (<= 10 % edits), is a loop
+
+
+def repetition_cut(complete: list[str], line_prefix: str = "") -> int | None:
+    """How many of ``complete`` (the completion's whole lines; the first is the rest of the
+    cursor's line, after ``line_prefix``) to keep when they end in a loop, the way small models degenerate: a block
+    of 1-4 lines repeated back to back (3 copies of one line, 2 of a longer block; blank
+    lines between copies are ignored) keeps its first copy; a run of NEAR_RUN lines each
+    within 10 % edits of the one before (``# v1.4``, ``# v1.5``...) keeps its first line.
+    None when they do not end in a loop."""
+    lines = [line_prefix + complete[0], *complete[1:]] if complete else []
+    idx = [i for i, line in enumerate(lines) if line.strip()]
+    rows = [lines[i].rstrip() for i in idx]
+    for n, copies in EXACT_COPIES.items():
+        span = n * copies
+        if len(rows) < span:
+            continue
+        tail = rows[-span:]
+        if all(tail[j] == tail[j % n] for j in range(n, span)):
+            return idx[len(rows) - span + n - 1] + 1
+    run = 1
+    while run < len(rows) and _near(rows[-run], rows[-run - 1]):
+        run += 1
+    if run >= NEAR_RUN:
+        return idx[len(rows) - run] + 1
+    return None
+
+
+def _near(a: str, b: str) -> bool:
+    """Same indentation and at most 10 % of the longer line's characters edited."""
+    if leading_ws(a) != leading_ws(b):
+        return False
+    a, b = a.strip(), b.strip()
+    bound = int(0.1 * max(len(a), len(b)))
+    if abs(len(a) - len(b)) > bound:
+        return False
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
+        if min(cur) > bound:
+            return False
+        prev = cur
+    return prev[-1] <= bound

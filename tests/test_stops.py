@@ -57,3 +57,56 @@ def test_end_of_line_single_mode_offers_the_next_line():
     assert not r.check("\n").stop
     d = r.check("\ny = 2\nz = 3")
     assert d.stop and d.text == "\ny = 2"
+
+
+def test_a_line_repeated_three_times_keeps_its_first_copy():
+    r = rules("def f(p):\n    ", "")
+    loop = "p.items('a')\n    p.items('b')\n    p.items('b')\n    p.items('b')\n"
+    d = r.check(loop + "    p.it")
+    assert d.stop and d.reason == "repetition" and d.text == "p.items('a')\n    p.items('b')"
+    # two copies are code, not yet a loop
+    assert not r.check("p.items('a')\n    p.items('b')\n    p.items('b')\n    p.it").stop
+
+
+def test_the_cursor_line_counts_as_the_first_copy():
+    r = rules("def f(mp):\n    ", "")
+    d = r.check("assert g(mp)\n    assert g(mp)\n    assert g(mp)\n")
+    assert d.stop and d.reason == "repetition" and d.text == "assert g(mp)"
+
+
+def test_a_repeated_block_keeps_one_copy_and_blank_lines_between_copies_do_not_hide_it():
+    r = rules("def f(x):\n    ", "")
+    block = "if x is not None:\n        y[x] = x\n\n    "
+    d = r.check("y = {}\n    " + block + block.rstrip(" ") + "    ret")
+    assert d.stop and d.reason == "repetition"
+    assert d.text == "y = {}\n    if x is not None:\n        y[x] = x"
+
+
+def test_the_same_line_at_another_indentation_is_no_loop():
+    r = rules("def f():\n    ", "")
+    text = "if a:\n        if b:\n            g()\n        g()\n    g()\n"
+    assert r.check(text).reason != "repetition"
+
+
+def test_a_run_of_nearly_equal_lines_keeps_its_first():
+    r = rules("def f():\n    ", "")
+    text = "".join(f"# cryptography < 1.{i}.0\n    " for i in range(4, 10))
+    d = r.check("x = 1\n    " + text + "#")
+    assert d.stop and d.reason == "repetition" and d.text == "x = 1\n    # cryptography < 1.4.0"
+    # five such lines are not yet a loop, nor are lines whose values differ more
+    assert not r.check("x = 1\n    " + "".join(f"# cryptography < 1.{i}.0\n    " for i in range(4, 9))).stop
+    assert not r.check("".join(f"assert parse('{w}') == {w!r}\n    " for w in
+                               ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta"))).stop
+
+
+def test_a_budget_cut_drops_the_partial_last_line_of_a_block():
+    r = rules("def f(x):\n    ", "")
+    text = "y = x + 1\n    z = y * 2\n    return fo"
+    assert r.finish(text, budget_cut=True) == "y = x + 1\n    z = y * 2"
+    assert r.finish(text) == text  # an end token: the last line is whole
+    assert r.finish("y = x + 1\n    z = y", budget_cut=True) == "y = x + 1"
+    # at the end of a block opener the first line is empty: its partial next line stays
+    opener = rules("def f(x):", "\n")
+    assert opener.finish("\n    return fo", budget_cut=True) == "\n    return fo"
+    single = rules("x = foo(", ")\n")
+    assert single.finish("a, b, c", budget_cut=True) == "a, b, c"
