@@ -15,6 +15,10 @@ Two engines with the same settings answer every request, one after the other:
   ``repetition``); one the token or time budget cut drops its partial last line;
 - ``rules off``: those two rules disabled (the code before them).
 
+The loop rule's false positives: over every .py file of the same checkouts, at every line
+position, whether the 12 lines of real code ending there would count as a loop (a completion
+that wrote exactly the truth would be cut there).
+
 Reports per arm: stop reasons, tokens generated and decode time, completions that show a
 loop, lines shown and how many of them are the truth's line at the same place, partial lines
 shown, acceptance (the truth starts with the completion) and characters it saves.
@@ -57,6 +61,27 @@ def cursors(git_dirs: list[Path], functions: int) -> list[dict]:
                             "suffix": "\n" + text[f["end"]:], "indent": indent,
                             "truth": "\n".join([cur[len(indent):], *lines[k + 1:]])})
     return out
+
+
+def real_code(git_dirs: list[Path], window: int = 12) -> dict:
+    """At how many line positions of the repositories' own code the loop rule fires: the
+    ``window`` lines ending at a non-blank line taken as a completion's whole lines."""
+    positions, fired, examples = 0, 0, []
+    for git_dir in git_dirs:
+        name, root = checkout(git_dir)
+        for path in sorted(root.rglob("*.py")):
+            lines = path.read_text(errors="replace").split("\n")
+            for j in range(1, len(lines) + 1):
+                if not lines[j - 1].strip():
+                    continue
+                positions += 1
+                win = lines[max(0, j - window):j]
+                keep = stops.repetition_cut(win)
+                if keep is not None:
+                    fired += 1
+                    examples.append({"repo": name, "path": path.relative_to(root).as_posix(), "line": j,
+                                     "lines": win[keep - 1:]})
+    return {"positions": positions, "fired": fired, "examples": examples}
 
 
 class _RulesOff:
@@ -115,6 +140,7 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     args = ap.parse_args()
     work = cursors(args.repos, args.functions)
+    fp = real_code(args.repos)
     engines = {}
     for arm in ARMS:  # one after the other: transformers' loading is not thread-safe
         engines[arm] = e = Engine(EngineSettings(model=args.model)).start()
@@ -142,7 +168,8 @@ def main() -> None:
     prefix_of_off = sum(b["text"].startswith(a["text"]) for a, b in zip(rows["rules on"], rows["rules off"]))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "repetition.json").write_text(json.dumps({"summary": summary, "changed": changed,
-                                                         "on_is_prefix_of_off": prefix_of_off, "rows": rows}, indent=1))
+                                                         "on_is_prefix_of_off": prefix_of_off,
+                                                         "real_code": fp, "rows": rows}, indent=1))
     repos = ", ".join(sorted({c["repo"] for c in work}))
     keys = [("stop reasons", lambda s: ", ".join(f"{k} {v}" for k, v in s["stop_reasons"].items())),
             ("completions showing a loop", lambda s: s["loops_shown"]),
@@ -166,7 +193,15 @@ def main() -> None:
            "A line counts as the truth's when it equals (stripped) the held-out body's line at the same "
            "place; a cut partial line is a last line after which the model's own tokens have no line break "
            "(the budget cut it). "
-           "Decode time is each engine's own; both engines keep their own KV store and verified cache.", ""]
+           "Decode time is each engine's own; both engines keep their own KV store and verified cache.", "",
+           f"**The loop rule on real code** (false positives): of {fp['positions']} non-blank line positions "
+           f"in these repositories' .py files, the 12 lines ending there count as a loop at {fp['fired']} "
+           f"({100 * fp['fired'] / max(1, fp['positions']):.3f} %). A completion writing exactly that code "
+           "would stop there, keeping the first copy. Examples (last lines of each; all in "
+           "`repetition.json`):", ""]
+    for e in fp["examples"][:6]:
+        md += [f"- `{e['repo']}/{e['path']}:{e['line']}`: " + " / ".join(f"`{x.strip()}`" for x in e["lines"][-3:])]
+    md += [""]
     (RESULTS / "repetition.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
