@@ -74,6 +74,8 @@ class RequestResult:
     exact: bool = False
     edit_similarity: float = 0.0
     chars_saved: int = 0
+    lines_shown: int = 0  # the completion's non-blank lines
+    lines_right: int = 0  # of those, the ones equal (stripped) to what was typed at that line
 
 
 def levenshtein(a: str, b: str) -> int:
@@ -107,6 +109,11 @@ def score(r: RequestResult) -> None:
     r.edit_similarity = edit_similarity(first.strip(), r.truth_line.strip())
     r.chars_saved = len(comp.rstrip()) if r.truth_hunk.startswith(comp.rstrip()) else (
         len(first.rstrip()) if r.accepted else 0)
+    # a multi-line completion line by line (acceptance sees only whether all of it is right)
+    shown, typed = comp.rstrip().split("\n"), r.truth_hunk.split("\n")
+    body = [i for i, line in enumerate(shown) if line.strip()]
+    r.lines_shown = len(body)
+    r.lines_right = sum(1 for i in body if i < len(typed) and shown[i].strip() == typed[i].strip())
 
 
 @dataclass
@@ -312,6 +319,8 @@ def summarize(run: dict) -> dict:
         "exact_match": round(sum(r["exact"] for r in reqs) / n, 4),
         "edit_similarity": round(sum(r["edit_similarity"] for r in answered) / len(answered), 4) if answered else None,
         "chars_saved": sum(r["chars_saved"] for r in reqs),
+        "lines_shown": sum(r.get("lines_shown", 0) for r in reqs),
+        "lines_right": sum(r.get("lines_right", 0) for r in reqs),
         "typed_through": sum(r.get("prompt_kind") == "typed-through" for r in reqs),
         "cached": sum(r.get("prompt_kind") == "cached" for r in reqs),
         # requests whose prompt opened with repository snippets (completion.context_snippets)
@@ -342,22 +351,24 @@ def write_report(out: Path, runs: list[dict], meta: dict) -> dict:
              f"users: {meta['users']}; speed: {meta['speed']}; model: {meta['model']}",
              f"- command: `{meta['command']}`", f"- machine: {meta.get('machine', '')}\n",
              "| scheme | requests | answered | stale | superseded | empty | latency p50 / p90 / p99 ms | "
-             "acceptance | exact match | edit sim. | chars saved | reuse | decode ms/token | tokens/pass | "
-             "typed through | cached |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "acceptance | exact match | edit sim. | chars saved | lines right / shown | reuse | decode ms/token | "
+             "tokens/pass | typed through | cached |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         st, lat = s["status"], s["latency_ms"]
         lines.append(f"| {s['scheme']} | {s['requests']} | {st['answered']} | {st['stale']} | {st['superseded']} | "
                      f"{st['empty']} | {lat['p50']} / {lat['p90']} / {lat['p99']} | {s['acceptance']:.3f} | "
                      f"{s['exact_match']:.3f} | {_dash(s['edit_similarity'])} | "
-                     f"{s['chars_saved']} of {s['chars_typed_after_requests']} | {_dash(s['reuse_rate'])} | "
+                     f"{s['chars_saved']} of {s['chars_typed_after_requests']} | "
+                     f"{s['lines_right']} / {s['lines_shown']} | {_dash(s['reuse_rate'])} | "
                      f"{_dash(s.get('decode_ms_per_token'))} | {_dash(s.get('tokens_per_pass'))} | "
                      f"{s.get('typed_through', 0)} | {s.get('cached', 0)} |")
     lines += ["", "Latency counts requests the daemon answered (with or without items); stale and "
               "superseded requests were dropped because the user typed on. Typed through: answered with "
               "the rest of the last completion, without the model (only where `completion.type_through` is on: "
               "the efim-through scheme). Cached: answered with the completion an earlier request got for the "
-              "same text (`completion.cache_entries`; also only in efim-through).", ""]
+              "same text (`completion.cache_entries`; also only in efim-through). Lines right / shown: the "
+              "completions' non-blank lines, and those equal (stripped) to what the user typed at that line.", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return report

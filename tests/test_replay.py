@@ -12,7 +12,7 @@ import pytest
 from lsprotocol import types as T
 from pytest_lsp import make_test_lsp_client
 
-from codecomplete.daemon.replay import edit_similarity, parse_settings
+from codecomplete.daemon.replay import RequestResult, edit_similarity, parse_settings, score
 from codecomplete.daemon.sessions import (Session, SessionError, final_texts, make_header, read_sessions,
                                           sessions_from_git, write_sessions)
 
@@ -99,6 +99,21 @@ def test_sessions_from_git_reproduce_each_commit_exactly(history: Path, tmp_path
     assert [x.header["commit"] for x in read_sessions(out)] == [sessions[1].header["commit"]]
 
 
+def test_score_counts_a_completion_line_by_line():
+    r = RequestResult(0, 0, 0, "file:///a.py", 3, 4, truth_line="x = 1",
+                      truth_hunk="x = 1\n    y = 2\n\n    return x + y\n")
+    r.completion = "x = 1\n    y = 3\n\n    return x + y\n    return x + y"
+    score(r)
+    assert not r.accepted and r.exact and r.chars_saved == 0  # right first line, but not all of it
+    assert (r.lines_shown, r.lines_right) == (4, 2)  # y = 3 is wrong; the second return is past what was typed
+    r.completion = "x = 1\n    y = 2"
+    score(r)
+    assert r.accepted and (r.lines_shown, r.lines_right) == (2, 2)
+    empty = RequestResult(0, 0, 0, "file:///a.py", 3, 4, truth_line="x", truth_hunk="x")
+    score(empty)
+    assert (empty.lines_shown, empty.lines_right) == (0, 0)
+
+
 def test_edit_similarity():
     assert edit_similarity("abc", "abc") == 1.0 and edit_similarity("", "") == 1.0
     assert edit_similarity("abcd", "abxd") == 0.75 and edit_similarity("a", "") == 0.0
@@ -144,7 +159,8 @@ def test_replay_against_the_real_daemon_reports_every_field(history: Path, tiny_
     for s in by.values():
         assert s["requests"] == 2 * sum(min(4, len(x.requests)) for x in read_sessions(sessions))
         assert s["status"]["answered"] + s["status"]["empty"] > 0 and s["latency_ms"]["p50"] > 0
-        for key in ("acceptance", "exact_match", "edit_similarity", "chars_saved", "reuse_rate", "reuse_by_round"):
+        for key in ("acceptance", "exact_match", "edit_similarity", "chars_saved", "reuse_rate", "reuse_by_round",
+                    "lines_shown", "lines_right"):
             assert key in s
         assert s["typed_through"] == 0  # these schemes send every request to the model
     assert by["baseline"]["reuse_rate"] == 0.0  # no KV reuse in the baseline
@@ -160,7 +176,7 @@ def test_replay_against_the_real_daemon_reports_every_field(history: Path, tiny_
     assert any(r["completion"] for r in spec)
     req = report["runs"][1]["requests"][0]
     for key in ("latency_ms", "status", "completion", "prompt_tokens", "reused_tokens", "accepted",
-                "exact", "edit_similarity", "chars_saved", "truth_line", "user"):
+                "exact", "edit_similarity", "chars_saved", "truth_line", "user", "lines_shown", "lines_right"):
         assert key in req
     assert {r["user"] for r in report["runs"][0]["requests"]} == {0, 1}
     assert (out / "report.md").read_text().count("| baseline |") == 1
