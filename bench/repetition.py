@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header  # noqa: E402
 from speculation import checkout, held_out  # noqa: E402
 
+from codecomplete.daemon.replay import lines_right  # noqa: E402
 from codecomplete.model import stops  # noqa: E402
 from codecomplete.model.api import CompletionRequest, EngineSettings  # noqa: E402
 from codecomplete.model.engine import Engine  # noqa: E402
@@ -105,16 +106,14 @@ def shows_loop(text: str, indent: str) -> bool:
 def measure(c, cur: dict, tokenizer) -> dict:
     text = c.text.rstrip()
     shown = text.split("\n")
-    truth = cur["truth"].split("\n")
-    body = [i for i, x in enumerate(shown) if x.strip()]
-    right = sum(1 for i in body if i < len(truth) and shown[i].strip() == truth[i].strip())
+    lines, right = lines_right(text, cur["truth"])
     accepted = bool(text.strip()) and cur["truth"].startswith(text)
     # a line the budget cut: in the tokens the model generated, no line break follows the text shown
     raw = tokenizer.decode(c.token_ids, skip_special_tokens=True)
     after = raw[raw.rfind(text) + len(text):].lstrip(" \t") if text else ""
     partial = c.stop_reason in ("max_tokens", "time_budget") and len(shown) > 1 and not after.startswith("\n")
     return {"reason": c.stop_reason, "tokens": c.generated_tokens, "decode_ms": c.timings.get("decode_ms", 0.0),
-            "lines": len(body), "lines_right": right, "loop": shows_loop(text, cur["indent"]),
+            "lines": lines, "lines_right": right, "loop": shows_loop(text, cur["indent"]),
             "partial_line": partial, "accepted": accepted, "chars_saved": len(text) if accepted else 0,
             "multiline": c.multiline, "text": text}
 

@@ -109,11 +109,15 @@ def score(r: RequestResult) -> None:
     r.edit_similarity = edit_similarity(first.strip(), r.truth_line.strip())
     r.chars_saved = len(comp.rstrip()) if r.truth_hunk.startswith(comp.rstrip()) else (
         len(first.rstrip()) if r.accepted else 0)
-    # a multi-line completion line by line (acceptance sees only whether all of it is right)
-    shown, typed = comp.rstrip().split("\n"), r.truth_hunk.split("\n")
+    r.lines_shown, r.lines_right = lines_right(comp, r.truth_hunk)
+
+
+def lines_right(completion: str, typed: str) -> tuple[int, int]:
+    """A multi-line completion line by line (acceptance sees only whether all of it is
+    right): its non-blank lines, and how many equal (stripped) the typed line at their place."""
+    shown, truth = completion.rstrip().split("\n"), typed.split("\n")
     body = [i for i, line in enumerate(shown) if line.strip()]
-    r.lines_shown = len(body)
-    r.lines_right = sum(1 for i in body if i < len(typed) and shown[i].strip() == typed[i].strip())
+    return len(body), sum(1 for i in body if i < len(truth) and shown[i].strip() == truth[i].strip())
 
 
 @dataclass

@@ -231,7 +231,7 @@ def advance(lm: LoadedModel, live: Live, vocab: "_Vocab | None") -> bool:
     if len(live.generated) >= live.budget:
         return _finish(live, rules.finish(live.text, budget_cut=not request.ignore_eos), "max_tokens")
     if time.perf_counter() > live.deadline and not request.ignore_eos:
-        return _finish(live, rules.finish(live.text, budget_cut=not request.ignore_eos), "time_budget")
+        return _finish(live, rules.finish(live.text, budget_cut=True), "time_budget")
     return True
 
 
