@@ -78,7 +78,8 @@ def main() -> None:
 
         def run():
             for (w, n, k), y in zip(mats, ys):
-                native._lib.linear_bf16(s, n, k, xs[k].data_ptr(), w.data_ptr(), None, y.data_ptr())
+                fn = native._lib.linear_bf16_amx if native.amx_layout(w) else native._lib.linear_bf16
+                fn(s, n, k, xs[k].data_ptr(), w.data_ptr(), None, y.data_ptr())
         return run
 
     caches = {}

@@ -218,10 +218,11 @@ def fill_kv(model: Transformer, h: torch.Tensor, cache: SeqKV, first: int, pos: 
         layer = model.layers[j]
         wqkv = layer.attn.wqkv
         b = wqkv.bias[qd:] if wqkv.bias is not None else None
-        if wqkv.native_weight is not None and qd % 4 == 0 and h.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-            # the K and V rows of the repacked projection (groups of four rows: qd / 4 onward)
+        kv_rows = native.packed_rows(wqkv.native_weight, qd) if wqkv.native_weight is not None else None
+        if kv_rows is not None and h.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+            # the K and V rows of the repacked projection
             x = native.rms_norm(h.view(1, -1), layer.attn_norm.weight, layer.attn_norm.eps)
-            kvp = native.linear(x, wqkv.native_weight[qd // 4:], b, 2 * kd)
+            kvp = native.linear(x, kv_rows, b, 2 * kd)
         else:
             kvp = F.linear(layer.attn_norm(h.view(1, -1)), wqkv.weight[qd:], b)
         k, v = kvp.split([kd, kd], -1)

@@ -269,6 +269,58 @@ def test_native_linear_matches_f_linear(rows, n, k, bias):
     assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
 
 
+needs_amx = pytest.mark.skipif(not (native.available() and native.amx()), reason="no AMX tiles on this machine")
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k,bias", [(960, 576, True), (13, 64, True), (48, 32, False), (64, 1536, False)])
+def test_amx_linear_matches_f_linear_and_rows_stand_alone(n, k, bias):
+    """The AMX layout (groups of 16 output rows, N padded to 32) with 1-40 input rows (one tile
+    of up to 16 rows, then 16-row chunks and a remainder): within a bf16 rounding of the exact
+    product, and each row's output bit for bit the same whatever the other rows are, so a
+    verification pass's rows equal one-token steps' on AMX too."""
+    torch.manual_seed(7)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    packed = native.pack_linear(w, amx=True)
+    assert native.amx_layout(packed) and not native.amx_layout(native.pack_linear(w))
+    x = torch.randn(40, k).to(torch.bfloat16)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    alone = torch.cat([native.linear(x[i:i + 1], packed, b, n) for i in range(40)])
+    assert (alone.float() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
+    for rows in (2, 16, 17, 33, 40):
+        got = native.linear(x[:rows].view(1, rows, k), packed, b, n)
+        assert got.shape == (1, rows, n)
+        assert torch.equal(got[0], alone[:rows])
+
+
+@needs_kernel
+def test_amx_layout_is_refused_where_it_cannot_hold_the_matrix():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.pack_linear(torch.zeros(8, 70, dtype=torch.bfloat16), amx=True)
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    assert native.packed_rows(native.pack_linear(w, amx=True), 16) is None  # tiles go in pairs of 16 rows
+    assert native.packed_rows(native.pack_linear(w, amx=True), 32).shape[0] == 2
+    assert native.packed_rows(native.pack_linear(w), 16).shape[0] == 12
+
+
+@needs_amx
+def test_a_bf16_model_runs_its_matrices_on_amx_where_it_can():
+    """Where the CPU has AMX, every matrix (the head's too) is packed for the tiles and the
+    whole-step call uses them; a model with a matrix whose K is not a multiple of 32 keeps the
+    AVX-512 layout throughout."""
+    model = random_bf16_model(3, 0.08, tie=True, unit_norms=True, vocab_size=300, dim=128, n_layers=2, n_heads=4,
+                              n_kv_heads=2, head_dim=32, hidden_dim=320)
+    assert model.native_decode(True)
+    assert model.native_stack.amx
+    assert all(native.amx_layout(m.native_weight) for b in model.layers for m in (b.attn.wqkv, b.mlp.w2))
+    assert native.amx_layout(model.head.native_weight)
+    odd = random_bf16_model(3, 0.08, tie=True, unit_norms=True, vocab_size=300, dim=128, n_layers=2, n_heads=4,
+                            n_kv_heads=2, head_dim=32, hidden_dim=200)  # w2's K = 200: no AMX layout
+    assert odd.native_decode(True)
+    assert not odd.native_stack.amx and not native.amx_layout(odd.layers[0].attn.wqkv.native_weight)
+
+
 def random_bf16_model(seed: int, std: float, tie: bool, unit_norms: bool, **dims):
     """A small bf16 Transformer with N(0, std) weights (qkv bias on), for the step tests."""
     from codecomplete.model.transformer import ModelArgs, Transformer

@@ -98,10 +98,13 @@ def _build() -> ctypes.CDLL:
     lib.linear_bf16.restype = None
     lib.linear_bf16.argtypes = [i32] * 3 + [ptr] * 4
     lib.linear_bf16_native.restype = i32
+    lib.linear_bf16_amx.restype = None
+    lib.linear_bf16_amx.argtypes = [i32] * 3 + [ptr] * 4
+    lib.amx_enable.restype = i32
     lib.decode_stack.restype = i32
     lib.decode_stack.argtypes = [i32] * 9 + [ctypes.POINTER(ptr), ctypes.c_float, i32] + [ptr] * 3 + [
         ctypes.POINTER(ptr)] * 2 + [i64p] * 2 + [ctypes.POINTER(ptr), ctypes.c_float, i32, ptr, ptr, i32, i32, ptr,
-                                                 ctypes.POINTER(QHead)]
+                                                 ctypes.POINTER(QHead), i32]
     lib.head_greedy_native.restype = i32
     return lib
 
@@ -254,15 +257,49 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 LINEAR_ROWS = 32  # rows up to which ``linear`` is at least as fast as oneDNN, weights from memory (measured)
 
 
-def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+def amx() -> bool:
+    """Whether ``linear`` can run on AMX tiles here (linear.c): built with AMX, the tile state
+    granted by Linux, and not turned off with ``CODECOMPLETE_AMX=0``."""
+    global _amx
+    if _amx is None:
+        _amx = available() and os.environ.get("CODECOMPLETE_AMX", "1") != "0" and bool(_lib.amx_enable())
+    return _amx
+
+
+_amx: bool | None = None
+
+
+def pack_linear(weight: torch.Tensor, amx: bool = False) -> torch.Tensor:
     """A bf16 weight [N, K] in ``linear``'s layout: [N/4, K/32, 4, 32], N and K padded with
-    zeros (see linear.c for why)."""
+    zeros (see linear.c for why); ``amx``: the AMX tiles' layout [N/16, K/32, 16, 16, 2]
+    instead, N padded to a multiple of 32 (K must be a multiple of 32; see ``amx_layout``)."""
     n, k = weight.shape
-    np_, kp = -(-n // 4) * 4, -(-k // 32) * 32
     w = weight.detach().to(torch.bfloat16)
+    if amx:
+        if k % 32:
+            raise ValueError(f"the AMX layout needs K a multiple of 32, not {k}")
+        np_ = -(-n // 32) * 32
+        if np_ != n:
+            w = torch.nn.functional.pad(w, (0, 0, 0, np_ - n))
+        return w.reshape(np_ // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    np_, kp = -(-n // 4) * 4, -(-k // 32) * 32
     if (np_, kp) != (n, k):
         w = torch.nn.functional.pad(w, (0, kp - k, 0, np_ - n))
     return w.reshape(np_ // 4, 4, kp // 32, 32).transpose(1, 2).contiguous()
+
+
+def amx_layout(packed: torch.Tensor) -> bool:
+    """Whether a weight from ``pack_linear`` is in the AMX layout."""
+    return packed.dim() == 5
+
+
+def packed_rows(packed: torch.Tensor, start: int) -> torch.Tensor | None:
+    """The packed weight's output rows from ``start`` on (a view), or None where the layout
+    cannot start there: a multiple of 4 rows, of 32 in the AMX layout (its tiles go in pairs)."""
+    step = 32 if amx_layout(packed) else 4
+    if start % step:
+        return None
+    return packed[start // (16 if amx_layout(packed) else 4):]
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
@@ -272,8 +309,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     k = x.shape[-1]
     x = x.contiguous()
     y = torch.empty((*x.shape[:-1], out_features), dtype=torch.bfloat16)
-    _lib.linear_bf16(x.numel() // k, out_features, k, x.data_ptr(), packed.data_ptr(),
-                     bias.data_ptr() if bias is not None else None, y.data_ptr())
+    fn = _lib.linear_bf16_amx if amx_layout(packed) else _lib.linear_bf16
+    fn(x.numel() // k, out_features, k, x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+       y.data_ptr())
     return y
 
 
@@ -346,6 +384,11 @@ class Stack:
         self.weights = ptrs(*[w for p in per for w in p])
         self.layer = [(ctypes.c_void_p * len(p))(*p) for p in per]
         self.norm, self.head, self.vocab = model.norm.weight.data_ptr(), model.head.native_weight.data_ptr(), a.vocab_size
+        layouts = {amx_layout(lin.native_weight) for b in model.layers for lin in (b.attn.wqkv, b.attn.wo, b.mlp.w13, b.mlp.w2)}
+        layouts.add(amx_layout(model.head.native_weight))
+        if len(layouts) != 1:
+            raise ValueError("every matrix of the stack needs the same native layout")
+        self.amx = layouts.pop()  # every matrix runs on AMX tiles (linear.c), the greedy head's exact rows too
         packed = pack_greedy_head(model.head.weight) if greedy_head_available() else None
         self.qhead, self._qkeep = packed if packed is not None else (None, [])
         self._keep = [p for m in (model.norm, model.head, *model.layers) for p in m.parameters()] + [
@@ -400,7 +443,8 @@ def decode_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
                            cos.data_ptr(), sin.data_ptr(), plan.k, plan.v, plan.cap, plan.len, plan.masks, e ** -0.5,
                            CHUNK, stack.norm if out is not None else None, stack.head if out is not None else None,
                            stack.vocab, int(logits == "last"), out.data_ptr() if out is not None else None,
-                           ctypes.byref(stack.qhead) if greedy and stack.qhead is not None and out is not None else None)
+                           ctypes.byref(stack.qhead) if greedy and stack.qhead is not None and out is not None else None,
+                           int(stack.amx))
     if rc != 0:
         raise MemoryError("native decode step: out of scratch memory")
     return x, out
