@@ -384,7 +384,8 @@ class Stack:
         self.weights = ptrs(*[w for p in per for w in p])
         self.layer = [(ctypes.c_void_p * len(p))(*p) for p in per]
         self.norm, self.head, self.vocab = model.norm.weight.data_ptr(), model.head.native_weight.data_ptr(), a.vocab_size
-        layouts = {amx_layout(lin.native_weight) for b in model.layers for lin in (b.attn.wqkv, b.attn.wo, b.mlp.w13, b.mlp.w2)}
+        layouts = {amx_layout(lin.native_weight)
+                   for b in model.layers for lin in (b.attn.wqkv, b.attn.wo, b.mlp.w13, b.mlp.w2)}
         layouts.add(amx_layout(model.head.native_weight))
         if len(layouts) != 1:
             raise ValueError("every matrix of the stack needs the same native layout")
