@@ -1,7 +1,8 @@
 """Prefill of a fresh prompt: a bf16 model's native pieces against PyTorch's whole-prompt path.
 
 A prompt longer than one native step (``native.STACK_ROWS`` rows) runs in pieces of that size
-through the native kernels (``Transformer.native_prefill``, on by default); off, the whole
+through the native kernels (``Transformer.native_prefill``: on by default where the linear kernel
+has no AMX tiles, off where it has them, as measured here); off, the whole
 prompt goes through PyTorch (oneDNN linear layers, scaled_dot_product_attention).  Both are
 timed on the same model, interleaved over rounds (this machine's speed drifts within
 minutes); random token ids (the cost does not depend on them).  The prompt sizes are the
@@ -48,6 +49,7 @@ def main() -> None:
     torch.manual_seed(0)
     prompts = {n: torch.randint(0, model.args.vocab_size, (1, n)) for n in lengths}
     times: dict[str, list[float]] = {}
+    default = model.native_prefill
     for r in range(args.rounds + 1):  # round 0 warms both paths up, not counted
         for n in lengths:
             for pieces in (True, False):
@@ -56,7 +58,7 @@ def main() -> None:
                 if r:
                     times.setdefault(f"{n}/{'native' if pieces else 'torch'}", []).append(ms)
         print(f"round {r}/{args.rounds}", file=sys.stderr)
-    model.native_prefill = True
+    model.native_prefill = default
     rows = []
     for n in lengths:
         nat, tor = times[f"{n}/native"], times[f"{n}/torch"]

@@ -317,7 +317,7 @@ class Transformer(nn.Module):
         self.head = Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
         self.native_stack: native.Stack | None = None  # Transformer.native_decode
-        self.native_prefill = True  # long causal prompts in native pieces when native_stack is set (forward)
+        self.native_prefill = True  # long causal prompts in native pieces when native_stack is set (forward; native_decode)
         self.greedy_head = True  # forward(greedy=True) may use native's greedy head (exact argmax, half the bytes)
 
     @property
@@ -357,6 +357,11 @@ class Transformer(nn.Module):
         amx = lin and native.amx() and all(m.in_features % 32 == 0 for m in mats)
         for mod in mats:
             mod.native_weight = native.pack_linear(mod.weight, amx=amx) if lin else None
+        # long prompts: native pieces where the linear kernel has no AMX (1.2-1.8x faster than
+        # PyTorch's path there); with AMX, PyTorch's path (oneDNN's AMX matrices, its attention)
+        # is up to 2x faster than the pieces, whose attention is bound by its dot products
+        # (bench/results/prefill.md)
+        self.native_prefill = not amx
         self.native_stack = native.Stack(self) if lin else None  # steps of up to STACK_ROWS rows: one call
         for layer in self.layers:
             layer.native_stack = self.native_stack
