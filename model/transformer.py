@@ -317,7 +317,7 @@ class Transformer(nn.Module):
         self.head = Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
         self.native_stack: native.Stack | None = None  # Transformer.native_decode
-        self.native_prefill = True  # long causal prompts in native pieces when native_stack is set (forward; native_decode)
+        self.native_prefill = True  # long causal prompts in native pieces (forward; set by native_decode)
         self.greedy_head = True  # forward(greedy=True) may use native's greedy head (exact argmax, half the bytes)
 
     @property
