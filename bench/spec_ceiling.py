@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header  # noqa: E402
-from speculation import Datastore, _prompt_ids, checkout, held_out  # noqa: E402
+from speculation import Datastore, _prompt_ids, checkout, held_out, task_args  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -205,12 +205,8 @@ def write(out: Path, args, cost: PassCost, results: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repos", required=True, help="comma-separated git directories")
+    task_args(ap)  # as bench/speculation.py: the same test split
     ap.add_argument("--models", default="default,smollm2-135m")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--functions", type=int, default=10, help="test functions per repository (as speculation.py)")
-    ap.add_argument("--tune-functions", type=int, default=4, help="as speculation.py (selects the same test split)")
-    ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--sizes", default="3,4,8,16,32,64")
     ap.add_argument("--pass-cost", default=str(RESULTS / "pass_cost.json"))
     ap.add_argument("--out", default=str(RESULTS / "spec_ceiling"))

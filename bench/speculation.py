@@ -224,14 +224,21 @@ def hf_peers(lm, tasks: list[dict], max_new: int, dtype) -> dict:
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def task_args(ap: argparse.ArgumentParser) -> None:
+    """The options that choose the repositories, the held-out functions and their length
+    (shared with bench/spec_ceiling.py, which must pick the same test split)."""
     ap.add_argument("--repos", required=True, help="comma-separated git directories")
-    ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--functions", type=int, default=10, help="test functions per repository")
-    ap.add_argument("--tune-functions", type=int, default=4, help="tune functions per repository")
+    ap.add_argument("--tune-functions", type=int, default=4, help="tune functions per repository (the datastores "
+                    "leave out test and tune functions both)")
     ap.add_argument("--max-new", type=int, default=64)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    task_args(ap)
+    ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tune", action="store_true", help="run the parameter grid on the tune split")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-fp32-check", action="store_true", help="skip the fp32 run that checks identical outputs")
