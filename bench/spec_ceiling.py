@@ -95,7 +95,8 @@ def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings
             i = 1  # the first token comes with the prefill
             while i < len(out):
                 ctx = prompt + out[:i]
-                tree = drafter.draft(ctx, limit=len(out) - i, live=live)
+                # the engine's room: the token budget, also where a stop rule ended the output sooner
+                tree = drafter.draft(ctx, limit=t["budget"] - i, live=live)
                 kids = tree.children()
                 row, acc = 0, []
                 while i + len(acc) < len(out):
@@ -140,7 +141,8 @@ def run_model(spec_name: str, args, cost: PassCost) -> dict:
         for f in test:
             ids = lm.tokenizer.encode(files[f["path"]][:f["start"]], add_special_tokens=False)[-2048:]
             f["context"] = lm.tokenizer.decode(ids)
-            tasks.append({"repo": name, "context": f["context"], "prompt": _prompt_ids(lm, settings, f)})
+            tasks.append({"repo": name, "context": f["context"], "prompt": _prompt_ids(lm, settings, f),
+                          "budget": args.max_new})
     shipped = SpecSettings()
     check = {"outputs_identical": 0, "engine_passes": 0, "tasks": len(tasks)}
     for name in stores:
