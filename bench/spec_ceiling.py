@@ -38,13 +38,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header  # noqa: E402
-from speculation import Datastore, _prompt_ids, checkout, held_out, task_args  # noqa: E402
+from speculation import Datastore, checkout, held_out, task_args  # noqa: E402
 
 import torch  # noqa: E402
 
 from codecomplete.indexer.tokens import TokenizerInfo  # noqa: E402
 from codecomplete.model.api import CompletionRequest, EngineSettings, SpecSettings  # noqa: E402
-from codecomplete.model.engine import _Vocab, generate  # noqa: E402
+from codecomplete.model.engine import _Vocab, generate, plan_prompt  # noqa: E402
 from codecomplete.model.loader import load_model  # noqa: E402
 from codecomplete.model.speculate import Drafter, LiveIndex  # noqa: E402
 
@@ -141,18 +141,19 @@ def run_model(spec_name: str, args, cost: PassCost) -> dict:
         for f in test:
             ids = lm.tokenizer.encode(files[f["path"]][:f["start"]], add_special_tokens=False)[-2048:]
             f["context"] = lm.tokenizer.decode(ids)
-            tasks.append({"repo": name, "context": f["context"], "prompt": _prompt_ids(lm, settings, f),
-                          "budget": args.max_new})
+            req = CompletionRequest(f["context"], "", mode="multi", max_tokens=args.max_new, max_lines=100000,
+                                    time_budget_ms=600000, ignore_eos=True)
+            plan = plan_prompt(lm, req, settings, vocab, None)  # the engine's own prompt (healed where it heals)
+            tasks.append({"repo": name, "req": req, "prompt": plan.ids,
+                          "budget": args.max_new + (1 if plan.healed else 0)})  # the engine's token budget
     shipped = SpecSettings()
     check = {"outputs_identical": 0, "engine_passes": 0, "tasks": len(tasks)}
     for name in stores:
         drafter = Drafter(shipped, stores[name].retrieve, vocab.texts)
         for t in (t for t in tasks if t["repo"] == name):
-            req = CompletionRequest(t["context"], "", mode="multi", max_tokens=args.max_new, max_lines=100000,
-                                    time_budget_ms=600000, ignore_eos=True)
             with torch.inference_mode():
-                plain = generate(lm, req, settings, vocab, None, None, None)
-                spec = generate(lm, req, settings, vocab, None, None, drafter)
+                plain = generate(lm, t["req"], settings, vocab, None, None, None)
+                spec = generate(lm, t["req"], settings, vocab, None, None, drafter)
             t["out"] = list(plain.token_ids)
             check["outputs_identical"] += t["out"] == list(spec.token_ids)
             check["engine_passes"] += spec.forward_passes
