@@ -296,10 +296,8 @@ def amx_layout(packed: torch.Tensor) -> bool:
 def packed_rows(packed: torch.Tensor, start: int) -> torch.Tensor | None:
     """The packed weight's output rows from ``start`` on (a view), or None where the layout
     cannot start there: a multiple of 4 rows, of 32 in the AMX layout (its tiles go in pairs)."""
-    step = 32 if amx_layout(packed) else 4
-    if start % step:
-        return None
-    return packed[start // (16 if amx_layout(packed) else 4):]
+    align, group = (32, 16) if amx_layout(packed) else (4, 4)
+    return None if start % align else packed[start // group:]
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

@@ -22,6 +22,26 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 16 bf16 as fp32 */
+static inline __m512 ld_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* f32_to_bf16 of 16 floats at once, kept as floats: to the nearest bf16 (even on ties), NaN to its quiet NaN */
+static inline __m512 rnd_bf16x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000)));
+}
+#endif
+
 /* exp(x) for x <= 0 (softmax after subtracting the max, a sigmoid's tail): Cephes-style
  * range reduction and a degree-6 polynomial, written so the compiler vectorises it;
  * relative error ~1e-7. */

@@ -196,8 +196,8 @@ void linear_bf16(int M, int N, int K, const uint16_t *x, const uint16_t *wp, con
  *   layout only then).
  *
  * Each thread configures its tiles at every call (16-row chunks and the remaining rows on tiles of
- * their own, so any M streams the weights once) and releases them at the end.  Linux grants the tile state per process on request
- * (amx_enable). */
+ * their own, so any M streams the weights once) and releases them at the end.  Linux grants the
+ * tile state per process on request (amx_enable). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -232,12 +232,7 @@ static inline void amx_store(const float *c, int mr, int m0, int n0, int width, 
             const __mmask16 km = N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1u);
             if (bias) s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(
                                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(km, bias + n)), 16)));
-            const __m512i u = _mm512_castps_si512(s);
-            const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                          _mm512_set1_epi32(0x7f800000));
-            __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-            r = _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(r, 16), _mm512_set1_epi32(0x7fc0));
+            const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(rnd_bf16x16(s)), 16); /* f32_to_bf16's bits */
             _mm256_mask_storeu_epi16(y + (size_t)(m0 + i) * N + n, km, _mm512_cvtepi32_epi16(r));
         }
     }
@@ -500,13 +495,13 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
             for (int m = 0; m < M; m++) _mm256_storeu_si256((__m256i *)(y + (size_t)m * V + g * 16), _mm256_set1_epi16((short)0xff80));
             continue;
         }
+        if (amx) { /* the head in the AMX layout: the group's sixteen rows on the tiles, as linear_team_amx */
+            amx_group(M, V, K, x, wp + (size_t)g * (K / 32) * 512, g * 16, y);
+            continue;
+        }
         for (int q4 = 0; q4 < 4; q4++) {
             const int n0 = g * 16 + q4 * 4;
             if (n0 >= V) break;
-            if (amx) { /* the head in the AMX layout: the group's sixteen rows on the tiles, as linear_team_amx */
-                amx_group(M, V, K, x, wp + (size_t)g * (K / 32) * 512, g * 16, y);
-                break;
-            }
             if ((need >> (q4 * 4)) & 0xf) {
                 rows(M, V, K, Kb, x, wp + (size_t)(n0 / 4) * Kb * 128, NULL, y, n0);
             } else {
