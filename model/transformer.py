@@ -357,11 +357,11 @@ class Transformer(nn.Module):
         amx = lin and native.amx() and all(m.in_features % 32 == 0 for m in mats)
         for mod in mats:
             mod.native_weight = native.pack_linear(mod.weight, amx=amx) if lin else None
-        # long prompts: native pieces where the linear kernel has no AMX (1.2-1.8x faster than
-        # PyTorch's path there); with AMX, PyTorch's path (oneDNN's AMX matrices, its attention)
-        # is up to 2x faster than the pieces, whose attention is bound by its dot products
-        # (bench/results/prefill.md)
-        self.native_prefill = not amx
+        # long prompts: native pieces on CPUs without AMX (1.2-1.8x faster than PyTorch's path
+        # there); on a CPU with AMX, PyTorch's path (oneDNN's AMX matrices, its attention) was
+        # faster than the pieces with our matrices on AMX (2.1x at 2k tokens) and without (4-5x),
+        # so it is taken whether or not they are (bench/results/prefill.md)
+        self.native_prefill = not native.amx_cpu()
         self.native_stack = native.Stack(self) if lin else None  # steps of up to STACK_ROWS rows: one call
         for layer in self.layers:
             layer.native_stack = self.native_stack

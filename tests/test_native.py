@@ -320,7 +320,7 @@ def test_a_bf16_model_runs_its_matrices_on_amx_where_it_can():
                             n_kv_heads=2, head_dim=32, hidden_dim=200)  # w2's K = 200: no AMX layout
     assert odd.native_decode(True)
     assert not odd.native_stack.amx and not native.amx_layout(odd.layers[0].attn.wqkv.native_weight)
-    assert odd.native_prefill
+    assert not odd.native_prefill  # the CPU has AMX: PyTorch's path, faster than the pieces with or without ours
 
 
 def random_bf16_model(seed: int, std: float, tie: bool, unit_norms: bool, **dims):

@@ -257,12 +257,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 LINEAR_ROWS = 32  # rows up to which ``linear`` is at least as fast as oneDNN, weights from memory (measured)
 
 
+def amx_cpu() -> bool:
+    """Whether this CPU's AMX tiles are granted to the process (built with AMX, Linux agreed),
+    whatever ``CODECOMPLETE_AMX`` says: PyTorch's oneDNN kernels use them too."""
+    return available() and bool(_lib.amx_enable())
+
+
 def amx() -> bool:
-    """Whether ``linear`` can run on AMX tiles here (linear.c): built with AMX, the tile state
-    granted by Linux, and not turned off with ``CODECOMPLETE_AMX=0``."""
+    """Whether ``linear`` runs on AMX tiles here (linear.c): ``amx_cpu()``, and not turned off
+    with ``CODECOMPLETE_AMX=0``."""
     global _amx
     if _amx is None:
-        _amx = available() and os.environ.get("CODECOMPLETE_AMX", "1") != "0" and bool(_lib.amx_enable())
+        _amx = os.environ.get("CODECOMPLETE_AMX", "1") != "0" and amx_cpu()
     return _amx
 
 
