@@ -17,6 +17,20 @@ from codecomplete.model.transformer import SeqKV, attend
 needs_kernel = pytest.mark.skipif(not native.available(), reason=f"native kernel unavailable: {native.error()}")
 
 
+@pytest.fixture(params=["default", "amx", "avx512"])
+def attention_kernel(request):
+    """Attention's products as this machine runs them, and each way on its own where both exist
+    (AMX tiles or AVX-512 dot products; decode_attention.c): each must give every row the bits of
+    a one-token step."""
+    if request.param != "default" and not (native.available() and native.amx_cpu()):
+        pytest.skip("one way to run attention on this machine")
+    before = native.amx_attention()
+    if request.param != "default":
+        native.amx_attention(request.param == "amx")
+    yield request.param
+    native.amx_attention(before)
+
+
 def torch_decode(q, k, v, caches, layer, masks=None):
     """The reference: the model's PyTorch path for few new tokens, one sequence at a time."""
     outs, s = [], q.shape[2]
@@ -46,7 +60,7 @@ def random_caches(kv_heads, head_dim, lengths, dtype, layers=3, new=9):
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (14, 2, 64), (6, 2, 40)],
                          ids=["gqa3-64", "mha-128", "gqa7-64", "gqa3-40"])
-def test_kernel_matches_torch_path(heads, kv_heads, head_dim, kv_dtype):
+def test_kernel_matches_torch_path(heads, kv_heads, head_dim, kv_dtype, attention_kernel):
     """Lengths around the split-K chunk size, an empty cache, several sequences at once;
     the new K/V land in every cache exactly where the PyTorch path puts them."""
     torch.manual_seed(0)
@@ -72,11 +86,13 @@ def test_kernel_matches_torch_path(heads, kv_heads, head_dim, kv_dtype):
 @needs_kernel
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "tree-mask"])
-def test_several_new_tokens_causal_or_masked(masked, kv_dtype):
+@pytest.mark.parametrize("s", [9, 30])
+def test_several_new_tokens_causal_or_masked(masked, kv_dtype, s, attention_kernel):
     """Verification-sized steps (S new tokens per sequence): causal without a mask, or a
-    random mask over cache and new tokens (each row sees itself, as a tree mask does)."""
+    random mask over cache and new tokens (each row sees itself, as a tree mask does).
+    3 x 30 query rows a KV head take six tiles of 16 on AMX."""
     torch.manual_seed(1)
-    lengths, s = [0, 7, native.CHUNK - 3, 2 * native.CHUNK + 5], 9
+    lengths = [0, 7, native.CHUNK - 3, 2 * native.CHUNK + 5]
     q = torch.randn(len(lengths), 6, s, 64)
     k = torch.randn(len(lengths), 2, s, 64)
     v = torch.randn(len(lengths), 2, s, 64)
@@ -89,8 +105,8 @@ def test_several_new_tokens_causal_or_masked(masked, kv_dtype):
             m[torch.arange(s), n + torch.arange(s)] = True
             masks.append(m)
         masks[1] = None  # sequences without a mask in the same batch are causal
-    mine = random_caches(2, 64, lengths, kv_dtype)
-    ref = random_caches(2, 64, lengths, kv_dtype)
+    mine = random_caches(2, 64, lengths, kv_dtype, new=s)
+    ref = random_caches(2, 64, lengths, kv_dtype, new=s)
     for a, b in zip(mine, ref):
         b.k.copy_(a.k)
         b.v.copy_(a.v)
@@ -472,7 +488,7 @@ def test_one_call_layer_equals_the_per_op_native_path():
 
 
 @needs_kernel
-def test_bf16_rows_of_a_pass_do_not_depend_on_the_other_rows():
+def test_bf16_rows_of_a_pass_do_not_depend_on_the_other_rows(attention_kernel):
     """In bf16 every row of a step is computed alone: the linear layers' sums and the
     attention's do not depend on how many rows a pass has or on what the other rows hold. Two
     verification passes whose trees share a path (same tokens at the same positions) but differ
@@ -481,7 +497,7 @@ def test_bf16_rows_of_a_pass_do_not_depend_on_the_other_rows():
     from codecomplete.model.speculate import Tree, tree_mask
 
     model = random_bf16_model(9, 0.08, tie=True, unit_norms=True, vocab_size=300, dim=128, n_layers=3, n_heads=4,
-                              n_kv_heads=2, head_dim=32, hidden_dim=320)
+                              n_kv_heads=2, head_dim=64, hidden_dim=320)  # 64: the AVX-512 chunk kernel
     assert model.native_decode(True)
     prompt = torch.randint(0, 300, (1, 300))  # past one attention chunk
     path = [11, 22, 33, 44]
@@ -512,14 +528,14 @@ def test_bf16_rows_of_a_pass_do_not_depend_on_the_other_rows():
 
 
 @needs_kernel
-@pytest.mark.parametrize("head_dim", [64, 32])
-def test_bf16_tree_passes_give_every_node_the_bits_of_one_token_steps(head_dim):
+@pytest.mark.parametrize("head_dim", [64, 128, 32])
+def test_bf16_tree_passes_give_every_node_the_bits_of_one_token_steps(head_dim, attention_kernel):
     """The property that makes bf16 speculation exactly greedy decoding: in a verification pass
     (a batch of random draft trees under their masks, caches ending anywhere around attention's
     chunk boundaries) and in a causal multi-token pass, every row's logits equal, bit for bit,
     those of one-token steps over its root and ancestors.  (Attention sums each row's visible
     positions as a step would: a row below a sibling is recomputed over its own positions.)
-    head_dim 64 runs the AVX-512 chunk kernel, 32 the generic one."""
+    head_dim 64 and 128 run the AVX-512 chunk kernel (products on AMX tiles or not), 32 the generic one."""
     from codecomplete.model.speculate import build_tree, tree_mask
 
     model = random_bf16_model(17, 0.08, tie=False, unit_norms=True, vocab_size=300, dim=128, n_layers=2, n_heads=4,
@@ -582,7 +598,7 @@ def test_bf16_tree_passes_give_every_node_the_bits_of_one_token_steps(head_dim):
 
 
 @needs_kernel
-def test_bf16_batches_past_one_native_call_keep_every_rows_bits():
+def test_bf16_batches_past_one_native_call_keep_every_rows_bits(attention_kernel):
     """A pass of more rows than one native call takes (sequences x tokens > STACK_ROWS: five
     draft trees of up to 20 nodes, or 70 one-token steps) gives each sequence, bit for bit,
     the logits it gets alone.  Such a pass ran through PyTorch's path before, whose sums round
@@ -591,7 +607,7 @@ def test_bf16_batches_past_one_native_call_keep_every_rows_bits():
     from codecomplete.model.speculate import Tree, tree_mask
 
     model = random_bf16_model(23, 0.08, tie=True, unit_norms=True, vocab_size=300, dim=128, n_layers=2, n_heads=4,
-                              n_kv_heads=2, head_dim=32, hidden_dim=256)
+                              n_kv_heads=2, head_dim=64, hidden_dim=256)  # 64: the AVX-512 chunk kernel
     assert model.native_decode(True)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 300, (1, 20 + 37 * i), generator=gen) for i in range(70)]

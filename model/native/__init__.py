@@ -101,6 +101,10 @@ def _build() -> ctypes.CDLL:
     lib.linear_bf16_amx.restype = None
     lib.linear_bf16_amx.argtypes = [i32] * 3 + [ptr] * 4
     lib.amx_enable.restype = i32
+    lib.attn_amx_set.restype = i32
+    lib.attn_amx_set.argtypes = [i32]
+    lib.attn_amx_set(int(os.environ.get("CODECOMPLETE_AMX", "1") != "0"  # attention's products on AMX tiles
+                         and os.environ.get("CODECOMPLETE_AMX_ATTENTION", "1") != "0"))
     lib.decode_stack.restype = i32
     lib.decode_stack.argtypes = [i32] * 9 + [ctypes.POINTER(ptr), ctypes.c_float, i32] + [ptr] * 3 + [
         ctypes.POINTER(ptr)] * 2 + [i64p] * 2 + [ctypes.POINTER(ptr), ctypes.c_float, i32, ptr, ptr, i32, i32, ptr,
@@ -273,6 +277,14 @@ def amx() -> bool:
 
 
 _amx: bool | None = None
+
+
+def amx_attention(on: bool | None = None) -> bool:
+    """Whether attention's two products run on AMX tiles (decode_attention.c, bf16 caches): where
+    the tiles are granted, unless ``CODECOMPLETE_AMX=0`` or ``CODECOMPLETE_AMX_ATTENTION=0``; or as
+    ``on`` sets it for the process (a comparison's switch: a row's bits differ between the two
+    ways, so a generation keeps one)."""
+    return available() and bool(_lib.attn_amx_set(-1 if on is None else int(on)))
 
 
 def pack_linear(weight: torch.Tensor, amx: bool = False) -> torch.Tensor:

@@ -40,6 +40,19 @@ static inline __m512 rnd_bf16x16(__m512 f) {
                                                   _mm512_set1_epi32(0x7f800000));
     return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000)));
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define CODECOMPLETE_AMX 1
+/* LDTILECFG's operand (palette 1): bytes per row and rows of each of the 8 tiles */
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileCfg;
+
+int amx_enable(void); /* linear.c: asks Linux for the tile state; 1 when granted */
+#endif
 #endif
 
 /* exp(x) for x <= 0 (softmax after subtracting the max, a sigmoid's tail): Cephes-style

@@ -71,8 +71,10 @@ static inline void mask_softmax(float *s, int64_t n, int64_t i, const uint8_t *m
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-/* exp(x) for x <= 0 on 16 lanes: exp_neg's range reduction and polynomial (fused multiply-adds) */
-static inline __m512 exp_neg16(__m512 x) {
+/* exp(x) for x <= 0 on 16 lanes: exp_neg's range reduction and polynomial (fused multiply-adds).
+ * Compiled as mask_softmax16 is, so that it is inlined there (a call per 16 lanes cost a third of
+ * a wide pass's softmax). */
+__attribute__((optimize("no-associative-math"), always_inline)) static inline __m512 exp_neg16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -176,6 +178,7 @@ ATTEND_CHUNK(attend_chunk_any, 0)
 #define KBLK_FLOATS(E) (16 * (E))
 #define KT_FLOATS(E) (16 * (E))
 #define QB_FLOATS(R, E) ((size_t)(R) * (E) / 2)
+#define RPAD(R) (((R) + 15) / 16 * 16) /* query rows as the AMX tiles take them (score rows, qb) */
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -424,6 +427,196 @@ static inline __attribute__((always_inline)) void pv_pairs(int RB, int NE, const
 }
 #endif
 
+#ifdef CODECOMPLETE_AMX
+/* Attention's two products on AMX tiles (attn_amx_set turns them on; off by default).  Each row of
+ * a tile product is its own sums in a fixed order, whatever the other rows hold, so a row's bits
+ * do not depend on how many rows a pass has, as with the AVX-512 dot products they replace; only
+ * the order of each row's fp32 sums differs from those.  Tiles 0-3: sums (16 rows of 16 floats),
+ * 4: the rows' input (queries or probabilities), 5-7: keys or values. */
+static int attn_amx;
+
+/* on: 1 or 0 sets it (1 only where Linux grants the tiles), -1 leaves it; returns the setting */
+int attn_amx_set(int on) {
+    if (on >= 0) attn_amx = on && amx_enable();
+    return attn_amx;
+}
+
+static void attn_tiles(void) {
+    TileCfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+}
+
+/* exp(x) for x <= 0 on 16 lanes, for the tiles' softmax: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by
+ * a degree-5 polynomial (relative error ~2e-7, as exp_neg16's), 2^n by scalef */
+__attribute__((optimize("no-associative-math"), always_inline)) static inline __m512 exp_neg16s(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* mask_softmax16 for the tiles: the same max, probabilities and sum, the probabilities written
+ * straight as bf16 at the start of the row (as probs_in_pairs lays them out), zeros up to a
+ * multiple of 32 positions */
+__attribute__((optimize("no-associative-math"))) static void amx_softmax(float *s, int64_t n, int64_t i,
+                                                                         const uint8_t *mask, int64_t T, int64_t len,
+                                                                         int64_t t0, float *m, float *l) {
+    hide(s, n, i, mask, T, len, t0);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 mx = ninf;
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+        mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, s + t));
+    }
+    const float mr = _mm512_reduce_max_ps(mx);
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(mr);
+    uint16_t *d = (uint16_t *)s; /* reads floats t .. t + 32, then writes the bytes of floats t / 2 .. t / 2 + 16 */
+    for (int64_t t = 0; t < n; t += 32) {
+        __m512 p[2];
+        for (int h = 0; h < 2; h++) {
+            const int64_t u = t + 16 * h, left = n - u;
+            const __mmask16 k = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+            const __m512 v = _mm512_maskz_loadu_ps(k, s + u);
+            const __mmask16 seen = _mm512_mask_cmp_ps_mask(k, v, ninf, _CMP_NEQ_OQ);
+            p[h] = mr == -INFINITY ? _mm512_setzero_ps() : _mm512_maskz_mov_ps(seen, exp_neg16s(_mm512_sub_ps(v, mv)));
+            if (k) acc = _mm512_add_ps(acc, p[h]);
+        }
+        _mm512_storeu_si512(d + t, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+    }
+    *m = mr;
+    *l = _mm512_reduce_add_ps(acc);
+}
+
+/* qb's rows (RPAD(R) of E/2 bf16 pairs) transposed in blocks of 16 rows: qt [RPAD(R) / 16][E/2][16],
+ * the tiles' right-hand factor for amx_scores_kq */
+static inline void queries_in_columns(int R, int E, const uint32_t *qb, uint32_t *qt) {
+    for (int r0 = 0; r0 < R; r0 += 16)
+        for (int c = 0; c < E / 2; c += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(qb + (size_t)(r0 + i) * (E / 2) + c);
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512(qt + ((size_t)r0 * (E / 2) + (size_t)(c + j) * 16), r[j]);
+        }
+}
+
+/* the scores of query rows 0 .. R against nb (1-4) blocks of 16 keys into scores[r * ns + t ..],
+ * scaled: the keys as the tiles' left factor, read in place (block b's 16 rows of E bf16 at kb[b],
+ * `stride` bytes apart), the queries as the right (qt, queries_in_columns), and each block's
+ * 16 x 16 sums transposed into score rows.  (Measured against the queries on the left and the keys
+ * transposed in pairs on the right: the same bits, 10-15 % slower.)  Four blocks at a time keep
+ * four independent sums on the tiles. */
+static inline void amx_scores_kq(int R, int E, const uint32_t *qt, const uint16_t *const kb[4], int nb,
+                                 size_t stride, float scale, float *scores, int64_t ns, int64_t t) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    float tmp[4][256];
+    for (int r0 = 0; r0 < R; r0 += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int j = 0; j < E / 32; j++) {
+            _tile_loadd(6, qt + (size_t)r0 * (E / 2) + (size_t)j * 256, 64);
+            _tile_loadd(4, kb[0] + 32 * j, stride);
+            if (nb > 1) _tile_loadd(5, kb[1] + 32 * j, stride);
+            _tile_dpbf16ps(0, 4, 6);
+            if (nb > 1) _tile_dpbf16ps(1, 5, 6);
+            if (nb > 2) {
+                _tile_loadd(4, kb[2] + 32 * j, stride);
+                _tile_dpbf16ps(2, 4, 6);
+            }
+            if (nb > 3) {
+                _tile_loadd(5, kb[3] + 32 * j, stride);
+                _tile_dpbf16ps(3, 5, 6);
+            }
+        }
+        _tile_stored(0, tmp[0], 64);
+        if (nb > 1) _tile_stored(1, tmp[1], 64);
+        if (nb > 2) _tile_stored(2, tmp[2], 64);
+        if (nb > 3) _tile_stored(3, tmp[3], 64);
+        for (int b = 0; b < nb; b++) {
+            __m512i c[16];
+            for (int i = 0; i < 16; i++) c[i] = _mm512_loadu_si512(tmp[b] + 16 * i);
+            transpose16(c);
+            for (int r = 0; r < 16 && r0 + r < R; r++)
+                _mm512_storeu_ps(scores + (size_t)(r0 + r) * ns + t + 16 * b, _mm512_mul_ps(_mm512_castsi512_ps(c[r]), sc));
+        }
+    }
+}
+
+/* acc[r] (r < R, E floats each) = the sum over n32 positions (a multiple of 32) of p[r, u] v[u]:
+ * the probabilities as bf16 pairs at the start of each score row (probs_in_pairs, zeros up to
+ * n32), the values in pairs of positions (values_in_pairs, zero pairs up to n32 / 2); E a
+ * multiple of 64 (four tiles of 16 dims a pass over the positions) */
+static inline void amx_pv(int R, int E, const float *scores, int64_t ns, const uint32_t *vp, int64_t n32, float *acc) {
+    const int NE = E / 16;
+    float tmp[4][256];
+    for (int r0 = 0; r0 < R; r0 += 16) {
+        const int rows = R - r0 < 16 ? R - r0 : 16;
+        const uint16_t *pr = (const uint16_t *)(scores + (size_t)r0 * ns);
+        for (int c0 = 0; c0 < NE; c0 += 4) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t u = 0; u < n32; u += 32) {
+                const uint32_t *vb = vp + ((size_t)(u / 2) * NE + c0) * 16;
+                _tile_loadd(4, pr + u, ns * 4);
+                _tile_loadd(5, vb, NE * 64);
+                _tile_loadd(6, vb + 16, NE * 64);
+                _tile_loadd(7, vb + 32, NE * 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(5, vb + 48, NE * 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            float *out = acc + (size_t)r0 * E + 16 * c0;
+            if (rows == 16) {
+                _tile_stored(0, out, E * 4);
+                _tile_stored(1, out + 16, E * 4);
+                _tile_stored(2, out + 32, E * 4);
+                _tile_stored(3, out + 48, E * 4);
+            } else {
+                _tile_stored(0, tmp[0], 64);
+                _tile_stored(1, tmp[1], 64);
+                _tile_stored(2, tmp[2], 64);
+                _tile_stored(3, tmp[3], 64);
+                for (int r = 0; r < rows; r++)
+                    for (int c = 0; c < 4; c++) memcpy(out + (size_t)r * E + 16 * c, tmp[c] + 16 * r, 64);
+            }
+        }
+    }
+}
+#define AMX_ON attn_amx
+#define ATTN_TILES() attn_tiles()
+#define ATTN_RELEASE() _tile_release()
+#define AMX_SCORES_KQ amx_scores_kq
+#define AMX_SOFTMAX amx_softmax
+#define QUERIES_IN_COLUMNS queries_in_columns
+#define AMX_PV amx_pv
+#else
+#define AMX_ON 0
+#define ATTN_TILES() ((void)0)
+#define ATTN_RELEASE() ((void)0)
+#define AMX_SCORES_KQ(...) ((void)0)
+#define AMX_SOFTMAX(...) ((void)0)
+#define QUERIES_IN_COLUMNS(...) ((void)0)
+#define AMX_PV(...) ((void)0)
+#endif
+
 /* ATTEND_CHUNK for head sizes E = 16 * NE with AVX-512: scores for 16 keys at a time (each
  * key block is read once for all R query rows while it is in L1), keys and values converted
  * from bf16 in registers.  Over bf16 keys, when the queries are bf16 numbers (a bf16 model's
@@ -451,6 +644,9 @@ static inline __attribute__((always_inline)) void pv_pairs(int RB, int NE, const
         float *kblk = buf;                                                                                 \
         uint32_t *kt = (uint32_t *)(buf + KBLK_FLOATS(E)), *qb = kt + KT_FLOATS(E);                        \
         int64_t t = 0;                                                                                     \
+        const int amx = AMX_ON && elsize == 2; /* bf16 caches: both products on tiles */                   \
+        int tiles = 0;                                                                                     \
+        (void)amx, (void)tiles;                                                                            \
         SCORES_PAIRS                                                                                       \
         for (; t < n; t += 16) { /* the last block padded with zero keys (their scores are dropped) */    \
             const float *kb = (const float *)seg_row(&ks, t); /* the block's 16 keys in fp32 */           \
@@ -473,7 +669,10 @@ static inline __attribute__((always_inline)) void pv_pairs(int RB, int NE, const
                 _mm512_storeu_ps(scores + (size_t)r * ns + t, _mm512_mul_ps(sum16(a), sc));                 \
             }                                                                                              \
         }                                                                                                  \
-        for (int r = 0; r < R; r++) mask_softmax16(scores + (size_t)r * ns, n, r % S, mask, T, len, t0, m + r, l + r); \
+        for (int r = 0; r < R; r++) { /* on tiles: the probabilities as bf16 pairs, ready for them */             \
+            if (amx) AMX_SOFTMAX(scores + (size_t)r * ns, n, r % S, mask, T, len, t0, m + r, l + r);           \
+            else mask_softmax16(scores + (size_t)r * ns, n, r % S, mask, T, len, t0, m + r, l + r);             \
+        }                                                                                                  \
         /* values (rows with nothing visible have all-zero probabilities and get zeros) */         \
         PV_PAIRS                                                                                           \
         /* fp32 values: each row converted once for a block of query rows; converting the chunk   \
@@ -531,6 +730,22 @@ static inline void prefetch_kv(const void *keys, const void *vals, int64_t t, in
             memcpy(&hi, q + 2 * i + 1, 4);                                                               \
             qb[i] = (lo >> 16) | (hi & 0xffff0000u);                                                     \
         }                                                                                                \
+        if (amx) { /* the tiles take 16 query rows: the rows past R zero */                             \
+            memset(qb + QB_FLOATS(R, E), 0, sizeof(uint32_t) * (QB_FLOATS(RPAD(R), E) - QB_FLOATS(R, E))); \
+            ATTN_TILES();                                                                                \
+            tiles = 1;                                                                                   \
+            uint32_t *qt = qb + QB_FLOATS(RPAD(R), E);                                                   \
+            QUERIES_IN_COLUMNS(R, E, qb, qt);                                                            \
+            for (; t + 16 <= n; t += 64) {                                                               \
+                const uint16_t *kb4[4];                                                                  \
+                int nb = 0;                                                                              \
+                for (; nb < 4 && t + 16 * nb + 16 <= n; nb++) kb4[nb] = seg_row(&ks, t + 16 * nb);       \
+                prefetch_kv(keys, vals, t0 + t, E);                                                      \
+                prefetch_kv(keys, vals, t0 + t + 32, E);                                                 \
+                AMX_SCORES_KQ(R, E, qt, kb4, nb, ks.stride, scale, scores, ns, t);                       \
+                if (nb < 4) t -= 16 * (4 - nb);                                                          \
+            }                                                                                            \
+        }                                                                                                \
         for (; t + 32 <= n; t += 32) { /* two blocks of 16 keys share each broadcast query pair */   \
             prefetch_kv(keys, vals, t0 + t, E);                                                      \
             keys_in_pairs((const uint32_t *)seg_row(&ks, t), E, kt);                                 \
@@ -545,8 +760,13 @@ static inline void prefetch_kv(const void *keys, const void *vals, int64_t t, in
             uint16_t *pad = (uint16_t *)kblk;                                                        \
             memcpy(pad, seg_row(&ks, t), sizeof(uint16_t) * (size_t)(n - t) * E);                   \
             memset(pad + (n - t) * E, 0, sizeof(uint16_t) * (size_t)(16 - (n - t)) * E);             \
-            keys_in_pairs((const uint32_t *)pad, E, kt);                                             \
-            scores_rows(1, R, E, qb, kt, sc, scores, ns, t);                                          \
+            if (amx) {                                                                               \
+                const uint16_t *kb1[4] = {pad, pad, pad, pad};                                       \
+                AMX_SCORES_KQ(R, E, qb + QB_FLOATS(RPAD(R), E), kb1, 1, E * 2, scale, scores, ns, t); \
+            } else {                                                                                 \
+                keys_in_pairs((const uint32_t *)pad, E, kt);                                         \
+                scores_rows(1, R, E, qb, kt, sc, scores, ns, t);                                      \
+            }                                                                                        \
             t = n;                                                                                   \
         }                                                                                            \
     }
@@ -555,9 +775,19 @@ static inline void prefetch_kv(const void *keys, const void *vals, int64_t t, in
 #define PV_PAIRS                                                                                         \
     if (elsize == 2) {                                                                                   \
         const Seg *v0 = &vs;                                                                             \
+        if (amx) { /* the probabilities are bf16 pairs up to a multiple of 32 positions; the values too */ \
+            const int64_t n32 = (n + 31) / 32 * 32, p0 = (n + 1) / 2;                                     \
+            uint32_t *vp = (uint32_t *)(qb + 2 * QB_FLOATS(RPAD(R), E));                                 \
+            values_in_pairs(v0, n, E / 16, vp);                                                          \
+            memset(vp + p0 * E, 0, sizeof(uint32_t) * (size_t)(n32 / 2 - p0) * E);                      \
+            if (!tiles) ATTN_TILES();                                                                    \
+            AMX_PV(R, E, scores, ns, vp, n32, acc);                                                      \
+            ATTN_RELEASE();                                                                              \
+            return;                                                                                      \
+        }                                                                                                \
         for (int r = 0; r < R; r++) probs_in_pairs(scores + (size_t)r * ns, n);                           \
         const int rb = E <= 64 ? 6 : 2; /* rows a block: 6 x 4 or 2 x 8 accumulators */                \
-        uint32_t *vp = (uint32_t *)(qb + QB_FLOATS(R, E));                                               \
+        uint32_t *vp = (uint32_t *)(qb + 2 * QB_FLOATS(RPAD(R), E));                                     \
         if (R > rb) values_in_pairs(v0, n, E / 16, vp);                                                  \
         const Seg *direct = R > rb ? NULL : v0;                                                          \
         int r0 = 0;                                                                                      \
@@ -669,7 +899,8 @@ static size_t gathered_floats(const AttnStep *a) {
 /* Scratch floats one thread needs for attn_team's items (and attn_gathered's rows) */
 size_t attn_scratch(const AttnStep *a) {
     const size_t R = (size_t)a->G * a->S;
-    return (R + a->E) * a->chunk + KBLK_FLOATS(a->E) + KT_FLOATS(a->E) + QB_FLOATS(R, a->E) + gathered_floats(a);
+    return (RPAD(R) + a->E) * a->chunk + KBLK_FLOATS(a->E) + KT_FLOATS(a->E) + 2 * QB_FLOATS(RPAD(R), a->E) +
+           gathered_floats(a);
 }
 
 /* The rows attn_items marked, recomputed over their visible positions as if those were
@@ -712,10 +943,10 @@ static void attn_gathered(const AttnStep *a, chunk_fn fn, float *scratch) {
             }
             if (split)
                 fn(qv, kb, vb, el, G, 1, E, nvis - 1, NULL, r0, r1, a->scale, tacc, tm, tl, scratch,
-                   scratch + (size_t)G * a->chunk, split, gk, gv);
+                   scratch + (size_t)RPAD(G) * a->chunk, split, gk, gv);
             else
                 fn(qv, gk, gv, el, G, 1, E, r1 - r0 - 1, NULL, 0, r1 - r0, a->scale, tacc, tm, tl, scratch,
-                   scratch + (size_t)G * a->chunk, r1 - r0, NULL, NULL);
+                   scratch + (size_t)RPAD(G) * a->chunk, r1 - r0, NULL, NULL);
             for (int g = 0; g < G; g++) {
                 const size_t at = w * R + (size_t)g * S + i;
                 memcpy(a->acc + at * E, tacc + (size_t)g * E, sizeof(float) * E);
@@ -733,18 +964,29 @@ static void attn_gathered(const AttnStep *a, chunk_fn fn, float *scratch) {
 void attn_team(const AttnStep *a, float *scratch, float *out) {
     const int R = a->G * a->S, E = a->E, K = a->K;
     const chunk_fn fn = chunk_for(E);
-#pragma omp for schedule(static) /* contiguous items: a thread's chunks of a head follow each other in memory */
+    /* Each thread takes a contiguous run of items (a thread's chunks of a head follow each other in
+     * memory, so the prefetch runs on into its next item) holding its share of the positions: item w
+     * goes to the thread whose share holds the item's middle position.  (Equal counts of items left
+     * a thread idle for a chunk in seven: 1k positions make four full chunks and a short one a head.) */
+    const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+    int64_t total = 0;
+    for (int b = 0; b < a->B; b++) total += (int64_t)K * (a->len[b] + a->S);
+    int64_t before = 0;
     for (int64_t w = 0; w < a->W; w++) {
         int b = 0;
         while (a->first[b + 1] <= w) b++;
         int64_t i = w - a->first[b], nc = (a->first[b + 1] - a->first[b]) / K;
         int h = (int)(i / nc);
         int64_t c = i % nc, T = a->len[b] + a->S, t0 = c * a->chunk, t1 = t0 + a->chunk < T ? t0 + a->chunk : T;
+        const int64_t mid = before + (t1 - t0) / 2;
+        before += t1 - t0;
+        if ((int)(mid * nt / total) != me) continue;
         size_t head = ((size_t)a->layer * K + h) * a->cap[b] * E * a->elsize;
         fn(a->q + ((size_t)b * K + h) * R * E, (const char *)a->kbase[b] + head, (const char *)a->vbase[b] + head,
            a->elsize, R, a->S, E, a->len[b], a->masks ? a->masks[b] : NULL, t0, t1, a->scale, a->acc + w * R * E,
-           a->ms + w * R, a->ls + w * R, scratch, scratch + (size_t)R * a->chunk, T, NULL, NULL);
+           a->ms + w * R, a->ls + w * R, scratch, scratch + (size_t)RPAD(R) * a->chunk, T, NULL, NULL);
     }
+#pragma omp barrier
     if (a->vinfo) attn_gathered(a, fn, scratch);
 #pragma omp for schedule(static)
     for (int64_t row = 0; row < (int64_t)a->B * K * R; row++) {
@@ -814,3 +1056,10 @@ int decode_attention(int B, int K, int G, int E, int S, int layer, int elsize, c
     free(first);
     return 0;
 }
+
+#ifndef CODECOMPLETE_AMX
+int attn_amx_set(int on) {
+    (void)on;
+    return 0; /* no tiles in this build */
+}
+#endif

@@ -198,16 +198,9 @@ void linear_bf16(int M, int N, int K, const uint16_t *x, const uint16_t *wp, con
  * Each thread configures its tiles at every call (16-row chunks and the remaining rows on tiles of
  * their own, so any M streams the weights once) and releases them at the end.  Linux grants the
  * tile state per process on request (amx_enable). */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#ifdef CODECOMPLETE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-
-typedef struct {
-    uint8_t palette, start;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) TileCfg;
 
 /* tiles 0, 1: sums of 16-row chunks (or of all rows, M < 16), 2: their input, 3, 4: weights,
  * 5, 6, 7: the same as 0, 1, 2 for the last `rem` rows (0: unused) */
