@@ -46,7 +46,7 @@ from codecomplete.indexer.tokens import TokenizerInfo  # noqa: E402
 from codecomplete.model.api import CompletionRequest, EngineSettings, SpecSettings  # noqa: E402
 from codecomplete.model.engine import _Vocab, generate, plan_prompt  # noqa: E402
 from codecomplete.model.loader import load_model  # noqa: E402
-from codecomplete.model.speculate import Drafter, LiveIndex, auto_tree_nodes  # noqa: E402
+from codecomplete.model.speculate import Drafter, LiveIndex  # noqa: E402
 
 WIDE = dict(top_k=32, depth=16)  # trees past the shipped size: more continuations and deeper ones to choose from
 
@@ -146,7 +146,7 @@ def run_model(spec_name: str, args, cost: PassCost) -> dict:
             plan = plan_prompt(lm, req, settings, vocab, None)  # the engine's own prompt (healed where it heals)
             tasks.append({"repo": name, "req": req, "prompt": plan.ids,
                           "budget": args.max_new + (1 if plan.healed else 0)})  # the engine's token budget
-    shipped = replace(SpecSettings(), max_nodes=SpecSettings().max_nodes or auto_tree_nodes(lm.model))
+    shipped = SpecSettings()
     check = {"outputs_identical": 0, "engine_passes": 0, "tasks": len(tasks)}
     for name in stores:
         drafter = Drafter(shipped, stores[name].retrieve, vocab.texts)

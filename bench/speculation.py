@@ -49,7 +49,7 @@ from codecomplete.model.api import CompletionRequest, EngineSettings, ExitSettin
 from codecomplete.model.early_exit import load_exits  # noqa: E402
 from codecomplete.model.engine import ExitRuntime, _Vocab, default_exits_path, generate  # noqa: E402
 from codecomplete.model.loader import load_model  # noqa: E402
-from codecomplete.model.speculate import Drafter, auto_tree_nodes  # noqa: E402
+from codecomplete.model.speculate import Drafter  # noqa: E402
 
 WORK = Path(__file__).resolve().parent / ".work" / "speculation"
 
@@ -172,8 +172,7 @@ def run_engine(lm, settings: EngineSettings, tasks: list[dict], store: Datastore
     generated autoregressively right before (this machine's speed drifts by 10-20 % within
     minutes, so a speedup is only fair between runs made next to each other); returns
     (autoregressive rows, rows)."""
-    drafter = (Drafter(spec, store.retrieve if store else None, vocab.texts, nodes=auto_tree_nodes(lm.model))
-               if spec else None)
+    drafter = Drafter(spec, store.retrieve if store else None, vocab.texts) if spec else None
     out, plain = [], []
     for t in tasks:
         req = CompletionRequest(t["context"], "", mode="multi", max_tokens=max_new, max_lines=100000,
@@ -414,10 +413,7 @@ def write(out: Path, args, lm, repos, results, per_repo, peers, best: SpecSettin
                  f"{r['name']} ({r['files']} files, {r['tokens']:,} datastore tokens, {len(r['test'])} test functions)"
                  for r in repos) + ".",
              f"Settings (the defaults; tuned on a disjoint split of the default model, "
-             f"speculation_default_tuning.md): {best}"
-             + (f" (max_nodes 0: {auto_tree_nodes(lm.model)} nodes with this model here)."
-                if not best.max_nodes else "."),
-             "",
+             f"speculation_default_tuning.md): {best}.", "",
              "Speedup: against autoregressive runs of the same tasks, each made right before the task's run with "
              "the method (their ms/token in the second column; this machine's speed drifts by 10-20 % within "
              "minutes).", "",

@@ -121,7 +121,7 @@ class SpeculationConfig:
     the greedy output either way.  Defaults tuned by bench/speculation.py."""
 
     enabled: bool = True
-    max_nodes: int = field(default=0, metadata=_range(0, 512))  # draft tokens verified per step (0: 8 on AMX, else 3)
+    max_nodes: int = field(default=3, metadata=_range(1, 512))  # draft tokens verified per step
     depth: int = field(default=12, metadata=_range(1, 32))  # longest draft
     top_k: int = field(default=8, metadata=_range(1, 64))  # continuations per source
     alpha: float = field(default=1.0, metadata=_range(0, None))  # repository weight

@@ -64,7 +64,7 @@ class SpecSettings:
     """Retrieval speculation (``codecomplete.model.speculate``); this project's tuned defaults."""
 
     enabled: bool = True
-    max_nodes: int = 0  # draft tokens verified per step (the tree's size); 0: speculate.auto_tree_nodes
+    max_nodes: int = 3  # draft tokens verified per step (the tree's size; 3: the pass takes the greedy head)
     depth: int = 12  # longest draft sequence
     top_k: int = 8  # continuations taken per source
     alpha: float = 1.0  # repository weight

@@ -35,7 +35,7 @@ from .loader import LoadedModel, ModelLoadError, load_model, model_identity
 from .native import STACK_ROWS
 from .prompts import PromptPlan, SessionPool, Tokens
 from .sampling import greedy_tokens
-from .speculate import Drafter, LiveIndex, Tree, auto_tree_nodes, verify
+from .speculate import Drafter, LiveIndex, Tree, verify
 from .stops import CompletionShape, StopRules
 from .transformer import SeqKV
 
@@ -778,7 +778,7 @@ class Engine:
             old = self.drafter
             if self._vocab is None:
                 self._vocab = _Vocab(self.lm.tokenizer)
-            self.drafter = Drafter(spec, self._retriever, self._vocab.texts, nodes=auto_tree_nodes(self.lm.model))
+            self.drafter = Drafter(spec, self._retriever, self._vocab.texts)
             if old is not None:  # new settings keep what was learnt
                 self.drafter.cache = old.cache
         return self.drafter

@@ -38,7 +38,6 @@ from typing import Callable
 
 import torch
 
-from . import native
 from .api import SpecSettings
 from .sampling import greedy_tokens
 
@@ -225,28 +224,12 @@ class LiveIndex:
         return [(c, counts[c] * best[c][0]) for c in ranked]
 
 
-AUTO_TREE_NODES = (3, 8)  # max_nodes 0: without / with verification passes on AMX tiles
-
-
-def auto_tree_nodes(model) -> int:
-    """The tree size ``max_nodes = 0`` stands for with this model: 8 where its passes run on AMX
-    tiles (matrices and attention: 9 rows cost ~1.2 steps at 1k positions, and 8-node trees beat
-    3-node ones on the tune split, bench/results/speculation_default_tuning.md), else 3 (a pass of
-    up to 4 rows takes the greedy head; wider passes measured dearer than they gave on an AVX-512
-    CPU without AMX; on CUDA not measured)."""
-    stack = getattr(model, "native_stack", None)
-    wide = stack is not None and stack.amx and native.amx_attention()
-    return AUTO_TREE_NODES[wide]
-
-
 class Drafter:
-    """Draft trees for one engine (one model/tokenizer); keeps the verified cache.  ``nodes``: the
-    tree size where ``settings.max_nodes`` is 0 (``auto_tree_nodes`` of the model; default 3)."""
+    """Draft trees for one engine (one model/tokenizer); keeps the verified cache."""
 
     def __init__(self, settings: SpecSettings, retriever: Retriever | None = None,
-                 token_texts: list[str] | None = None, seed: int = 0, nodes: int | None = None):
+                 token_texts: list[str] | None = None, seed: int = 0):
         self.settings = settings
-        self.nodes = settings.max_nodes or nodes or AUTO_TREE_NODES[0]
         self.retriever = retriever
         self.texts = token_texts
         self.cache = VerifiedCache(settings.cache_sequences, settings.depth)
@@ -316,7 +299,7 @@ class Drafter:
                         self.missing.popitem(last=False)
         if not weighted:
             return Tree()
-        nodes = self.nodes
+        nodes = s.max_nodes
         if live is not None and s.use_live and s.live_chain and live.longest >= s.live_chain:
             nodes = max(nodes, depth)  # the request repeats a stretch of itself: room for a whole chain
         return build_tree(weighted, nodes, depth)

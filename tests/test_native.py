@@ -768,24 +768,3 @@ def test_greedy_head_is_off_where_it_would_not_help_or_is_not_wanted():
     assert finite(native.GREEDY_HEAD_ROWS + 1, True) and finite(1, False)
     model.greedy_head = False
     assert finite(1, True)
-
-
-@needs_kernel
-def test_auto_tree_size_follows_where_passes_run(attention_kernel):
-    """``max_nodes = 0`` (the default) drafts 8-node trees where verification passes run on AMX
-    tiles (matrices and attention), 3-node ones elsewhere; a set size is kept."""
-    from codecomplete.model.api import SpecSettings
-    from codecomplete.model.speculate import Drafter, auto_tree_nodes
-
-    model = random_bf16_model(4, 0.08, tie=True, unit_norms=True, vocab_size=300, dim=128, n_layers=1, n_heads=4,
-                              n_kv_heads=2, head_dim=64, hidden_dim=256)
-    assert model.native_decode(True)
-    wide = model.native_stack.amx and native.amx_attention()
-    assert auto_tree_nodes(model) == (8 if wide else 3)
-    if attention_kernel == "avx512":
-        assert auto_tree_nodes(model) == 3
-    assert auto_tree_nodes(random_bf16_model(4, 0.08, tie=True, unit_norms=True, vocab_size=300, dim=128, n_layers=1,
-                                             n_heads=4, n_kv_heads=2, head_dim=64, hidden_dim=256)) == 3  # PyTorch path
-    assert Drafter(SpecSettings(), nodes=auto_tree_nodes(model)).nodes == auto_tree_nodes(model)
-    assert Drafter(SpecSettings(max_nodes=5), nodes=8).nodes == 5
-    assert Drafter(SpecSettings()).nodes == 3
