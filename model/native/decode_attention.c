@@ -71,24 +71,24 @@ static inline void mask_softmax(float *s, int64_t n, int64_t i, const uint8_t *m
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-/* exp(x) for x <= 0 on 16 lanes: exp_neg's range reduction and polynomial (fused multiply-adds).
- * Compiled as mask_softmax16 is, so that it is inlined there (a call per 16 lanes cost a third of
- * a wide pass's softmax). */
+/* exp(x) for x <= 0 on 16 lanes: x = n ln2 + r, |r| <= ln2 / 2 (exp_neg's range reduction), exp(r)
+ * by a degree-6 polynomial (exp_neg's coefficients less its r^7 term: relative error 2.4e-7
+ * measured over [-87, 0], exp(0) = 1 exactly), 2^n by scalef.  Compiled as the softmaxes are, so
+ * that it is inlined there (a call per 16 lanes cost a third of a wide pass's softmax). */
 __attribute__((optimize("no-associative-math"), always_inline)) static inline __m512 exp_neg16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
     r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    __m512 p = _mm512_set1_ps(1.3981999507e-3f);
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
 
 /* mask_softmax in blocks of 16 lanes, the last one masked: position t's probability is computed
@@ -96,17 +96,24 @@ __attribute__((optimize("no-associative-math"), always_inline)) static inline __
  * lanes.  So a row's max, probabilities and sum are the same bits whatever hidden positions
  * follow its visible ones in the chunk (a one-token step against a multi-token pass over the
  * same visible keys; a hidden position adds an exact zero). */
-__attribute__((optimize("no-associative-math"))) /* the sums in this order, whatever the build's flags */
-static inline void mask_softmax16(float *s, int64_t n, int64_t i, const uint8_t *mask, int64_t T, int64_t len,
-                                  int64_t t0, float *m, float *l) {
+/* hide (as mask_softmax) the hidden of a row's n scores, and return the largest visible one
+ * (-inf: none) */
+__attribute__((optimize("no-associative-math"), always_inline)) static inline float
+visible_max16(float *s, int64_t n, int64_t i, const uint8_t *mask, int64_t T, int64_t len, int64_t t0) {
     hide(s, n, i, mask, T, len, t0);
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    __m512 mx = ninf;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < n; t += 16) {
         const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
         mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, s + t));
     }
-    const float mr = _mm512_reduce_max_ps(mx);
+    return _mm512_reduce_max_ps(mx);
+}
+
+__attribute__((optimize("no-associative-math"))) /* the sums in this order, whatever the build's flags */
+static inline void mask_softmax16(float *s, int64_t n, int64_t i, const uint8_t *mask, int64_t T, int64_t len,
+                                  int64_t t0, float *m, float *l) {
+    const float mr = visible_max16(s, n, i, mask, T, len, t0);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 acc = _mm512_setzero_ps();
     const __m512 mv = _mm512_set1_ps(mr);
     for (int64_t t = 0; t < n; t += 16) {
@@ -449,23 +456,6 @@ static void attn_tiles(void) {
     _tile_loadconfig(&c);
 }
 
-/* exp(x) for x <= 0 on 16 lanes, for the tiles' softmax: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by
- * a degree-5 polynomial (relative error ~2e-7, as exp_neg16's), 2^n by scalef */
-__attribute__((optimize("no-associative-math"), always_inline)) static inline __m512 exp_neg16s(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* mask_softmax16 for the tiles: the same max, probabilities and sum, the probabilities written
  * straight as bf16 at the start of the row (as probs_in_pairs lays them out), zeros up to a
@@ -473,14 +463,8 @@ __attribute__((optimize("no-associative-math"), always_inline)) static inline __
 __attribute__((optimize("no-associative-math"))) static void amx_softmax(float *s, int64_t n, int64_t i,
                                                                          const uint8_t *mask, int64_t T, int64_t len,
                                                                          int64_t t0, float *m, float *l) {
-    hide(s, n, i, mask, T, len, t0);
+    const float mr = visible_max16(s, n, i, mask, T, len, t0);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    __m512 mx = ninf;
-    for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
-        mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, s + t));
-    }
-    const float mr = _mm512_reduce_max_ps(mx);
     __m512 acc = _mm512_setzero_ps();
     const __m512 mv = _mm512_set1_ps(mr);
     uint16_t *d = (uint16_t *)s; /* reads floats t .. t + 32, then writes the bytes of floats t / 2 .. t / 2 + 16 */
@@ -491,7 +475,7 @@ __attribute__((optimize("no-associative-math"))) static void amx_softmax(float *
             const __mmask16 k = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
             const __m512 v = _mm512_maskz_loadu_ps(k, s + u);
             const __mmask16 seen = _mm512_mask_cmp_ps_mask(k, v, ninf, _CMP_NEQ_OQ);
-            p[h] = mr == -INFINITY ? _mm512_setzero_ps() : _mm512_maskz_mov_ps(seen, exp_neg16s(_mm512_sub_ps(v, mv)));
+            p[h] = mr == -INFINITY ? _mm512_setzero_ps() : _mm512_maskz_mov_ps(seen, exp_neg16(_mm512_sub_ps(v, mv)));
             if (k) acc = _mm512_add_ps(acc, p[h]);
         }
         _mm512_storeu_si512(d + t, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
