@@ -52,6 +52,15 @@ typedef struct {
 } __attribute__((packed)) TileCfg;
 
 int amx_enable(void); /* linear.c: asks Linux for the tile state; 1 when granted */
+
+/* configures this thread's 8 tiles: tile t has rows[t] rows of 64 bytes (0: unused) */
+static inline void amx_tiles(const uint8_t rows[8]) {
+    TileCfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.colsb[t] = rows[t] ? 64 : 0, c.rows[t] = rows[t];
+    _tile_loadconfig(&c);
+}
 #endif
 #endif
 

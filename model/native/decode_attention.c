@@ -439,7 +439,7 @@ static inline __attribute__((always_inline)) void pv_pairs(int RB, int NE, const
  * a tile product is its own sums in a fixed order, whatever the other rows hold, so a row's bits
  * do not depend on how many rows a pass has, as with the AVX-512 dot products they replace; only
  * the order of each row's fp32 sums differs from those.  Tiles 0-3: sums (16 rows of 16 floats),
- * 4: the rows' input (queries or probabilities), 5-7: keys or values. */
+ * 4-7: the factors (keys and queries for the scores, probabilities and values after). */
 static int attn_amx;
 
 /* on: 1 or 0 sets it (1 only where Linux grants the tiles), -1 leaves it; returns the setting */
@@ -449,13 +449,9 @@ int attn_amx_set(int on) {
 }
 
 static void attn_tiles(void) {
-    TileCfg c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
-    _tile_loadconfig(&c);
+    static const uint8_t all16[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    amx_tiles(all16);
 }
-
 
 /* mask_softmax16 for the tiles: the same max, probabilities and sum, the probabilities written
  * straight as bf16 at the start of the row (as probs_in_pairs lays them out), zeros up to a
@@ -541,7 +537,7 @@ static inline void amx_scores_kq(int R, int E, const uint32_t *qt, const uint16_
 }
 
 /* acc[r] (r < R, E floats each) = the sum over n32 positions (a multiple of 32) of p[r, u] v[u]:
- * the probabilities as bf16 pairs at the start of each score row (probs_in_pairs, zeros up to
+ * the probabilities as bf16 pairs at the start of each score row (amx_softmax, zeros up to
  * n32), the values in pairs of positions (values_in_pairs, zero pairs up to n32 / 2); E a
  * multiple of 64 (four tiles of 16 dims a pass over the positions) */
 static inline void amx_pv(int R, int E, const float *scores, int64_t ns, const uint32_t *vp, int64_t n32, float *acc) {
@@ -714,11 +710,12 @@ static inline void prefetch_kv(const void *keys, const void *vals, int64_t t, in
             memcpy(&hi, q + 2 * i + 1, 4);                                                               \
             qb[i] = (lo >> 16) | (hi & 0xffff0000u);                                                     \
         }                                                                                                \
+        uint32_t *qt = qb + QB_FLOATS(RPAD(R), E); /* the queries transposed for the tiles */         \
+        (void)qt;                                                                                        \
         if (amx) { /* the tiles take 16 query rows: the rows past R zero */                             \
             memset(qb + QB_FLOATS(R, E), 0, sizeof(uint32_t) * (QB_FLOATS(RPAD(R), E) - QB_FLOATS(R, E))); \
             ATTN_TILES();                                                                                \
             tiles = 1;                                                                                   \
-            uint32_t *qt = qb + QB_FLOATS(RPAD(R), E);                                                   \
             QUERIES_IN_COLUMNS(R, E, qb, qt);                                                            \
             for (; t + 16 <= n; t += 64) {                                                               \
                 const uint16_t *kb4[4];                                                                  \
@@ -746,7 +743,7 @@ static inline void prefetch_kv(const void *keys, const void *vals, int64_t t, in
             memset(pad + (n - t) * E, 0, sizeof(uint16_t) * (size_t)(16 - (n - t)) * E);             \
             if (amx) {                                                                               \
                 const uint16_t *kb1[4] = {pad, pad, pad, pad};                                       \
-                AMX_SCORES_KQ(R, E, qb + QB_FLOATS(RPAD(R), E), kb1, 1, E * 2, scale, scores, ns, t); \
+                AMX_SCORES_KQ(R, E, qt, kb1, 1, E * 2, scale, scores, ns, t);                        \
             } else {                                                                                 \
                 keys_in_pairs((const uint32_t *)pad, E, kt);                                         \
                 scores_rows(1, R, E, qb, kt, sc, scores, ns, t);                                      \

@@ -205,14 +205,8 @@ void linear_bf16(int M, int N, int K, const uint16_t *x, const uint16_t *wp, con
 /* tiles 0, 1: sums of 16-row chunks (or of all rows, M < 16), 2: their input, 3, 4: weights,
  * 5, 6, 7: the same as 0, 1, 2 for the last `rem` rows (0: unused) */
 static void amx_config(int rows, int rem) {
-    TileCfg c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.colsb[t] = t < 5 || rem ? 64 : 0;
-    c.rows[0] = c.rows[1] = c.rows[2] = (uint8_t)rows;
-    c.rows[3] = c.rows[4] = 16;
-    c.rows[5] = c.rows[6] = c.rows[7] = (uint8_t)rem;
-    _tile_loadconfig(&c);
+    const uint8_t r = (uint8_t)rows, m = (uint8_t)rem, tiles[8] = {r, r, r, 16, 16, m, m, m};
+    amx_tiles(tiles);
 }
 
 /* rows m0 .. m0 + mr of y, output rows n0 .. n0 + width (one or two tiles' sums, 16 or 32) */
