@@ -5,8 +5,9 @@ the head (half its bytes), bounds each vocabulary row's error, and computes exac
 for the rows that could hold the maximum (model/native/linear.c).  This measures, on the same
 model, interleaved over rounds (this machine's speed drifts within minutes):
 
-1. one native step of S rows (1-5: decode steps and small verification passes) after L cached
-   positions, with and without the greedy head;
+1. one native step of S rows (1-16: decode steps and verification passes) after L cached
+   positions, with the full head and with the greedy head (its int8 bounds on AVX512-VNNI, and on
+   AMX's int8 tiles where granted);
 2. real decoding: greedy generation of ``--tokens`` tokens from prompts cut out of this
    repository's own files, with and without it (ms/token, identical outputs), and how many
    vocabulary rows each step computed exactly.
@@ -35,28 +36,36 @@ from codecomplete.model import native  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def step_ms(model, lengths: list[int], rows: list[int], rounds: int, reps: int = 20) -> dict:
-    """Median ms of one native step of S rows after L cached positions, greedy head on / off."""
-    torch.manual_seed(0)
+MODES = ("full", "vpdpbusd", "tiles")  # the whole bf16 head; the greedy head's int8 bounds on AVX512-VNNI or AMX
+
+
+def step_ms(model, prompt: list[int], lengths: list[int], rows: list[int], rounds: int, modes: tuple[str, ...],
+            reps: int = 10) -> dict:
+    """Median ms of one native step of S rows after L cached positions, for each way to compute
+    the head: the first L tokens of ``prompt`` cached, the S after them as the step's rows (real
+    text: its states are as confident as decoding's, and the greedy head's exact rows as few)."""
     out: dict[str, list[float]] = {}
     with torch.inference_mode():
         for n in lengths:
             cache = model.new_cache(n + 80)
-            model(torch.randint(0, model.args.vocab_size, (1, n)), [cache])
+            model(torch.tensor([prompt[:n]]), [cache])
             for s in rows:
-                tok = torch.randint(0, model.args.vocab_size, (1, s))
+                tok = torch.tensor([prompt[n:n + s]])
                 cos, sin = model.rope(torch.arange(n, n + s).view(1, s))
                 x = model.embed(tok)
                 for r in range(rounds + 1):  # round 0 warms up, not counted
-                    for greedy in (True, False):
+                    for mode in modes:
+                        if mode != "full":
+                            native.amx_greedy_head(mode == "tiles")
                         cache.reserve(s)
                         caches = native.StepCaches([cache])
                         t = time.perf_counter()
                         for _ in range(reps):
                             native.decode_stack(model.native_stack, x, cos, sin, caches, None,
-                                                logits="last" if s == 1 else "all", greedy=greedy)
+                                                logits="last" if s == 1 else "all", greedy=mode != "full")
                         if r:
-                            out.setdefault(f"{n}/{s}/{greedy}", []).append((time.perf_counter() - t) / reps * 1000)
+                            out.setdefault(f"{n}/{s}/{mode}", []).append((time.perf_counter() - t) / reps * 1000)
+    native.amx_greedy_head(True)
     return {k: statistics.median(v) for k, v in out.items()}
 
 
@@ -94,7 +103,7 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--lengths", default="256,1024,2048")
-    ap.add_argument("--rows", default="1,2,3,4,5")
+    ap.add_argument("--rows", default="1,2,3,4,5,8,13,16")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=64)
@@ -106,7 +115,11 @@ def main() -> None:
         sys.exit("the greedy head needs AVX512-VNNI and AVX512-BF16")
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = [int(x) for x in args.rows.split(",")]
-    steps = step_ms(model, lengths, rows, args.rounds)
+    modes = MODES if model.native_stack.amx and native.amx_greedy_head() else MODES[:2]
+    long = prompts(lm.tokenizer, 1, max(lengths) + max(rows))
+    if not long:
+        sys.exit(f"no file of this repository has {max(lengths) + max(rows)} tokens")
+    steps = step_ms(model, long[0], lengths, rows, args.rounds, modes)
     print("steps done", file=sys.stderr)
     ps = prompts(lm.tokenizer, args.prompts, args.prompt_tokens)
     gen: dict[bool, list[float]] = {True: [], False: []}
@@ -122,25 +135,27 @@ def main() -> None:
     kept.sort()
     res = {"steps_ms": steps, "generation_ms_per_token": {str(k): v for k, v in gen.items()},
            "identical": [identical, len(ps)], "rows_computed": kept, "vocab": model.args.vocab_size,
-           "greedy_head_rows": native.GREEDY_HEAD_ROWS}
+           "greedy_head_rows": native.greedy_head_rows(model.native_stack), "modes": list(modes)}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     ratio = [off / on for on, off in zip(gen[True], gen[False])]
     q = lambda f: kept[min(len(kept) - 1, int(f * len(kept)))]  # noqa: E731
     lines = [header("Greedy head: exact logits only where the greedy choice can be"),
-             f"Model {lm.name} ({str(lm.dtype).removeprefix('torch.')}), vocabulary {model.args.vocab_size}; the head is "
+             f"Model {lm.name} ({str(lm.dtype).removeprefix('torch.')}), vocabulary {model.args.vocab_size}; "
+             "the head is "
              f"{model.args.vocab_size * model.args.dim * 2 / 1e6:.1f} MB in bf16, its int8 copy half that. "
              f"{args.rounds} interleaved rounds, medians. `decode_stack` uses the greedy head for at most "
-             f"{native.GREEDY_HEAD_ROWS} logit rows (`native.GREEDY_HEAD_ROWS`); here it is forced at every size.", "",
-             "## One native step (every layer and the head), ms", "",
-             "| L \\ S | " + " | ".join(f"{s} row{'s' if s > 1 else ''}: full / greedy" for s in rows) + " |",
-             "|---|" + "---|" * len(rows)]
+             f"{native.greedy_head_rows(model.native_stack)} logit rows here (`native.greedy_head_rows`); in the "
+             "first table it is forced at every size. The greedy head bounds every logit with the int8 copy on "
+             "AVX512-VNNI (vpdpbusd) or, from 4 rows where the tiles are granted, on AMX's int8 tiles (tiles).", "",
+             "## One native step (every layer and the head), ms; the step's rows are the next tokens of a file, "
+             "after its first L", "",
+             "| L | S | " + " | ".join(modes) + " | full / best greedy |", "|---|---|" + "---|" * (len(modes) + 1)]
     for n in lengths:
-        cells = []
         for s in rows:
-            full, gr = steps[f"{n}/{s}/False"], steps[f"{n}/{s}/True"]
-            cells.append(f"{full:.2f} / {gr:.2f} ({full / gr:.2f}x)")
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+            t = {m: steps[f"{n}/{s}/{m}"] for m in modes}
+            lines.append(f"| {n} | {s} | " + " | ".join(f"{t[m]:.2f}" for m in modes)
+                         + f" | {t['full'] / min(t[m] for m in modes[1:]):.2f}x |")
     lines += ["", f"## Greedy decoding, {len(ps)} prompts of {args.prompt_tokens} tokens (the start of this "
                   f"repository's Python files), {args.tokens} tokens each", "",
               "| | ms/token (mean of prompts) | speed-up (median of per-prompt ratios) |", "|---|---|---|",

@@ -370,9 +370,9 @@ class Transformer(nn.Module):
     def use_greedy_head(self, rows: int) -> bool:
         """Whether a native step with ``rows`` logit rows whose caller reads only the greedy
         choices should take the greedy head: it is on (``greedy_head``), built (AVX512-VNNI), and
-        the head is memory-bound at that many rows (``native.GREEDY_HEAD_ROWS``)."""
+        it pays at that many rows (``native.greedy_head_rows``)."""
         stack = self.native_stack
-        return self.greedy_head and stack is not None and stack.qhead is not None and rows <= native.GREEDY_HEAD_ROWS
+        return self.greedy_head and stack is not None and rows <= native.greedy_head_rows(stack)
 
     @property
     def packed(self) -> bool:
@@ -413,7 +413,7 @@ class Transformer(nn.Module):
         last position [B, V] (``logits_for="last"``) or of all positions [B, S, V].
         ``greedy``: the caller only takes each row's greedy choice (the first index of its
         maximum), so a native step of a few rows may return exact logits only where that
-        choice can be and -inf elsewhere (``native.GREEDY_HEAD_ROWS``; ``greedy_head`` off: never).
+        choice can be and -inf elsewhere (``native.greedy_head_rows``; ``greedy_head`` off: never).
         """
         bsz, s = tokens.shape
         step = native.PREFILL_ROWS

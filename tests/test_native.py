@@ -703,14 +703,27 @@ needs_greedy_head = pytest.mark.skipif(not native.greedy_head_available(),
                                        reason="the greedy head needs AVX512-VNNI and AVX512-BF16")
 
 
+@pytest.fixture(params=["default", "vpdpbusd", "tiles"])
+def greedy_bounds(request):
+    """The greedy head's int8 bounds as this machine computes them, and each way on its own where
+    both exist (AVX512-VNNI, or AMX's int8 tiles from 4 rows; linear.c)."""
+    if request.param != "default" and not (native.available() and native.amx_cpu()):
+        pytest.skip("one way to bound the greedy head on this machine")
+    before = native.amx_greedy_head()
+    if request.param != "default":
+        native.amx_greedy_head(request.param == "tiles")
+    yield request.param
+    native.amx_greedy_head(before)
+
+
 @needs_greedy_head
-def test_greedy_head_keeps_the_argmax_exactly():
+def test_greedy_head_keeps_the_argmax_exactly(greedy_bounds, monkeypatch):
     """``greedy=True`` (the int8 copy of the head with its error bound): every logit it computes
     is the full head's, bit for bit; every maximum of the full head is among them (so the first
     index of the maximum, the greedy choice, is the same, ties included); and most of the
-    vocabulary is skipped (-inf).  Steps of 1-4 rows, a batch, a vocabulary that is not a
-    multiple of 16, an outlier in the hidden state, and two identical head rows made to win
-    (an exact tie)."""
+    vocabulary is skipped (-inf).  Steps of 1-16 rows, batches, a vocabulary that is not a
+    multiple of 16 (an odd number of 16-row groups: the tiles' last pair is one group), an outlier
+    in the hidden state, and two identical head rows made to win (an exact tie)."""
     model = random_bf16_model(13, 0.08, tie=False, unit_norms=True, vocab_size=1003, dim=128, n_layers=2, n_heads=4,
                               n_kv_heads=2, head_dim=32, hidden_dim=320)
     with torch.no_grad():
@@ -719,9 +732,10 @@ def test_greedy_head_keeps_the_argmax_exactly():
         model.head.weight[900] = tied.to(torch.bfloat16)
         model.head.weight[17] = tied.to(torch.bfloat16)  # identical to row 900: a tie the first index must win
     assert model.native_decode(True) and model.native_stack.qhead is not None
+    monkeypatch.setattr(native, "GREEDY_HEAD_ROWS", 16)  # every size through the greedy head, either way
     torch.manual_seed(2)
     checked = ties = 0
-    for bsz, s in ((1, 1), (1, 2), (1, 4), (3, 1), (2, 2)):
+    for bsz, s in ((1, 1), (1, 2), (1, 4), (3, 1), (2, 2), (1, 7), (1, 16), (4, 4), (3, 5)):
         lengths = [int(n) for n in torch.randint(0, 200, (bsz,))]
         for trial in range(6):
             tokens = torch.randint(0, 1003, (bsz, s))
@@ -748,13 +762,13 @@ def test_greedy_head_keeps_the_argmax_exactly():
             assert kept.float().mean() < 0.5  # the bound is tight enough to skip most rows
             checked += full.shape[0]
             ties += int((at_max[:, 17] & at_max[:, 900]).sum())
-    assert checked >= 60 and ties >= 3  # the tie was really exercised
+    assert checked >= 300 and ties >= 3  # the tie was really exercised
 
 
 @needs_greedy_head
 def test_greedy_head_is_off_where_it_would_not_help_or_is_not_wanted():
-    """More logit rows than ``GREEDY_HEAD_ROWS``, ``greedy_head`` off, or greedy not asked for:
-    every logit is computed."""
+    """More logit rows than ``native.greedy_head_rows`` (4, or 16 on AMX's int8 tiles),
+    ``greedy_head`` off, or greedy not asked for: every logit is computed."""
     model = random_bf16_model(5, 0.08, tie=True, unit_norms=True, vocab_size=500, dim=64, n_layers=1, n_heads=2,
                               n_kv_heads=1, head_dim=32, hidden_dim=128)
     assert model.native_decode(True)
@@ -765,6 +779,9 @@ def test_greedy_head_is_off_where_it_would_not_help_or_is_not_wanted():
             return bool(torch.isfinite(model(torch.randint(0, 500, (1, s)), [c], logits_for="all", greedy=greedy)).all())
 
     assert not finite(1, True)
-    assert finite(native.GREEDY_HEAD_ROWS + 1, True) and finite(1, False)
+    most = native.greedy_head_rows(model.native_stack)
+    assert most == (native.GREEDY_HEAD_ROWS_AMX if native.amx() and native.amx_greedy_head() else native.GREEDY_HEAD_ROWS)
+    assert not finite(most, True)
+    assert finite(most + 1, True) and finite(1, False)
     model.greedy_head = False
     assert finite(1, True)

@@ -110,6 +110,8 @@ def _build() -> ctypes.CDLL:
         ctypes.POINTER(ptr)] * 2 + [i64p] * 2 + [ctypes.POINTER(ptr), ctypes.c_float, i32, ptr, ptr, i32, i32, ptr,
                                                  ctypes.POINTER(QHead), i32]
     lib.head_greedy_native.restype = i32
+    lib.head_greedy_amx_set.restype = i32
+    lib.head_greedy_amx_set.argtypes = [i32]
     return lib
 
 
@@ -357,16 +359,31 @@ def greedy_head_available() -> bool:
     return available() and bool(_lib.head_greedy_native())
 
 
+def amx_greedy_head(on: bool | None = None) -> bool:
+    """Whether the greedy head bounds the logits of up to ``GREEDY_HEAD_ROWS_AMX`` rows on AMX's
+    int8 tiles (linear.c) for a stack in the AMX layout: where the tiles are granted; or as ``on``
+    sets it for the process (a comparison's switch; the logits it returns are the same either way,
+    exact where the greedy choice can be)."""
+    return available() and bool(_lib.head_greedy_amx_set(-1 if on is None else int(on)))
+
+
+def greedy_head_rows(stack: "Stack") -> int:
+    """Logit rows up to which ``decode_stack(stack, greedy=True)`` takes the greedy head."""
+    if stack.qhead is None:
+        return 0
+    return GREEDY_HEAD_ROWS_AMX if stack.amx and amx_greedy_head() else GREEDY_HEAD_ROWS
+
+
 def pack_greedy_head(weight: torch.Tensor) -> tuple[QHead, list[torch.Tensor]] | None:
     """The int8 copy of a head weight [V, K] that linear.c's greedy head reads (rows scaled by
-    max|w| / 127, stored + 128 as u8, packed [V/16, K/4, 16, 4]) with each row's scale and the two
-    norms of its error bound; None when the weight is not finite.  Returns the C struct and the
-    tensors it points into (keep them alive)."""
+    max|w| / 127, stored + 128 as u8, packed [V/16, K/4, 16, 4], K padded with zeros to a multiple of
+    64 for the int8 tiles) with each row's scale and the two norms of its error bound; None when the
+    weight is not finite.  Returns the C struct and the tensors it points into (keep them alive)."""
     w = weight.detach().to(torch.float32)
     if not torch.isfinite(w).all():
         return None
     v, k = w.shape
-    vp, kp = -(-v // 16) * 16, -(-k // 4) * 4
+    vp, kp = -(-v // 16) * 16, -(-k // 64) * 64
     w = torch.nn.functional.pad(w, (0, kp - k, 0, vp - v))
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
@@ -417,6 +434,9 @@ class Stack:
 # int8 halves), so it wins while the head is memory-bound: measured on SmolLM2-135M (V = 49152),
 # -0.2 to -0.5 ms a step at 1-4 rows, +0.2 at 5, +0.7 at 13
 GREEDY_HEAD_ROWS = 4
+# the same on AMX's int8 tiles (``amx_greedy_head``), whose products cost little at any row count up to
+# a tile's 16: it wins at every size (bench/results/greedy_head_amx.md)
+GREEDY_HEAD_ROWS_AMX = 16
 STACK_ROWS = 64  # rows (batch x new tokens) up to which a step runs as one decode_stack call
 # a long causal prompt of one sequence runs as decode_stack calls of this many rows (Transformer.forward):
 # measured on SmolLM2-135M, 1280 tokens in pieces of 64 / 128 / 256 / 512 rows: 0.64 / 0.57 / 0.55 / 0.57 s

@@ -90,7 +90,7 @@ typedef struct {
     const float *scale;    /* [Vp] s_j (0 on padding rows) */
     const float *dnorm;    /* [Vp] |w_j - s_j q_j| */
     const float *qnorm;    /* [Vp] |q_j| */
-    int Kp;                /* K padded to a multiple of 4 */
+    int Kp;                /* K padded to a multiple of 64 (of 4 is enough without the tiles) */
 } QHead;
 
 /* per input row: its int8 copies a and b ([Kp] each), 128 x their sums, t, |x|, |e|, and whether

@@ -384,6 +384,23 @@ static void quant_row(const uint16_t *x, int K, int Kp, QRow *r) {
     r->en = (float)(sqrt(es) * (1.0 + 1e-3) + 1e-30);
 }
 
+/* row r's bound of rows j0 .. j0 + 16 from its int8 sums sa_ (of a) and sb_ (of b) against them:
+ * hi[j] = approx + err, and the running max of approx - err over the live rows */
+static inline __attribute__((always_inline)) void qout(__m512i sa_, __m512i sb_, const QRow *r, const QHead *qh,
+                                                       int j0, int V, float *hi, __m512 *lomax) {
+    const __m512 s = _mm512_loadu_ps(qh->scale + j0), dn = _mm512_loadu_ps(qh->dnorm + j0),
+                 qn = _mm512_loadu_ps(qh->qnorm + j0);
+    const __mmask16 live = j0 + 16 <= V ? (__mmask16)0xffff : (__mmask16)((1u << (V - j0)) - 1u);
+    const __m512 slack = _mm512_set1_ps(1.0f / 128.0f), tiny = _mm512_set1_ps(1e-6f);
+    __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sb_, _mm512_set1_epi32(r->sb))),
+                                 _mm512_set1_ps(1.0f / 256.0f), _mm512_cvtepi32_ps(_mm512_sub_epi32(sa_, _mm512_set1_epi32(r->sa))));
+    __m512 approx = _mm512_mul_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(r->t)));
+    __m512 err = _mm512_fmadd_ps(dn, _mm512_set1_ps(r->xn), _mm512_mul_ps(_mm512_mul_ps(s, qn), _mm512_set1_ps(r->en)));
+    err = _mm512_add_ps(err, _mm512_fmadd_ps(slack, _mm512_add_ps(_mm512_abs_ps(approx), err), tiny));
+    _mm512_storeu_ps(hi + j0, _mm512_add_ps(approx, err));
+    *lomax = _mm512_mask_max_ps(*lomax, live, *lomax, _mm512_sub_ps(approx, err));
+}
+
 /* hi[m][j] = approx + err and the running max of approx - err of rows j0 .. j0 + 16 for input
  * rows m0 .. m0 + MR (MR <= 4, a constant at each call site) */
 static inline __attribute__((always_inline)) void qgroup(int MR, const QHead *qh, const QRow *qr, int m0, int g,
@@ -413,24 +430,71 @@ static inline __attribute__((always_inline)) void qgroup(int MR, const QHead *qh
         }
     }
     const int j0 = g * 16;
-    const __m512 s = _mm512_loadu_ps(qh->scale + j0), dn = _mm512_loadu_ps(qh->dnorm + j0),
-                 qn = _mm512_loadu_ps(qh->qnorm + j0);
-    const __mmask16 live = j0 + 16 <= V ? (__mmask16)0xffff : (__mmask16)((1u << (V - j0)) - 1u);
-    const __m512 slack = _mm512_set1_ps(1.0f / 128.0f), tiny = _mm512_set1_ps(1e-6f);
-#define QOUT(J)                                                                                                  \
-    if (MR > J) {                                                                                                \
-        const QRow *r = qr + m0 + J;                                                                             \
-        __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(b##J, _mm512_set1_epi32(r->sb))),          \
-                                     _mm512_set1_ps(1.0f / 256.0f),                                              \
-                                     _mm512_cvtepi32_ps(_mm512_sub_epi32(a##J, _mm512_set1_epi32(r->sa))));     \
-        __m512 approx = _mm512_mul_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(r->t)));                              \
-        __m512 err = _mm512_fmadd_ps(dn, _mm512_set1_ps(r->xn), _mm512_mul_ps(_mm512_mul_ps(s, qn), _mm512_set1_ps(r->en))); \
-        err = _mm512_add_ps(err, _mm512_fmadd_ps(slack, _mm512_add_ps(_mm512_abs_ps(approx), err), tiny));        \
-        _mm512_storeu_ps(hi + (size_t)(m0 + J) * Vp + j0, _mm512_add_ps(approx, err));                           \
-        lomax[m0 + J] = _mm512_mask_max_ps(lomax[m0 + J], live, lomax[m0 + J], _mm512_sub_ps(approx, err));      \
+    qout(a0, b0, qr + m0, qh, j0, V, hi + (size_t)m0 * Vp, lomax + m0);
+    if (MR > 1) qout(a1, b1, qr + m0 + 1, qh, j0, V, hi + (size_t)(m0 + 1) * Vp, lomax + m0 + 1);
+    if (MR > 2) qout(a2, b2, qr + m0 + 2, qh, j0, V, hi + (size_t)(m0 + 2) * Vp, lomax + m0 + 2);
+    if (MR > 3) qout(a3, b3, qr + m0 + 3, qh, j0, V, hi + (size_t)(m0 + 3) * Vp, lomax + m0 + 3);
+}
+
+#if defined(CODECOMPLETE_AMX) && defined(__AMX_INT8__)
+#define QHEAD_AMX 1
+static int qhead_amx = 1; /* head_greedy_amx_set */
+/* rows from which the tiles bound faster than vpdpbusd (measured on SmolLM2-135M's head, a whole
+ * native step: the same at 1-3 rows, faster from 4; bench/results/greedy_head_amx.md) */
+#define QHEAD_TILE_MIN 4
+
+/* qgroup for groups g and g + 1 (where `two`) and all M <= 16 input rows on int8 tiles: TDPBSUD
+ * multiplies the rows' s8 halves by the u8 weights, whose packing [Kp/4][16][4] per group is
+ * already the right factor's tile layout (sixteen four-column lines per 64 columns).  Tiles 0, 1:
+ * the rows' a and b (M rows of 64 bytes; qr's copies lie 2 Kp bytes apart); 2, 3: the two groups'
+ * weights; 4, 5: group g's sums of a and b; 6, 7: group g + 1's.  Prefetches the next pair. */
+static void qpair_amx(const QHead *qh, const QRow *qr, int M, int g, int two, int V, float *hi, int Vp,
+                      __m512 *lomax) {
+    const size_t gb = (size_t)qh->Kp * 16; /* one group's bytes */
+    const uint8_t *w0 = qh->q + (size_t)g * gb, *w1 = w0 + gb;
+    const int stride = 2 * qh->Kp;
+    int32_t c[4][256];
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int kc = 0; kc < qh->Kp / 64; kc++) {
+        const char *p = (const char *)(w0 + 2 * gb + (size_t)kc * 1024);
+        for (int l = 0; l < 1024; l += 64) _mm_prefetch(p + l, _MM_HINT_T0), _mm_prefetch(p + gb + l, _MM_HINT_T0);
+        _tile_loadd(0, qr[0].a + kc * 64, stride);
+        _tile_loadd(1, qr[0].b + kc * 64, stride);
+        _tile_loadd(2, w0 + (size_t)kc * 1024, 64);
+        _tile_dpbsud(4, 0, 2);
+        _tile_dpbsud(5, 1, 2);
+        if (two) {
+            _tile_loadd(3, w1 + (size_t)kc * 1024, 64);
+            _tile_dpbsud(6, 0, 3);
+            _tile_dpbsud(7, 1, 3);
+        }
     }
-    QOUT(0) QOUT(1) QOUT(2) QOUT(3)
-#undef QOUT
+    _tile_stored(4, c[0], 64);
+    _tile_stored(5, c[1], 64);
+    if (two) {
+        _tile_stored(6, c[2], 64);
+        _tile_stored(7, c[3], 64);
+    }
+    for (int h = 0; h <= two; h++)
+        for (int m = 0; m < M; m++)
+            qout(_mm512_loadu_si512(c[2 * h] + m * 16), _mm512_loadu_si512(c[2 * h + 1] + m * 16), qr + m, qh,
+                 (g + h) * 16, V, hi + (size_t)m * Vp, lomax + m);
+}
+#endif
+
+/* whether the greedy head's bounds run on int8 tiles for QHEAD_TILE_MIN .. 16 rows where they can
+ * (Kp a multiple of 64, the AMX layout): `on` 0 / 1 sets it (a comparison's switch), -1 asks */
+int head_greedy_amx_set(int on) {
+#ifdef QHEAD_AMX
+    if (on >= 0) qhead_amx = on && amx_enable();
+    return qhead_amx && amx_enable();
+#else
+    (void)on;
+    return 0;
+#endif
 }
 
 /* Inside a parallel region: logits y [M, V] of x [M, K] (bf16) as described above; wp the bf16
@@ -447,6 +511,18 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
         quant_row(x + (size_t)m * K, K, Kp, qr + m);
     }
     /* implicit barrier: every row quantised */
+#ifdef QHEAD_AMX
+    if (amx && qhead_amx && M >= QHEAD_TILE_MIN && M <= 16 && Kp % 64 == 0) {
+        const uint8_t tiles[8] = {(uint8_t)M, (uint8_t)M, 16, 16, (uint8_t)M, (uint8_t)M, (uint8_t)M, (uint8_t)M};
+        __m512 lomax[16];
+        for (int m = 0; m < M; m++) lomax[m] = _mm512_set1_ps(-INFINITY);
+        amx_tiles(tiles);
+#pragma omp for schedule(static) nowait
+        for (int g = 0; g < groups; g += 2) qpair_amx(qh, qr, M, g, g + 1 < groups, V, hi, Vp, lomax);
+        _tile_release();
+        for (int m = 0; m < M; m++) thr[(size_t)tid * M + m] = _mm512_reduce_max_ps(lomax[m]);
+    } else
+#endif
     for (int m0 = 0; m0 < M; m0 += 64) { /* lomax lives in registers/stack: 64 rows at a time */
         const int mc = M - m0 < 64 ? M - m0 : 64;
         __m512 lomax[64];
@@ -502,4 +578,8 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
 int head_greedy_native(void) { return 1; }
 #else
 int head_greedy_native(void) { return 0; }
+int head_greedy_amx_set(int on) {
+    (void)on;
+    return 0;
+}
 #endif
