@@ -9,6 +9,9 @@ machine's speed drifts by 10-20 % within minutes, so each speed-up is against th
 before it).  One drafter per repository and size, as one engine per run.
 
     python bench/spec_tree_size.py --repos A,B,C [--model default] [--split tune] [--sizes 3,4,6,8]
+
+``--variants 'max_nodes=3;live_chain=0'`` compares any settings the same way (each over the shipped
+ones; an empty one is the shipped settings).
 """
 
 from __future__ import annotations
@@ -32,20 +35,38 @@ from codecomplete.model.loader import load_model  # noqa: E402
 from codecomplete.model.speculate import Drafter  # noqa: E402
 
 
+def _value(default, text: str):
+    """``text`` as the type of the setting's default."""
+    if isinstance(default, bool):
+        return text.strip().lower() in ("1", "true", "yes", "on")
+    return type(default)(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     task_args(ap)
     ap.add_argument("--model", default="default")
     ap.add_argument("--split", choices=("tune", "test"), default="tune")
     ap.add_argument("--sizes", default="3,4,6,8")
+    ap.add_argument("--variants", default="", help="instead of sizes: settings to compare, ';'-separated, each "
+                    "'name=value,...' over the shipped settings ('' for them): e.g. 'max_nodes=3;repo_chain=8'")
     ap.add_argument("--out", default=str(RESULTS / "spec_tree_size"))
     args = ap.parse_args()
-    sizes = [int(x) for x in args.sizes.split(",")]
+    shipped = SpecSettings()
+    if args.variants:
+        variants = {}
+        for v in args.variants.split(";"):
+            pairs = (p.split("=") for p in v.split(",") if p)
+            kw = {k.strip(): _value(getattr(shipped, k.strip()), x) for k, x in pairs}
+            variants[v.strip() or "shipped"] = replace(shipped, **kw)
+    else:
+        variants = {f"max_nodes={n}" + (" (shipped)" if n == shipped.max_nodes else ""): replace(shipped, max_nodes=n)
+                    for n in (int(x) for x in args.sizes.split(","))}
+    sizes = list(variants)
     lm = load_model(args.model, dtype=args.dtype)
     settings = EngineSettings(model=args.model, max_prefix_tokens=2048)
     vocab = _Vocab(lm.tokenizer)
     tok = TokenizerInfo(lm.tokenizer, lm.name)
-    shipped = SpecSettings()
     res = {n: ([], []) for n in sizes}
     names = []
     for g in args.repos.split(","):
@@ -57,7 +78,7 @@ def main() -> None:
         for f in tasks:
             ids = lm.tokenizer.encode(files[f["path"]][:f["start"]], add_special_tokens=False)[-2048:]
             f["context"] = lm.tokenizer.decode(ids)
-        drafters = {n: Drafter(replace(shipped, max_nodes=n), store.retrieve, vocab.texts) for n in sizes}
+        drafters = {n: Drafter(variants[n], store.retrieve, vocab.texts) for n in sizes}
         warm = CompletionRequest(tasks[0]["context"], "", mode="multi", max_tokens=8, max_lines=100000,
                                  time_budget_ms=600000, ignore_eos=True)
         with torch.inference_mode():  # first calls build kernels and token texts: not timed
@@ -82,10 +103,10 @@ def main() -> None:
              f"bench/speculation.py ({len(res[sizes[0]][0])} functions from {', '.join(names)}), {args.max_new} "
              f"greedy tokens each (end-of-text ignored); every other setting as shipped ({shipped}). Each speed-up "
              "is against autoregressive runs of the same tasks, each right before the task's run.", "",
-             "| max_nodes | autoregressive ms/token | ms/token | speed-up | tokens/pass | acceptance length | "
+             "| settings | autoregressive ms/token | ms/token | speed-up | tokens/pass | acceptance length | "
              "identical to greedy |", "|---|---|---|---|---|---|---|"]
     for n, r in table.items():
-        lines.append(f"| {n}{' (shipped)' if n == shipped.max_nodes else ''} | {r['autoregressive_ms']} | "
+        lines.append(f"| {n} | {r['autoregressive_ms']} | "
                      f"{r['ms_per_token']} | {r['speedup']} | {r['tokens_per_pass']} | {r['acceptance_length']} | "
                      f"{r['identical']}/{r['tasks']} |")
     out = Path(args.out)
