@@ -122,14 +122,14 @@ class SpeculationConfig:
 
     enabled: bool = True
     max_nodes: int = field(default=3, metadata=_range(1, 512))  # draft tokens verified per step
-    depth: int = field(default=12, metadata=_range(1, 32))  # longest draft
+    depth: int = field(default=15, metadata=_range(1, 32))  # longest draft
     top_k: int = field(default=8, metadata=_range(1, 64))  # continuations per source
     alpha: float = field(default=1.0, metadata=_range(0, None))  # repository weight
     beta: float = field(default=0.5, metadata=_range(0, None))  # common datastore weight
     gamma: float = field(default=1.5, metadata=_range(0, None))  # verified cache weight
     delta: float = field(default=1.0, metadata=_range(0, None))  # weight of the request's own tokens
     use_live: bool = True  # draft from the request's own prompt and output (prompt lookup)
-    live_chain: int = field(default=4, metadata=_range(0, 64))  # own tokens match this far back: a chain (0: off)
+    live_chain: int = field(default=3, metadata=_range(0, 64))  # own tokens match this far back: a chain (0: off)
     tau: int = field(default=8, metadata=_range(0, None))  # cache first once it holds more sequences
     p: float = field(default=1.0, metadata=_range(0, 1))  # retrieval probability at a line's first token
 

@@ -65,7 +65,7 @@ class SpecSettings:
 
     enabled: bool = True
     max_nodes: int = 3  # draft tokens verified per step (the tree's size; 3: the pass takes the greedy head)
-    depth: int = 12  # longest draft sequence
+    depth: int = 15  # longest draft sequence (a chain's pass: 16 rows, one tile of rows)
     top_k: int = 8  # continuations taken per source
     alpha: float = 1.0  # repository weight
     beta: float = 0.5  # common datastore weight
@@ -79,7 +79,7 @@ class SpecSettings:
     use_common: bool = True
     use_cache: bool = True
     use_live: bool = True
-    live_chain: int = 4  # when the own tokens match this far back, verify up to ``depth`` nodes (0: never)
+    live_chain: int = 3  # when the own tokens match this far back, verify up to ``depth`` nodes (0: never)
     skip_tokens: bool = True
     missing_table: bool = True
 
