@@ -17,18 +17,25 @@ from codecomplete.model.transformer import SeqKV, attend
 needs_kernel = pytest.mark.skipif(not native.available(), reason=f"native kernel unavailable: {native.error()}")
 
 
+def each_way(request, switch, tiles: str):
+    """A fixture's body for a kernel with two ways on a CPU with AMX: "default" leaves ``switch``
+    as the machine set it, ``tiles`` turns the AMX way on, any other param turns it off (skipped
+    where the CPU has only one way); the switch is restored after the test."""
+    if request.param != "default" and not (native.available() and native.amx_cpu()):
+        pytest.skip("one way on this machine")
+    before = switch()
+    if request.param != "default":
+        switch(request.param == tiles)
+    yield request.param
+    switch(before)
+
+
 @pytest.fixture(params=["default", "amx", "avx512"])
 def attention_kernel(request):
     """Attention's products as this machine runs them, and each way on its own where both exist
     (AMX tiles or AVX-512 dot products; decode_attention.c): each must give every row the bits of
     a one-token step."""
-    if request.param != "default" and not (native.available() and native.amx_cpu()):
-        pytest.skip("one way to run attention on this machine")
-    before = native.amx_attention()
-    if request.param != "default":
-        native.amx_attention(request.param == "amx")
-    yield request.param
-    native.amx_attention(before)
+    yield from each_way(request, native.amx_attention, "amx")
 
 
 def torch_decode(q, k, v, caches, layer, masks=None):
@@ -707,13 +714,7 @@ needs_greedy_head = pytest.mark.skipif(not native.greedy_head_available(),
 def greedy_bounds(request):
     """The greedy head's int8 bounds as this machine computes them, and each way on its own where
     both exist (AVX512-VNNI, or AMX's int8 tiles from 4 rows; linear.c)."""
-    if request.param != "default" and not (native.available() and native.amx_cpu()):
-        pytest.skip("one way to bound the greedy head on this machine")
-    before = native.amx_greedy_head()
-    if request.param != "default":
-        native.amx_greedy_head(request.param == "tiles")
-    yield request.param
-    native.amx_greedy_head(before)
+    yield from each_way(request, native.amx_greedy_head, "tiles")
 
 
 @needs_greedy_head
@@ -780,7 +781,8 @@ def test_greedy_head_is_off_where_it_would_not_help_or_is_not_wanted():
 
     assert not finite(1, True)
     most = native.greedy_head_rows(model.native_stack)
-    assert most == (native.GREEDY_HEAD_ROWS_AMX if native.amx() and native.amx_greedy_head() else native.GREEDY_HEAD_ROWS)
+    tiles = native.amx() and native.amx_greedy_head()
+    assert most == (native.GREEDY_HEAD_ROWS_AMX if tiles else native.GREEDY_HEAD_ROWS)
     assert not finite(most, True)
     assert finite(most + 1, True) and finite(1, False)
     model.greedy_head = False
