@@ -1,8 +1,8 @@
 """Prefill of a fresh prompt: a bf16 model's native pieces against PyTorch's whole-prompt path.
 
 A prompt longer than one native step (``native.STACK_ROWS`` rows) runs in pieces of that size
-through the native kernels (``Transformer.native_prefill``: on by default on CPUs without AMX,
-off on CPUs with it, as measured here); off, the whole
+through the native kernels (``Transformer.native_prefill``: on by default, except on a CPU with
+AMX where our matrices or attention are kept off its tiles, as measured here); off, the whole
 prompt goes through PyTorch (oneDNN linear layers, scaled_dot_product_attention).  Both are
 timed on the same model, interleaved over rounds (this machine's speed drifts within
 minutes); random token ids (the cost does not depend on them).  The prompt sizes are the

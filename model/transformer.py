@@ -13,6 +13,7 @@ K key/value heads, E head dim.  A sequence's KV lives in a ``SeqKV``: per layer
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -358,10 +359,13 @@ class Transformer(nn.Module):
         for mod in mats:
             mod.native_weight = native.pack_linear(mod.weight, amx=amx) if lin else None
         # long prompts: native pieces on CPUs without AMX (1.2-1.8x faster than PyTorch's path
-        # there); on a CPU with AMX, PyTorch's path (oneDNN's AMX matrices, its attention) was
-        # faster than the pieces with our matrices on AMX (2.1x at 2k tokens) and without (4-5x),
-        # so it is taken whether or not they are (bench/results/prefill.md)
-        self.native_prefill = not native.amx_cpu()
+        # there), and on a CPU with AMX where our matrices and attention both run on its tiles
+        # (1.03-1.5x faster than PyTorch's path at 2k-256 tokens); with our matrices or attention
+        # off the tiles, PyTorch's path (oneDNN's AMX matrices, its attention) was faster: 2.1x at
+        # 2k tokens with only our matrices on tiles, 4-5x with neither (bench/results/prefill.md)
+        self.native_prefill = not native.amx_cpu() or (amx and native.amx_attention())
+        if os.environ.get("CODECOMPLETE_NATIVE_PREFILL") in ("0", "1"):  # a comparison's switch
+            self.native_prefill = os.environ["CODECOMPLETE_NATIVE_PREFILL"] == "1"
         self.native_stack = native.Stack(self) if lin else None  # steps of up to STACK_ROWS rows: one call
         for layer in self.layers:
             layer.native_stack = self.native_stack

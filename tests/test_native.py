@@ -338,7 +338,8 @@ def test_a_bf16_model_runs_its_matrices_on_amx_where_it_can():
     assert model.native_stack.amx
     assert all(native.amx_layout(m.native_weight) for b in model.layers for m in (b.attn.wqkv, b.mlp.w2))
     assert native.amx_layout(model.head.native_weight)
-    assert not model.native_prefill  # long prompts: PyTorch's path (oneDNN on AMX) was faster than the pieces
+    # long prompts: the pieces, faster than PyTorch's path (oneDNN on AMX) with attention on the tiles too
+    assert model.native_prefill == native.amx_attention()
     odd = random_bf16_model(3, 0.08, tie=True, unit_norms=True, vocab_size=300, dim=128, n_layers=2, n_heads=4,
                             n_kv_heads=2, head_dim=32, hidden_dim=200)  # w2's K = 200: no AMX layout
     assert odd.native_decode(True)
@@ -670,7 +671,7 @@ def test_long_bf16_prompt_runs_in_native_pieces(monkeypatch):
 
     def whole(on: bool, logits_for: str, positions=None):
         assert model.native_decode(on) == on
-        model.native_prefill = on  # the default where the CPU has AMX is PyTorch's path (native_decode)
+        model.native_prefill = on  # native_decode's default depends on the CPU
         c = model.new_cache(n + 4)
         with torch.no_grad():
             out = model(prompt, [c], positions, logits_for=logits_for)
