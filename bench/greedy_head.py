@@ -45,6 +45,7 @@ def step_ms(model, prompt: list[int], lengths: list[int], rows: list[int], round
     the head: the first L tokens of ``prompt`` cached, the S after them as the step's rows (real
     text: its states are as confident as decoding's, and the greedy head's exact rows as few)."""
     out: dict[str, list[float]] = {}
+    before = native.amx_greedy_head()
     with torch.inference_mode():
         for n in lengths:
             cache = model.new_cache(n + 80)
@@ -65,7 +66,7 @@ def step_ms(model, prompt: list[int], lengths: list[int], rows: list[int], round
                                                 logits="last" if s == 1 else "all", greedy=mode != "full")
                         if r:
                             out.setdefault(f"{n}/{s}/{mode}", []).append((time.perf_counter() - t) / reps * 1000)
-    native.amx_greedy_head(True)
+    native.amx_greedy_head(before)
     return {k: statistics.median(v) for k, v in out.items()}
 
 

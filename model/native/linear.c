@@ -384,21 +384,31 @@ static void quant_row(const uint16_t *x, int K, int Kp, QRow *r) {
     r->en = (float)(sqrt(es) * (1.0 + 1e-3) + 1e-30);
 }
 
-/* row r's bound of rows j0 .. j0 + 16 from its int8 sums sa_ (of a) and sb_ (of b) against them:
- * hi[j] = approx + err, and the running max of approx - err over the live rows */
-static inline __attribute__((always_inline)) void qout(__m512i sa_, __m512i sb_, const QRow *r, const QHead *qh,
-                                                       int j0, int V, float *hi, __m512 *lomax) {
-    const __m512 s = _mm512_loadu_ps(qh->scale + j0), dn = _mm512_loadu_ps(qh->dnorm + j0),
-                 qn = _mm512_loadu_ps(qh->qnorm + j0);
-    const __mmask16 live = j0 + 16 <= V ? (__mmask16)0xffff : (__mmask16)((1u << (V - j0)) - 1u);
+/* what the bounds of head rows j0 .. j0 + 16 need of them: scales, the two norms, which are rows */
+typedef struct {
+    __m512 s, dn, qn;
+    __mmask16 live;
+    int j0;
+} QCols;
+
+static inline __attribute__((always_inline)) QCols qcols(const QHead *qh, int j0, int V) {
+    QCols c = {_mm512_loadu_ps(qh->scale + j0), _mm512_loadu_ps(qh->dnorm + j0), _mm512_loadu_ps(qh->qnorm + j0),
+               j0 + 16 <= V ? (__mmask16)0xffff : (__mmask16)((1u << (V - j0)) - 1u), j0};
+    return c;
+}
+
+/* input row r's bound of the head rows in `c` from its int8 sums sa_ (of a) and sb_ (of b) against
+ * them: hi[j] = approx + err, and the running max of approx - err over the live rows */
+static inline __attribute__((always_inline)) void qout(__m512i sa_, __m512i sb_, const QRow *r, const QCols *c,
+                                                       float *hi, __m512 *lomax) {
     const __m512 slack = _mm512_set1_ps(1.0f / 128.0f), tiny = _mm512_set1_ps(1e-6f);
     __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sb_, _mm512_set1_epi32(r->sb))),
                                  _mm512_set1_ps(1.0f / 256.0f), _mm512_cvtepi32_ps(_mm512_sub_epi32(sa_, _mm512_set1_epi32(r->sa))));
-    __m512 approx = _mm512_mul_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(r->t)));
-    __m512 err = _mm512_fmadd_ps(dn, _mm512_set1_ps(r->xn), _mm512_mul_ps(_mm512_mul_ps(s, qn), _mm512_set1_ps(r->en)));
+    __m512 approx = _mm512_mul_ps(dot, _mm512_mul_ps(c->s, _mm512_set1_ps(r->t)));
+    __m512 err = _mm512_fmadd_ps(c->dn, _mm512_set1_ps(r->xn), _mm512_mul_ps(_mm512_mul_ps(c->s, c->qn), _mm512_set1_ps(r->en)));
     err = _mm512_add_ps(err, _mm512_fmadd_ps(slack, _mm512_add_ps(_mm512_abs_ps(approx), err), tiny));
-    _mm512_storeu_ps(hi + j0, _mm512_add_ps(approx, err));
-    *lomax = _mm512_mask_max_ps(*lomax, live, *lomax, _mm512_sub_ps(approx, err));
+    _mm512_storeu_ps(hi + c->j0, _mm512_add_ps(approx, err));
+    *lomax = _mm512_mask_max_ps(*lomax, c->live, *lomax, _mm512_sub_ps(approx, err));
 }
 
 /* hi[m][j] = approx + err and the running max of approx - err of rows j0 .. j0 + 16 for input
@@ -429,11 +439,11 @@ static inline __attribute__((always_inline)) void qgroup(int MR, const QHead *qh
             b3 = _mm512_dpbusd_epi32(b3, w, _mm512_set1_epi32(pb3[kq]));
         }
     }
-    const int j0 = g * 16;
-    qout(a0, b0, qr + m0, qh, j0, V, hi + (size_t)m0 * Vp, lomax + m0);
-    if (MR > 1) qout(a1, b1, qr + m0 + 1, qh, j0, V, hi + (size_t)(m0 + 1) * Vp, lomax + m0 + 1);
-    if (MR > 2) qout(a2, b2, qr + m0 + 2, qh, j0, V, hi + (size_t)(m0 + 2) * Vp, lomax + m0 + 2);
-    if (MR > 3) qout(a3, b3, qr + m0 + 3, qh, j0, V, hi + (size_t)(m0 + 3) * Vp, lomax + m0 + 3);
+    const QCols c = qcols(qh, g * 16, V);
+    qout(a0, b0, qr + m0, &c, hi + (size_t)m0 * Vp, lomax + m0);
+    if (MR > 1) qout(a1, b1, qr + m0 + 1, &c, hi + (size_t)(m0 + 1) * Vp, lomax + m0 + 1);
+    if (MR > 2) qout(a2, b2, qr + m0 + 2, &c, hi + (size_t)(m0 + 2) * Vp, lomax + m0 + 2);
+    if (MR > 3) qout(a3, b3, qr + m0 + 3, &c, hi + (size_t)(m0 + 3) * Vp, lomax + m0 + 3);
 }
 
 #if defined(CODECOMPLETE_AMX) && defined(__AMX_INT8__)
@@ -478,10 +488,12 @@ static void qpair_amx(const QHead *qh, const QRow *qr, int M, int g, int two, in
         _tile_stored(6, c[2], 64);
         _tile_stored(7, c[3], 64);
     }
-    for (int h = 0; h <= two; h++)
+    for (int h = 0; h <= two; h++) {
+        const QCols cols = qcols(qh, (g + h) * 16, V);
         for (int m = 0; m < M; m++)
-            qout(_mm512_loadu_si512(c[2 * h] + m * 16), _mm512_loadu_si512(c[2 * h + 1] + m * 16), qr + m, qh,
-                 (g + h) * 16, V, hi + (size_t)m * Vp, lomax + m);
+            qout(_mm512_loadu_si512(c[2 * h] + m * 16), _mm512_loadu_si512(c[2 * h + 1] + m * 16), qr + m, &cols,
+                 hi + (size_t)m * Vp, lomax + m);
+    }
 }
 #endif
 
