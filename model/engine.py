@@ -193,7 +193,7 @@ def start(lm: LoadedModel, request: CompletionRequest, plan: PromptPlan, store: 
         store.record_reuse(reuse)
     t1 = time.perf_counter()
     rest = torch.tensor([ids[live.reused:]], device=lm.device)
-    live.logits = lm.model(rest, [cache], greedy=not (live.pending or live.branches))[0].float()
+    live.logits = lm.model(rest, [cache], greedy=not (live.pending or live.branches))[0]
     live.timings["prefill_ms"] = (time.perf_counter() - t1) * 1000
     live.timings["decode_start"] = time.perf_counter()
     return live
@@ -245,7 +245,7 @@ def step(lm: LoadedModel, lives: list[Live]) -> None:
     tokens = torch.tensor([[lv.generated[-1]] for lv in lives], device=lm.device)
     # healing picks among the tokens that fit its pending text, and a head looking for a
     # branch ranks tokens: they need every logit
-    logits = lm.model(tokens, [lv.cache for lv in lives], greedy=not any(_full(lv) for lv in lives)).float()
+    logits = lm.model(tokens, [lv.cache for lv in lives], greedy=not any(_full(lv) for lv in lives))
     for lv, row in zip(lives, logits):
         lv.fed.append(lv.generated[-1])
         lv.logits = row

@@ -36,6 +36,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .api import SpecSettings
@@ -104,18 +105,15 @@ def tree_mask(tree: Tree, cached: int, width: int, device) -> torch.Tensor:
     the cache, the root and its ancestors; rows past the tree (batch padding, never read)
     see the cache and the root, a prefix, which the attention kernel computes with the
     other rows (a row below a sibling is recomputed over its own positions)."""
-    n = len(tree)
-    block = [[False] * width for _ in range(width)]
-    block[0][0] = True
+    # numpy, then one tensor: right after a native pass every PyTorch op runs on cold caches
+    # (~10x its warm cost here), and a verification pass makes this mask
+    mask = np.ones((width, cached + width), dtype=np.bool_)
+    block = mask[:, cached:]
+    block[:, 1:] = False  # every row sees the root
     for i, par in enumerate(tree.parents):
-        row = list(block[par + 1])  # the parent's row: the root and its ancestors (par = -1: the root)
-        row[i + 1] = True
-        block[i + 1] = row
-    for j in range(n + 1, width):
-        block[j][0] = True
-    mask = torch.ones(width, cached + width, dtype=torch.bool)
-    mask[:, cached:] = torch.tensor(block, dtype=torch.bool)
-    return mask.to(device)
+        block[i + 1] = block[par + 1]  # the parent's row: the root and its ancestors (par = -1: the root)
+        block[i + 1, i + 1] = True
+    return torch.from_numpy(mask).to(device)
 
 
 def accept(tree: Tree, greedy: list[int]) -> list[int]:
@@ -334,23 +332,25 @@ def verify(model, roots: list[int], trees: list[Tree], caches: list,
     caller takes only greedy choices from the returned logits (see ``Transformer.forward``).
 
     Returns per sequence (accepted tokens, logits [1 + accepted, V] at the root and
-    along the accepted path); each cache then holds the root and the accepted tokens."""
+    along the accepted path, in the model's dtype); each cache then holds the root and the
+    accepted tokens."""
     width = 1 + max(len(t) for t in trees)
     dev = model.device
-    tokens = torch.zeros(len(trees), width, dtype=torch.long)
-    positions = torch.zeros(len(trees), width, dtype=torch.long)
+    tokens = np.empty((len(trees), width), dtype=np.int64)
+    positions = np.empty((len(trees), width), dtype=np.int64)
     masks = []
     for b, (root, tree, cache) in enumerate(zip(roots, trees, caches)):
         n = len(tree)
-        tokens[b, 0] = root
-        tokens[b, 1:n + 1] = torch.tensor(tree.tokens, dtype=torch.long)
-        tokens[b, n + 1:] = root
+        tokens[b] = root  # the root, then the nodes; padding repeats the root
         positions[b] = cache.length
-        positions[b, 1:n + 1] += torch.tensor(tree.depths, dtype=torch.long)
+        if n:
+            tokens[b, 1:n + 1] = tree.tokens
+            positions[b, 1:n + 1] += tree.depths
         masks.append(tree_mask(tree, cache.length, width, dev))
     starts = [c.length for c in caches]
-    logits = model(tokens.to(dev), caches, positions.to(dev), masks, logits_for="all", greedy=greedy).float()
-    greedy_all = greedy_tokens(logits)  # fp32 once, for the argmax and the kept rows
+    logits = model(torch.from_numpy(tokens).to(dev), caches, torch.from_numpy(positions).to(dev), masks,
+                   logits_for="all", greedy=greedy)
+    greedy_all = greedy_tokens(logits)  # in the logits' dtype: no fp32 copy of every row
     out = []
     for b, (tree, cache) in enumerate(zip(trees, caches)):
         rows = accept(tree, greedy_all[b][: len(tree) + 1])

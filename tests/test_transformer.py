@@ -146,3 +146,22 @@ def test_unsupported_family_is_refused():
 
     with pytest.raises(ValueError, match="not supported"):
         from_hf(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_gives_the_computed_angles(dtype):
+    """``rope`` looks positions up in a table that grows as they do; every lookup is the bits
+    ``rope_angles`` computes, whatever the batch's shape; a new dtype or frequencies rebuild it."""
+    _, own = pair("llama3-rope")
+    own.to(dtype)
+    g = torch.Generator().manual_seed(1)
+    for end in (5, 1500, 3000, 9000):  # the table starts at 1024 and doubles past it
+        pos = torch.randint(0, end, (3, 17), generator=g)
+        cos, sin = own.rope(pos)
+        ref = own.rope_angles(pos)
+        assert cos.dtype == dtype and cos.shape == ref[0].shape == (3, 1, 17, own.args.head_dim)
+        assert torch.equal(cos, ref[0]) and torch.equal(sin, ref[1])
+    assert own._rope_table[1].shape[0] > int(pos.max())
+    own.inv_freq = own.inv_freq * 0.5  # new frequencies (as from_hf sets them): a new table
+    pos = torch.arange(40).view(2, 20)
+    assert torch.equal(own.rope(pos)[0], own.rope_angles(pos)[0])

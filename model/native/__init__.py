@@ -24,6 +24,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ def _build() -> ctypes.CDLL:
     lib.head_greedy_native.restype = i32
     lib.head_greedy_amx_set.restype = i32
     lib.head_greedy_amx_set.argtypes = [i32]
+    lib.argmax_bf16.restype = None
+    lib.argmax_bf16.argtypes = [ctypes.c_int64, ctypes.c_int64, ptr, ptr]
     return lib
 
 
@@ -357,6 +360,16 @@ class QHead(ctypes.Structure):
 def greedy_head_available() -> bool:
     """Whether ``decode_stack`` can compute the greedy head (AVX512-VNNI and -BF16 compiled in)."""
     return available() and bool(_lib.head_greedy_native())
+
+
+def argmax_bf16(logits: torch.Tensor):
+    """``logits.argmax(-1).tolist()`` of a CPU bf16 tensor [..., V] (the first index of each row's
+    largest value, a NaN the largest), without an fp32 copy (step_ops.c)."""
+    x = logits.detach().contiguous()
+    n = x.shape[-1]
+    out = np.empty(x.shape[:-1], dtype=np.int64)
+    _lib.argmax_bf16(out.size, n, x.data_ptr(), out.ctypes.data)
+    return out.tolist()
 
 
 def amx_greedy_head(on: bool | None = None) -> bool:

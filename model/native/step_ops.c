@@ -373,3 +373,71 @@ int decode_stack(int B, int S, int D, int H, int K, int E, int F, int layer0, in
     free(h);
     return 0;
 }
+
+/* The greedy choice of each of `rows` rows of n bf16 logits (row r at x + r * n): the first index of
+ * its largest value, as torch.argmax picks it (a NaN counts as the largest, the first NaN wins;
+ * -0 and +0 tie).  bf16 bits as int16 order like the numbers once a negative's other 15 bits are
+ * flipped; adding 1 to the negatives makes -0 the key of +0.  Two passes over a row (the largest
+ * key, then where it first is), both vectorisable; this replaces an fp32 copy of every logit and
+ * numpy's argmax after a verification pass (~0.6 ms for 16 rows of 49k here, on cold caches). */
+static inline int16_t bf16_key(uint16_t u) {
+    const int16_t x = (int16_t)u, s = (int16_t)(x >> 15);
+    return (int16_t)((x ^ (s & 0x7fff)) - s);
+}
+
+/* the first index in p[0, n) whose key is `best` (nan: the first NaN) */
+static int64_t first_at(const uint16_t *p, int64_t n, int16_t best, int nan) {
+    for (int64_t i = 0; i < n; i++)
+        if (nan ? (p[i] & 0x7fff) > 0x7f80 : bf16_key(p[i]) == best) return i;
+    return 0;
+}
+
+void argmax_bf16(int64_t rows, int64_t n, const uint16_t *x, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *p = x + r * n;
+        int16_t best = INT16_MIN;
+        int nan = 0;
+        int64_t i = 0;
+#ifdef __AVX512BW__
+        /* 32 keys a vector: the largest, and whether any is a NaN */
+        __m512i vbest = _mm512_set1_epi16(INT16_MIN);
+        __mmask32 vnan = 0;
+        const __m512i low15 = _mm512_set1_epi16(0x7fff), inf = _mm512_set1_epi16(0x7f80);
+        for (; i + 32 <= n; i += 32) {
+            const __m512i v = _mm512_loadu_si512((const void *)(p + i));
+            const __m512i s = _mm512_srai_epi16(v, 15);
+            const __m512i k = _mm512_sub_epi16(_mm512_xor_si512(v, _mm512_and_si512(s, low15)), s);
+            vbest = _mm512_max_epi16(vbest, k);
+            vnan |= _mm512_cmpgt_epi16_mask(_mm512_and_si512(v, low15), inf);
+        }
+        int16_t lanes[32];
+        _mm512_storeu_si512((void *)lanes, vbest);
+        for (int l = 0; l < 32; l++) best = lanes[l] > best ? lanes[l] : best;
+        nan = vnan != 0;
+#endif
+        for (; i < n; i++) {
+            const int16_t k = bf16_key(p[i]);
+            best = k > best ? k : best;
+            nan |= (p[i] & 0x7fff) > 0x7f80;
+        }
+        int64_t at = 0;
+#ifdef __AVX512BW__
+        if (!nan) { /* the first lane equal to the largest key */
+            const __m512i vb = _mm512_set1_epi16(best), low15 = _mm512_set1_epi16(0x7fff);
+            int64_t j = 0;
+            for (; j + 32 <= n; j += 32) {
+                const __m512i v = _mm512_loadu_si512((const void *)(p + j));
+                const __m512i s = _mm512_srai_epi16(v, 15);
+                const __m512i k = _mm512_sub_epi16(_mm512_xor_si512(v, _mm512_and_si512(s, low15)), s);
+                const __mmask32 m = _mm512_cmpeq_epi16_mask(k, vb);
+                if (m) break;
+            }
+            at = j + first_at(p + j, n - j, best, 0);
+            out[r] = at;
+            continue;
+        }
+#endif
+        at = first_at(p, n, best, nan);
+        out[r] = at;
+    }
+}
