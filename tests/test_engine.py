@@ -419,3 +419,39 @@ def test_engine_serves_alternatives_batched_and_releases_every_node(tiny_model, 
         assert engine.complete(cancelled).stop_reason == "cancelled"
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("which", ["tiny", "default"])
+def test_incremental_decode_is_the_whole_decode(tiny_model, which):
+    """``decoded`` appends each token's text instead of decoding the whole output again; after
+    every token it must be exactly ``tokenizer.decode``: characters cut between byte-level tokens,
+    special tokens (skipped) and text that needs a whole decode again."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from codecomplete.model.engine import decoded
+    from codecomplete.model.loader import resolve_checkpoint
+
+    tok = AutoTokenizer.from_pretrained(tiny_model if which == "tiny" else resolve_checkpoint("default")[1],
+                                        local_files_only=True)
+    vocab = _Vocab(tok)
+    assert vocab.incremental
+    text = "def f(x):\n    return 'héllo wörld ✓' + x  # 日本語 🙂\n\tpass\n"
+    pieces = [tok.encode(text, add_special_tokens=False)]
+    # byte-level tokens that hold a part of a character, alone: their texts are U+FFFD
+    pieces.append([i for i in range(len(tok)) if "\ufffd" in vocab.texts[i]][:40])
+    pieces.append(list(tok.all_special_ids))
+    rng = random.Random(3)
+    ids = [t for _ in range(60) for t in rng.choice(pieces)[: rng.randint(1, 6)]] + pieces[0]
+    for k, seq in enumerate((pieces[0], ids, rng.sample(range(len(tok)), 200))):
+        live = SimpleNamespace(generated=[], decoded="", decoded_n=0)
+        lm = SimpleNamespace(tokenizer=tok)
+        appended = 0
+        for t in seq:
+            before = live.decoded_n
+            live.generated.append(t)
+            assert decoded(lm, live, vocab) == tok.decode(live.generated, skip_special_tokens=True)
+            appended += before == len(live.generated) - 1 > 0 and live.decoded_n == len(live.generated)
+        if k == 0:  # plain text: most tokens were appended, not decoded again
+            assert appended > len(seq) // 2
