@@ -61,11 +61,53 @@ void rms_norm(int rows, int D, int el, const void *x, const void *h, void *xsum,
     }
 }
 
+/* silu(g) * u of n bf16 pairs, rounded as PyTorch's bf16 ops round: exp_neg's sigmoid, 16 lanes at a
+ * time where AVX-512 is compiled in.  The lanes repeat the scalar loop's operations, one division for
+ * both signs' numerators; checked against it for every bf16 gate (the up factor comes after the
+ * roundings that depend on the gate alone): identical bits.  ~1.6x faster than the scalar loop. */
+static void silu_bf16(int n, const uint16_t *g, const uint16_t *u, uint16_t *out) {
+    int j = 0;
+#ifdef __AVX512F__
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+        const __m512 gv = ld_bf16x16(g + j), uv = ld_bf16x16(u + j);
+        __m512 x = _mm512_max_ps(_mm512_sub_ps(zero, _mm512_abs_ps(gv)), _mm512_set1_ps(-87.0f)); /* exp_neg(-|g|) */
+        const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                              _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+        r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+        p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), one);
+        const __m512i e2 = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+        const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(e2));
+        const __mmask16 pos = _mm512_cmp_ps_mask(gv, zero, _CMP_GE_OQ);
+        const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(pos, e, one), _mm512_add_ps(one, e));
+        const __m512 y = rnd_bf16x16(_mm512_mul_ps(rnd_bf16x16(_mm512_mul_ps(gv, sig)), uv));
+        _mm256_storeu_si256((__m256i *)(out + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(y), 16)));
+    }
+#endif
+    for (; j < n; j++) {
+        const float gj = bf16_to_f32(g[j]), uj = bf16_to_f32(u[j]);
+        const float e = exp_neg(-fabsf(gj)); /* sigmoid without overflow */
+        const float sig = gj >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        out[j] = f32_to_bf16(rnd(rnd(gj * sig, 2) * uj, 2));
+    }
+}
+
 /* The MLP's gate: gu [rows, 2F] holds gate | up; out [rows, F] = silu(gate) * up, each
  * rounded to the activation dtype as PyTorch's bf16 ops do. */
 void silu_mul(int rows, int F, int el, const void *gu, void *out) {
     for (int r = 0; r < rows; r++) {
         const size_t gi = (size_t)r * 2 * F, oi = (size_t)r * F;
+        if (el == 2) {
+            silu_bf16(F, (const uint16_t *)gu + gi, (const uint16_t *)gu + gi + F, (uint16_t *)out + oi);
+            continue;
+        }
         for (int j = 0; j < F; j++) {
             float g = ld(gu, gi + j, el), u = ld(gu, gi + F + j, el);
             float e = exp_neg(-fabsf(g)); /* sigmoid without overflow */
@@ -268,13 +310,7 @@ static void silu_team(int M, int F, const uint16_t *gu, uint16_t *out) {
     for (int p = 0; p < M * pieces; p++) {
         const int r = p / pieces, j0 = p % pieces * 256, n = F - j0 < 256 ? F - j0 : 256;
         const uint16_t *g = gu + (size_t)r * 2 * F + j0;
-        uint16_t *o = out + (size_t)r * F + j0;
-        for (int j = 0; j < n; j++) {
-            float gv = bf16_to_f32(g[j]), u = bf16_to_f32(g[F + j]);
-            float e = exp_neg(-fabsf(gv));
-            float sig = gv >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-            o[j] = f32_to_bf16(rnd(rnd(gv * sig, 2) * u, 2));
-        }
+        silu_bf16(n, g, g + F, out + (size_t)r * F + j0);
     }
 }
 
