@@ -223,6 +223,23 @@ def test_silu_mul_matches_torch(dtype):
 
 
 @needs_kernel
+def test_silu_lanes_and_tail_give_the_same_bits():
+    """bf16 silu runs 16 lanes at a time and the rest of a row one by one: every bf16 gate, at a lane
+    and in the tail, must give the same bits (the gate decides the roundings; the up factor comes after)."""
+    gen = torch.Generator().manual_seed(4)
+    gates = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    ups = (torch.randn(gates.shape[0], generator=gen) * 3).to(torch.bfloat16)
+    lane = torch.randint(0, 16, (gates.shape[0],), generator=gen)
+    g = torch.randn(gates.shape[0], 17, generator=gen).to(torch.bfloat16)
+    u = torch.randn(gates.shape[0], 17, generator=gen).to(torch.bfloat16)
+    rows = torch.arange(gates.shape[0])
+    g[rows, lane], g[:, 16] = gates, gates  # each gate at a lane of the vector part and as the tail
+    u[rows, lane], u[:, 16] = ups, ups
+    out = native.silu_mul(torch.cat([g, u], dim=1).view(-1, 1, 34))[:, 0]
+    assert torch.equal(out[rows, lane].view(torch.int16), out[:, 16].view(torch.int16))
+
+
+@needs_kernel
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["kv-fp32", "kv-bf16"])
 @pytest.mark.parametrize("dtype", ACT, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "tree-mask"])
