@@ -41,6 +41,21 @@ static inline __m512 rnd_bf16x16(__m512 f) {
     return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000)));
 }
 
+/* Cephes expf on 16 lanes, the parts its variants share (exp_neg16 in decode_attention.c, silu_bf16
+ * in step_ops.c): the reduced argument r = x - n ln2 (ln2 in two parts) and the polynomial's middle
+ * terms, p -> (((p r + c3) r + c4) r + c5) r + c6 */
+static inline __m512 exp_reduce16(__m512 x, __m512 n) {
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    return _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+}
+
+static inline __m512 exp_mid16(__m512 p, __m512 r) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    return _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define CODECOMPLETE_AMX 1
 /* LDTILECFG's operand (palette 1): bytes per row and rows of each of the 8 tiles */

@@ -71,17 +71,11 @@ static void silu_bf16(int n, const uint16_t *g, const uint16_t *u, uint16_t *out
     const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
     for (; j + 16 <= n; j += 16) {
         const __m512 gv = ld_bf16x16(g + j), uv = ld_bf16x16(u + j);
-        __m512 x = _mm512_max_ps(_mm512_sub_ps(zero, _mm512_abs_ps(gv)), _mm512_set1_ps(-87.0f)); /* exp_neg(-|g|) */
+        const __m512 x = _mm512_max_ps(_mm512_sub_ps(zero, _mm512_abs_ps(gv)), _mm512_set1_ps(-87.0f)); /* exp_neg(-|g|) */
         const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
                                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-        r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
-        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+        const __m512 r = exp_reduce16(x, k);
+        __m512 p = exp_mid16(_mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f)), r);
         p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), one);
         const __m512i e2 = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
         const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(e2));
