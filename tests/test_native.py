@@ -805,3 +805,24 @@ def test_greedy_head_is_off_where_it_would_not_help_or_is_not_wanted():
     assert finite(most + 1, True) and finite(1, False)
     model.greedy_head = False
     assert finite(1, True)
+
+
+@pytest.mark.skipif(not __import__("shutil").which("gcc"), reason="needs gcc")
+@pytest.mark.parametrize("march", ["x86-64-v2", "skylake-avx512"])
+def test_the_library_links_and_loads_without_avx512_bf16(tmp_path, march):
+    """The kernels' CPU-specific parts have fallbacks: a build for a CPU without AVX512-BF16/VNNI
+    (AVX2 laptops, Skylake servers) must load, or such CPUs silently lose every native kernel."""
+    import ctypes
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 targets")
+    flags = [f"-march={march}" if f == "-march=native" else f for f in native._FLAGS]
+    out = tmp_path / f"lib-{march}.so"
+    proc = subprocess.run(["gcc", *flags, *map(str, native._SOURCES), "-o", str(out), "-lm"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lib = ctypes.CDLL(str(out))  # an undefined symbol fails here
+    assert lib.head_greedy_native() == 0 and lib.linear_bf16_native() == 0
+    for name in ("decode_stack", "decode_attention", "argmax_bf16", "silu_mul", "head_greedy_team"):
+        assert hasattr(lib, name)

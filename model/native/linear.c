@@ -594,4 +594,11 @@ int head_greedy_amx_set(int on) {
     (void)on;
     return 0;
 }
+/* never called without the instructions (decode_stack asks head_greedy_native first); defined so
+ * that the library links and loads on every CPU */
+void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp, const QHead *qh, QRow *qr,
+                      int8_t *bytes, float *hi, float *thr, float *T, uint16_t *y, int amx) {
+    (void)M, (void)V, (void)K, (void)x, (void)wp, (void)qh, (void)qr, (void)bytes, (void)hi, (void)thr, (void)T,
+        (void)y, (void)amx;
+}
 #endif
