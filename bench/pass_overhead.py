@@ -42,6 +42,7 @@ class Timers:
 
     def __init__(self):
         self.on = False
+        self.inside = False  # in a timed forward
         self.ms = {"step": 0.0, "native": 0.0, "forward": 0.0}
         self.calls = 0
 
@@ -58,16 +59,16 @@ class Timers:
                     t.ms["native"] += (time.perf_counter() - t0) * 1000
 
         def timed_forward(model, *a, **k):
-            outer = t.on and not getattr(t, "_inside", False)
+            if not t.on or t.inside:  # a prompt's pieces call forward again: time the outer call only
+                return forward(model, *a, **k)
+            t.inside = True
             t0 = time.perf_counter()
-            t._inside = True if outer else getattr(t, "_inside", False)
             try:
                 return forward(model, *a, **k)
             finally:
-                if outer:
-                    t._inside = False
-                    t.ms["forward"] += (time.perf_counter() - t0) * 1000
-                    t.calls += 1
+                t.inside = False
+                t.ms["forward"] += (time.perf_counter() - t0) * 1000
+                t.calls += 1
 
         def timed_step(*a, **k):
             t.on = True
@@ -101,15 +102,7 @@ def main() -> None:
     settings = EngineSettings(model=args.model, max_prefix_tokens=2048)
     vocab = _Vocab(lm.tokenizer)
     tok = TokenizerInfo(lm.tokenizer, lm.name)
-    jobs = []
-    for g in args.repos.split(","):
-        _, root = spec_bench.checkout(Path(g))
-        files, test, tune = spec_bench.held_out(root, args.functions, args.tune_functions)
-        store = spec_bench.Datastore(files, test + tune, tok)
-        for f in test:
-            ids = lm.tokenizer.encode(files[f["path"]][:f["start"]], add_special_tokens=False)[-2048:]
-            f["context"] = lm.tokenizer.decode(ids)
-        jobs.append((store, test))
+    jobs = [(r["store"], r["test"]) for r in spec_bench.load_repos(args, lm, tok)]
     best = SpecSettings()
     spec_bench.run_engine(lm, settings, jobs[0][1][:1], jobs[0][0], best, vocab, 8)  # builds, warms
     timers = Timers()

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header  # noqa: E402
-from speculation import Datastore, checkout, held_out, task_args  # noqa: E402
+from speculation import load_repos, task_args  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -134,13 +134,10 @@ def run_model(spec_name: str, args, cost: PassCost) -> dict:
     vocab = _Vocab(lm.tokenizer)
     tok = TokenizerInfo(lm.tokenizer, lm.name)
     stores, tasks = {}, []
-    for g in args.repos.split(","):
-        name, root = checkout(Path(g))
-        files, test, tune = held_out(root, args.functions, args.tune_functions)
-        stores[name] = Datastore(files, test + tune, tok)
-        for f in test:
-            ids = lm.tokenizer.encode(files[f["path"]][:f["start"]], add_special_tokens=False)[-2048:]
-            f["context"] = lm.tokenizer.decode(ids)
+    for repo in load_repos(args, lm, tok):
+        name = repo["name"]
+        stores[name] = repo["store"]
+        for f in repo["test"]:
             req = CompletionRequest(f["context"], "", mode="multi", max_tokens=args.max_new, max_lines=100000,
                                     time_budget_ms=600000, ignore_eos=True)
             plan = plan_prompt(lm, req, settings, vocab, None)  # the engine's own prompt (healed where it heals)

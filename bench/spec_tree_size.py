@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header  # noqa: E402
-from speculation import Datastore, _row, _Vocab, checkout, held_out, summarize, task_args  # noqa: E402
+from speculation import _row, _Vocab, load_repos, summarize, task_args  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -69,15 +69,9 @@ def main() -> None:
     tok = TokenizerInfo(lm.tokenizer, lm.name)
     res = {n: ([], []) for n in sizes}
     names = []
-    for g in args.repos.split(","):
-        name, root = checkout(Path(g))
-        names.append(name)
-        files, test, tune = held_out(root, args.functions, args.tune_functions)
-        store = Datastore(files, test + tune, tok)
-        tasks = tune if args.split == "tune" else test
-        for f in tasks:
-            ids = lm.tokenizer.encode(files[f["path"]][:f["start"]], add_special_tokens=False)[-2048:]
-            f["context"] = lm.tokenizer.decode(ids)
+    for repo in load_repos(args, lm, tok):
+        names.append(repo["name"])
+        store, tasks = repo["store"], repo[args.split]
         drafters = {n: Drafter(variants[n], store.retrieve, vocab.texts) for n in sizes}
         warm = CompletionRequest(tasks[0]["context"], "", mode="multi", max_tokens=8, max_lines=100000,
                                  time_budget_ms=600000, ignore_eos=True)
@@ -92,7 +86,7 @@ def main() -> None:
                     before = drafters[n].stats["draft_ms"]
                     res[n][1].append(_row(generate(lm, req, settings, vocab, None, None, drafters[n]), drafters[n],
                                           before))
-            print(f"{name}: {t['path']}", file=sys.stderr)
+            print(f"{repo['name']}: {t['path']}", file=sys.stderr)
     table = {}
     for n, (plain, got) in res.items():
         p, s = summarize(plain, None), summarize(got, plain)

@@ -235,6 +235,24 @@ def task_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-new", type=int, default=64)
 
 
+def load_repos(args, lm, tok: TokenizerInfo) -> list[dict]:
+    """Each ``--repos`` entry (``task_args``) checked out, with its held-out functions, each with its
+    context (the file before it, at most 2,048 tokens), and its datastore without them."""
+    repos = []
+    for g in args.repos.split(","):
+        name, root = checkout(Path(g))
+        files, test, tune = held_out(root, args.functions, args.tune_functions)
+        store = Datastore(files, test + tune, tok)
+        for f in test + tune:
+            ctx_ids = lm.tokenizer.encode(files[f["path"]][:f["start"]], add_special_tokens=False)[-2048:]
+            f["context"] = lm.tokenizer.decode(ctx_ids)
+        repos.append({"name": name, "files": len(files), "tokens": store.tokens, "test": test, "tune": tune,
+                      "store": store})
+        print(f"{name}: {len(files)} files, {store.tokens} datastore tokens, {len(test)} test + {len(tune)} tune "
+              "functions", file=sys.stderr)
+    return repos
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     task_args(ap)
@@ -254,19 +272,7 @@ def main() -> None:
     settings = EngineSettings(model=args.model, max_prefix_tokens=2048)
     vocab = _Vocab(lm.tokenizer)
     tok = TokenizerInfo(lm.tokenizer, lm.name)
-    repos = []
-    for g in args.repos.split(","):
-        name, root = checkout(Path(g))
-        files, test, tune = held_out(root, args.functions, args.tune_functions)
-        store = Datastore(files, test + tune, tok)
-        for f in test + tune:
-            text = files[f["path"]]
-            ctx_ids = lm.tokenizer.encode(text[:f["start"]], add_special_tokens=False)[-2048:]
-            f["context"] = lm.tokenizer.decode(ctx_ids)
-        repos.append({"name": name, "files": len(files), "tokens": store.tokens, "test": test, "tune": tune,
-                      "store": store})
-        print(f"{name}: {len(files)} files, {store.tokens} datastore tokens, {len(test)} test + {len(tune)} tune "
-              "functions", file=sys.stderr)
+    repos = load_repos(args, lm, tok)
     out = Path(args.out)
     if args.tune:
         tune_grid(lm, settings, repos, vocab, args, out)

@@ -61,6 +61,12 @@ void rms_norm(int rows, int D, int el, const void *x, const void *h, void *xsum,
     }
 }
 
+/* sigmoid(g) without overflow, from exp_neg */
+static inline float sigmoid(float g) {
+    const float e = exp_neg(-fabsf(g));
+    return g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+
 /* silu(g) * u of n bf16 pairs, rounded as PyTorch's bf16 ops round: exp_neg's sigmoid, 16 lanes at a
  * time where AVX-512 is compiled in.  The lanes repeat the scalar loop's operations, one division for
  * both signs' numerators; checked against it for every bf16 gate (the up factor comes after the
@@ -86,10 +92,8 @@ static void silu_bf16(int n, const uint16_t *g, const uint16_t *u, uint16_t *out
     }
 #endif
     for (; j < n; j++) {
-        const float gj = bf16_to_f32(g[j]), uj = bf16_to_f32(u[j]);
-        const float e = exp_neg(-fabsf(gj)); /* sigmoid without overflow */
-        const float sig = gj >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-        out[j] = f32_to_bf16(rnd(rnd(gj * sig, 2) * uj, 2));
+        const float gj = bf16_to_f32(g[j]);
+        out[j] = f32_to_bf16(rnd(rnd(gj * sigmoid(gj), 2) * bf16_to_f32(u[j]), 2));
     }
 }
 
@@ -103,10 +107,8 @@ void silu_mul(int rows, int F, int el, const void *gu, void *out) {
             continue;
         }
         for (int j = 0; j < F; j++) {
-            float g = ld(gu, gi + j, el), u = ld(gu, gi + F + j, el);
-            float e = exp_neg(-fabsf(g)); /* sigmoid without overflow */
-            float sig = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-            st(out, oi + j, rnd(rnd(g * sig, el) * u, el), el);
+            const float g = ld(gu, gi + j, el);
+            st(out, oi + j, rnd(rnd(g * sigmoid(g), el) * ld(gu, gi + F + j, el), el), el);
         }
     }
 }
@@ -422,6 +424,14 @@ static int64_t first_at(const uint16_t *p, int64_t n, int16_t best, int nan) {
     return 0;
 }
 
+#ifdef __AVX512BW__
+/* bf16_key of 32 values */
+static inline __m512i bf16_keys32(__m512i v) {
+    const __m512i s = _mm512_srai_epi16(v, 15);
+    return _mm512_sub_epi16(_mm512_xor_si512(v, _mm512_and_si512(s, _mm512_set1_epi16(0x7fff))), s);
+}
+#endif
+
 void argmax_bf16(int64_t rows, int64_t n, const uint16_t *x, int64_t *out) {
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *p = x + r * n;
@@ -432,13 +442,10 @@ void argmax_bf16(int64_t rows, int64_t n, const uint16_t *x, int64_t *out) {
         /* 32 keys a vector: the largest, and whether any is a NaN */
         __m512i vbest = _mm512_set1_epi16(INT16_MIN);
         __mmask32 vnan = 0;
-        const __m512i low15 = _mm512_set1_epi16(0x7fff), inf = _mm512_set1_epi16(0x7f80);
         for (; i + 32 <= n; i += 32) {
             const __m512i v = _mm512_loadu_si512((const void *)(p + i));
-            const __m512i s = _mm512_srai_epi16(v, 15);
-            const __m512i k = _mm512_sub_epi16(_mm512_xor_si512(v, _mm512_and_si512(s, low15)), s);
-            vbest = _mm512_max_epi16(vbest, k);
-            vnan |= _mm512_cmpgt_epi16_mask(_mm512_and_si512(v, low15), inf);
+            vbest = _mm512_max_epi16(vbest, bf16_keys32(v));
+            vnan |= _mm512_cmpgt_epi16_mask(_mm512_and_si512(v, _mm512_set1_epi16(0x7fff)), _mm512_set1_epi16(0x7f80));
         }
         int16_t lanes[32];
         _mm512_storeu_si512((void *)lanes, vbest);
@@ -450,24 +457,12 @@ void argmax_bf16(int64_t rows, int64_t n, const uint16_t *x, int64_t *out) {
             best = k > best ? k : best;
             nan |= (p[i] & 0x7fff) > 0x7f80;
         }
-        int64_t at = 0;
+        int64_t j = 0;
 #ifdef __AVX512BW__
-        if (!nan) { /* the first lane equal to the largest key */
-            const __m512i vb = _mm512_set1_epi16(best), low15 = _mm512_set1_epi16(0x7fff);
-            int64_t j = 0;
-            for (; j + 32 <= n; j += 32) {
-                const __m512i v = _mm512_loadu_si512((const void *)(p + j));
-                const __m512i s = _mm512_srai_epi16(v, 15);
-                const __m512i k = _mm512_sub_epi16(_mm512_xor_si512(v, _mm512_and_si512(s, low15)), s);
-                const __mmask32 m = _mm512_cmpeq_epi16_mask(k, vb);
-                if (m) break;
-            }
-            at = j + first_at(p + j, n - j, best, 0);
-            out[r] = at;
-            continue;
-        }
+        if (!nan) /* the first block of 32 that holds the largest key */
+            for (const __m512i vb = _mm512_set1_epi16(best); j + 32 <= n; j += 32)
+                if (_mm512_cmpeq_epi16_mask(bf16_keys32(_mm512_loadu_si512((const void *)(p + j))), vb)) break;
 #endif
-        at = first_at(p, n, best, nan);
-        out[r] = at;
+        out[r] = j + first_at(p + j, n - j, best, nan);
     }
 }
