@@ -12,6 +12,8 @@ K key/value heads, E head dim.  A sequence's KV lives in a ``SeqKV``: per layer
 
 from __future__ import annotations
 
+import functools
+
 import math
 import os
 from dataclasses import dataclass
@@ -122,9 +124,24 @@ class Linear(nn.Linear):
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``Transformer.pack`` applies: CPU, oneDNN built in, bf16 or fp32 weights."""
+    """Whether ``Transformer.pack`` applies: CPU, oneDNN built in, bf16 or fp32 weights, and
+    this CPU's oneDNN takes that dtype (its bf16 path needs AVX-512BW/VL/DQ or AVX-NE-CONVERT:
+    on an AVX2-only CPU the reorder raises, and the weights stay unpacked)."""
     return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and _onednn_takes(dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_takes(dtype: torch.dtype) -> bool:
+    """Whether oneDNN on this CPU prepacks and runs a linear weight of ``dtype`` (probed once
+    on a tiny weight: its CPU checks are not exposed for every dtype)."""
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), None)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=dtype), w, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2ForCausalLM)
 
 from codecomplete.model import native
-from codecomplete.model.transformer import causal_mask, from_hf
+from codecomplete.model.transformer import can_pack, causal_mask, from_hf
 
 # decode attention: PyTorch, and the native CPU kernel where a C compiler is here
 NATIVE = [False, True] if native.available() else [False]
@@ -88,6 +88,8 @@ def test_greedy_tokens_identical(family, native_decode):
 def test_packed_weights_change_no_result(dtype):
     """The oneDNN-prepacked linears give the plain ones' logits (prefill, decode, a
     verification-sized step); with autograd on, the plain weights run so gradients flow."""
+    if not can_pack(torch.device("cpu"), dtype):
+        pytest.skip(f"oneDNN on this CPU does not prepack {dtype} (see test_pack_falls_back_where_onednn_refuses)")
     _, own = pair("qwen2", tie=True)
     own = own.to(dtype)
     ids = torch.randint(0, 311, (2, 30))
@@ -165,3 +167,26 @@ def test_rope_table_gives_the_computed_angles(dtype):
     own.inv_freq = own.inv_freq * 0.5  # new frequencies (as from_hf sets them): a new table
     pos = torch.arange(40).view(2, 20)
     assert torch.equal(own.rope(pos)[0], own.rope_angles(pos)[0])
+
+
+def test_pack_falls_back_where_onednn_refuses(monkeypatch):
+    """Where this CPU's oneDNN refuses a dtype (bf16 without AVX-512BW/VL/DQ or AVX-NE-CONVERT,
+    which raises on the first reorder), pack() keeps the plain weights and says so, and the
+    model still runs; where it accepts, the probe agrees with a real reorder."""
+    from codecomplete.model import transformer as tr
+
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=dtype), None)
+            works = True
+        except RuntimeError:
+            works = False
+        assert tr._onednn_takes(dtype) == works
+    _, own = pair("qwen2", tie=True)
+    own = own.to(torch.bfloat16)
+    monkeypatch.setattr(tr, "_onednn_takes", lambda dtype: False)
+    assert own.pack(True) is False and own.packed is False
+    assert all(m.packed is None for m in own.modules() if isinstance(m, tr.Linear))
+    with torch.no_grad():
+        out = own(torch.randint(0, 311, (1, 12)), [own.new_cache()], logits_for="all")
+    assert out.shape == (1, 12, 311) and torch.isfinite(out.float()).all()
