@@ -808,10 +808,14 @@ def test_greedy_head_is_off_where_it_would_not_help_or_is_not_wanted():
 
 
 @pytest.mark.skipif(not __import__("shutil").which("gcc"), reason="needs gcc")
-@pytest.mark.parametrize("march", ["x86-64-v2", "skylake-avx512"])
+@pytest.mark.parametrize("march", ["x86-64-v2", "haswell", "skylake-avx512"])
 def test_the_library_links_and_loads_without_avx512_bf16(tmp_path, march):
     """The kernels' CPU-specific parts have fallbacks: a build for a CPU without AVX512-BF16/VNNI
-    (AVX2 laptops, Skylake servers) must load, or such CPUs silently lose every native kernel."""
+    (AVX2 laptops, Skylake servers) must load, or such CPUs silently lose every native kernel.
+    Where this CPU can run the build, its bf16 linear kernel (portable loop, AVX2 + FMA, or
+    AVX-512F without BF16) must match an fp32 reference, and every row of a many-row call must
+    have the bits of that row alone (a decode step's), for K and N that are and are not
+    multiples of the kernel's blocks."""
     import ctypes
     import platform
 
@@ -826,3 +830,26 @@ def test_the_library_links_and_loads_without_avx512_bf16(tmp_path, march):
     assert lib.head_greedy_native() == 0 and lib.linear_bf16_native() == 0
     for name in ("decode_stack", "decode_attention", "argmax_bf16", "silu_mul", "head_greedy_team"):
         assert hasattr(lib, name)
+    needs = {"x86-64-v2": {"sse4_2"}, "haswell": {"avx2", "fma", "bmi2", "f16c"},
+             "skylake-avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}[march]
+    cpu = set(" ".join(ln for ln in open("/proc/cpuinfo").read().splitlines() if ln.startswith("flags")).split())
+    if not needs <= cpu:
+        return  # linked and loaded; this CPU cannot run its code
+    ptr = ctypes.c_void_p
+    lib.linear_bf16.restype = None
+    lib.linear_bf16.argtypes = [ctypes.c_int] * 3 + [ptr] * 4
+    torch.manual_seed(0)
+    for n, k in ((37, 64), (64, 576), (13, 70), (8, 31)):
+        w, b = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+        wp = native.pack_linear(w)
+        x = torch.randn(7, k).bfloat16()
+
+        def run(rows):
+            y = torch.empty(len(rows), n, dtype=torch.bfloat16)
+            lib.linear_bf16(len(rows), n, k, rows.data_ptr(), wp.data_ptr(), b.data_ptr(), y.data_ptr())
+            return y
+
+        y = run(x)
+        ref = x.float() @ w.float().T + b.float()
+        torch.testing.assert_close(y.float(), ref, atol=0.03 * ref.abs().max().item(), rtol=0.02)
+        assert torch.equal(y, torch.cat([run(x[i:i + 1].clone()) for i in range(len(x))])), (march, n, k)
