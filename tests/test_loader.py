@@ -33,6 +33,28 @@ def test_explicit_dtype_names():
         resolve_dtype("int3", torch.device("cpu"))
 
 
+def test_auto_dtype_follows_the_cpu_and_the_kernels():
+    """"auto" on CPU is bf16 where bf16 products are fast (AMX/AVX512-BF16), or where the native
+    kernels run bf16 on SIMD (AVX2 + FMA); without the kernels an AVX2 CPU gets fp32 (PyTorch's
+    bf16 is slow there).  The kernels' path must be the one the CPU's flags allow."""
+    import torch
+
+    from codecomplete.model import native
+    from codecomplete.model.loader import cpu_has_fast_bf16
+
+    cpu = torch.device("cpu")
+    flags = set(" ".join(ln for ln in open("/proc/cpuinfo").read().splitlines() if ln.startswith("flags")).split())
+    fast = cpu_has_fast_bf16()
+    assert resolve_dtype("auto", cpu, native=False) is (torch.bfloat16 if fast else torch.float32)
+    if not native.available():
+        assert resolve_dtype("auto", cpu) is (torch.bfloat16 if fast else torch.float32)
+        return
+    path = native._lib.linear_bf16_path()
+    assert path == (2 if "avx512_bf16" in flags else 1 if {"avx2", "fma"} <= flags else 0)
+    assert native.linear_bf16_simd() == (path >= 1)
+    assert resolve_dtype("auto", cpu) is (torch.bfloat16 if fast or path >= 1 else torch.float32)
+
+
 def test_read_source_rejects_binary_big_and_non_utf8(tmp_path):
     (tmp_path / "bin").write_bytes(b"abc\0def")
     (tmp_path / "big").write_text("x" * 100)

@@ -45,6 +45,26 @@ static inline void hide(float *s, int64_t n, int64_t i, const uint8_t *mask, int
     }
 }
 
+/* s[0, n) summed as position t adding to lane t % 16, the lanes then in a fixed tree: the same
+ * bits for any n whose extra positions hold zeros.  Without reassociation, or GCC may split the
+ * lanes' sums into several accumulators by the block count's parity (it did for some n). */
+__attribute__((optimize("no-associative-math"))) static float lane_sum(const float *s, int64_t n) {
+    float part[16] = {0.0f};
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16)
+        for (int j = 0; j < 16; j++) part[j] += s[t + j];
+    for (int j = 0; t + j < n; j++) part[j] += s[t + j];
+    for (int w = 8; w; w >>= 1)
+        for (int j = 0; j < w; j++) part[j] += part[j + w];
+    return part[0];
+}
+
+/* s[j] = exp(s[j] - mr) for 16 scores, 0 where hidden (-inf): one vector code path for every block */
+static inline void exp_block16(float *s, float mr) {
+#pragma omp simd
+    for (int j = 0; j < 16; j++) s[j] = s[j] == -INFINITY ? 0.0f : exp_neg(s[j] - mr);
+}
+
 /* Mask (hide) and softmax one query row's scores s[0, n).  Leaves unnormalised probabilities
  * in s (zeros where hidden), their max in *m (-inf: nothing visible) and their sum in *l. */
 static inline void mask_softmax(float *s, int64_t n, int64_t i, const uint8_t *mask, int64_t T, int64_t len,
@@ -57,12 +77,22 @@ static inline void mask_softmax(float *s, int64_t n, int64_t i, const uint8_t *m
     if (mr == -INFINITY) {
         for (int64_t t = 0; t < n; t++) s[t] = 0.0f;
     } else {
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; t++) {
-            float p = s[t] == -INFINITY ? 0.0f : exp_neg(s[t] - mr);
-            s[t] = p;
-            sum += p;
+        /* position t adds to lane t % 16, and the lanes are summed in a fixed tree: a row's sum
+         * then has the same bits whether the chunk ends at the row's own position (a one-token
+         * step) or further on, at hidden positions that add zeros (a verification pass).  A plain
+         * SIMD reduction sends the last n % 8 positions through a scalar tail instead, so the two
+         * rounded differently (measured: speculation in bf16 on an AVX2 CPU left greedy output).
+         * The exp goes over whole blocks of 16 too (the last one through a padded copy): the
+         * compiler's vector body and its scalar tail may round an exp differently. */
+        int64_t t = 0;
+        for (; t + 16 <= n; t += 16) exp_block16(s + t, mr);
+        if (t < n) {
+            float pad[16];
+            for (int j = 0; j < 16; j++) pad[j] = t + j < n ? s[t + j] : -INFINITY;
+            exp_block16(pad, mr);
+            memcpy(s + t, pad, sizeof(float) * (size_t)(n - t));
         }
+        sum = lane_sum(s, n);
     }
     *m = mr;
     *l = sum;
@@ -128,15 +158,30 @@ static inline void mask_softmax16(float *s, int64_t n, int64_t i, const uint8_t 
 #define MASK_SOFTMAX mask_softmax
 #endif
 
+/* s[j] = scale * (q . k_j) for 16 keys k [16, E]: not inlined, so that every block of every chunk,
+ * the padded last one too, runs the same instructions (a loop over positions ending at n let the
+ * compiler round its last n % 8 dot products otherwise than the rest) */
+__attribute__((noinline)) static void scores16(const float *q, const float *k, int E, float scale, float *s) {
+    for (int j = 0; j < 16; j++) {
+        const float *kt = k + (size_t)j * E;
+        float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+        for (int e = 0; e < E; e++) d += q[e] * kt[e];
+        s[j] = d * scale;
+    }
+}
+
 /* One work item: the R = G * S query rows that share one KV head (row r is query head
  * r / S at new position r % S), over cache positions [t0, t1) of it.  Position t is
  * visible to new position i when mask[i * T + t] (mask: [S, T], T = len + S) or, without
  * a mask, when t <= len + i (causal).  Writes the unnormalised output acc [R, E], the
  * max m [R] (-inf: nothing visible) and the sum l [R].  `scores` holds R * chunk floats,
  * `buf` chunk * E.  Instantiated for the common head sizes so the compiler unrolls the E
- * loops and keeps a query row in registers. */
+ * loops and keeps a query row in registers.  Without reassociation: with it GCC split the E = 64
+ * instance's sum over positions into several accumulators, so a row's output depended on how
+ * many positions the chunk held (a step's and a pass's rows differed in the last bit). */
 #define ATTEND_CHUNK(NAME, EDIM)                                                                         \
-    static void NAME(const float *q, const void *keys, const void *vals, int elsize, int R, int S,        \
+    __attribute__((optimize("no-associative-math"))) static void NAME(const float *q, const void *keys, const void *vals, int elsize, int R, int S,        \
                      int E_, int64_t len, const uint8_t *mask, int64_t t0, int64_t t1, float scale,        \
                      float *acc, float *m, float *l, float *scores, float *buf, int64_t split,             \
                      const void *kalt, const void *valt) {                                                 \
@@ -144,14 +189,19 @@ static inline void mask_softmax16(float *s, int64_t n, int64_t i, const uint8_t 
         const int E = EDIM > 0 ? EDIM : E_;                                                                \
         const int64_t n = t1 - t0, T = len + S;                                                            \
         const float *k = rows_f32(keys, elsize, E, t0, n, buf);                                            \
+        const int64_t nb = n / 16 * 16;                                                                    \
+        float kpad[16 * (EDIM > 0 ? EDIM : E_)];                                                           \
+        if (nb < n) { /* the last, partial block of 16 keys, zero-padded */                                \
+            memset(kpad, 0, sizeof kpad);                                                                  \
+            memcpy(kpad, k + nb * E, sizeof(float) * (size_t)(n - nb) * E);                                \
+        }                                                                                                  \
         for (int r = 0; r < R; r++) {                                                                      \
             const float *qr = q + (size_t)r * E;                                                           \
-            float *s = scores + (size_t)r * n;                                                             \
-            for (int64_t t = 0; t < n; t++) {                                                              \
-                const float *kt = k + t * E;                                                               \
-                float d = 0.0f;                                                                            \
-                _Pragma("omp simd reduction(+ : d)") for (int e = 0; e < E; e++) d += qr[e] * kt[e];       \
-                s[t] = d * scale;                                                                          \
+            float *s = scores + (size_t)r * n, tail[16];                                                   \
+            for (int64_t t = 0; t < nb; t += 16) scores16(qr, k + t * E, E, scale, s + t);                \
+            if (nb < n) {                                                                                  \
+                scores16(qr, kpad, E, scale, tail);                                                        \
+                memcpy(s + nb, tail, sizeof(float) * (size_t)(n - nb));                                    \
             }                                                                                              \
             MASK_SOFTMAX(s, n, r % S, mask, T, len, t0, m + r, l + r);                                    \
         }                                                                                                  \

@@ -403,6 +403,17 @@ int linear_bf16_native(void) {
 #endif
 }
 
+/* which path linear_team takes: 2 AVX512-BF16, 1 AVX2 + FMA, 0 the portable loop */
+int linear_bf16_path(void) {
+#if defined(__AVX512BF16__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* ---- The greedy head: exact logits only where the greedy choice can be ----
  *
  * A decode step reads the head (V x D bf16; 57 MB of SmolLM2-135M's 269) for one thing: the
