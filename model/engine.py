@@ -35,7 +35,7 @@ from .loader import LoadedModel, ModelLoadError, load_model, model_identity
 from .native import STACK_ROWS
 from .prompts import PromptPlan, SessionPool, Tokens
 from .sampling import greedy_tokens
-from .speculate import Drafter, LiveIndex, Tree, verify
+from .speculate import Drafter, LiveIndex, Tree, pass_rows, verify
 from .stops import CompletionShape, StopRules
 from .transformer import SeqKV
 
@@ -396,6 +396,7 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
     budget) exactly as if decoded one at a time.  Returns the requests still going.
     ``undrafted``: what to run instead when no request has a draft (default: a plain step)."""
     trees = []
+    rows = pass_rows(drafter.settings, lm.model)
     for lv in lives:
         room = lv.budget - len(lv.generated)
         if lv.pending or room <= 0 or lv.request.cancel.is_set():
@@ -403,7 +404,10 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
         else:
             if lv.live is None:
                 lv.live = LiveIndex()
-            trees.append(drafter.draft(lv.fed + [lv.generated[-1]], limit=room, live=lv.live))
+            tree = drafter.draft(lv.fed + [lv.generated[-1]], limit=min(room, rows - 1), live=lv.live)
+            if len(tree) > rows - 1:  # a tree of max_nodes wider than the cap: its best nodes (parents first)
+                tree = Tree(tree.tokens[:rows - 1], tree.parents[:rows - 1], tree.depths[:rows - 1])
+            trees.append(tree)
     if lm.model.native_stack is not None and len(lives) > 1:
         # one native call takes STACK_ROWS rows (sequences x (1 + nodes)); a larger pass
         # would run as several: past that, trees lose their last nodes instead

@@ -126,6 +126,49 @@ def test_a_long_own_match_gets_a_whole_chain():
     assert len(Drafter(replace(spec, live_chain=13)).draft(seq, live=LiveIndex())) == 4
 
 
+def test_max_rows_caps_every_verification_pass(lm, tiny_model, monkeypatch):
+    """``max_rows`` bounds a pass's rows (the last token and its draft nodes), chains and wide
+    trees alike, and the output stays greedy; 0 (auto) caps bf16 passes at ``AVX2_ROWS`` only
+    where bf16 products run on AVX2 or the portable loop, and never an fp32 model's."""
+    from codecomplete.model import engine, native
+    from codecomplete.model.speculate import AVX2_ROWS, pass_rows
+
+    vocab = _Vocab(lm.tokenizer)
+    prefix = "x = [\n" + "    'abc', 'def',\n" * 12
+    request = CompletionRequest(prefix, "", mode="multi", max_tokens=24, max_lines=200, ignore_eos=True)
+    sizes = []
+    real = engine.verify
+
+    def spy(lm_, lives, trees, *a, **kw):
+        sizes.extend(len(t) for t in trees)
+        return real(lm_, lives, trees, *a, **kw)
+
+    monkeypatch.setattr(engine, "verify", spy)
+    with torch.inference_mode():
+        plan = plan_prompt(lm, request, NO_HEAL, None, None)
+        slow = greedy_plain(lm, request, plan, None)
+        for rows, nodes in ((3, 3), (3, 12), (6, 12)):
+            sizes.clear()
+            spec = SpecSettings(max_nodes=nodes, depth=10, use_cache=False, use_repository=False, use_common=False,
+                                max_rows=rows)
+            drafter = Drafter(spec, None, vocab.texts)
+            live = start(lm, request, plan, None)
+            while advance(lm, live, None):
+                if not spec_step(lm, [live], drafter, None):
+                    break
+            assert live.result.token_ids == slow.token_ids
+            assert sizes and max(sizes) <= rows - 1 and live.accepted > 0, (rows, nodes, sizes)
+            if rows == 6:
+                assert max(sizes) == 5  # the repeated text drafts chains up to the cap
+    spec = SpecSettings()
+    assert pass_rows(spec, lm.model) == spec.depth + 1  # fp32: no cap
+    assert pass_rows(SpecSettings(max_rows=7), lm.model) == 7
+    lm16 = load_model(str(tiny_model), device="cpu", dtype="bfloat16")
+    if lm16.model.native_stack is not None:
+        slow_rows = native._lib.linear_bf16_path() < 2 and not native.amx()
+        assert pass_rows(spec, lm16.model) == (AVX2_ROWS if slow_rows else spec.depth + 1)
+
+
 def greedy_plain(lm, request, plan, vocab):
     live = start(lm, request, plan, None)
     while advance(lm, live, vocab):
@@ -218,7 +261,8 @@ def test_bf16_speculation_is_exactly_greedy_decoding(tiny_model):
             outputs.append(plan.ids[-8:] + slow.token_ids)
         index = random_datastore(lm16, rng, outputs)
         accepted = 0
-        for spec in (SpecSettings(use_cache=False), SpecSettings(max_nodes=24, depth=6, top_k=8, use_cache=False)):
+        for spec in (SpecSettings(use_cache=False),
+                     SpecSettings(max_nodes=24, depth=6, top_k=8, use_cache=False, max_rows=25)):  # wide on any CPU
             drafter = Drafter(spec, retriever_of(index), vocab.texts, seed=3)
             for request, plan, slow in cases:
                 live = start(lm16, request, plan, None)
