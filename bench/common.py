@@ -86,6 +86,19 @@ def decode_ms(model, prompts, steps: int, warm: int = 1) -> float:
     return (time.perf_counter() - t) / steps * 1000
 
 
+def median_ms(fn, reps: int) -> float:
+    """The median of ``reps`` timed calls of ``fn``, in ms."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
 def run(cmd: list[str]) -> str:
     """Run a command (printed on stderr first), exit with its stderr's tail if it fails;
     the command line, for a results file."""

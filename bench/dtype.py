@@ -18,13 +18,12 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, decode_ms, header  # noqa: E402
+from common import RESULTS, decode_ms, header, median_ms  # noqa: E402
 
 from codecomplete.model import native  # noqa: E402
 from codecomplete.model.loader import load_model, resolve_dtype  # noqa: E402
@@ -32,13 +31,9 @@ from codecomplete.model.transformer import Linear, can_pack  # noqa: E402
 
 
 def timed(fn, reps: int = 3) -> float:
+    """``median_ms`` after one untimed call."""
     fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
+    return median_ms(fn, reps)
 
 
 def main() -> None:

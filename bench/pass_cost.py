@@ -24,13 +24,12 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header, native_model  # noqa: E402
+from common import RESULTS, header, median_ms, native_model  # noqa: E402
 
 from codecomplete.model import native  # noqa: E402
 
@@ -40,15 +39,6 @@ def chain_mask(cached: int, s: int) -> torch.Tensor:
     mask = torch.ones(s, cached + s, dtype=torch.bool)
     mask[:, cached:] = torch.tril(torch.ones(s, s, dtype=torch.bool))
     return mask
-
-
-def median_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
 
 
 def main() -> None:
