@@ -73,7 +73,7 @@ def pass_rows(settings, model) -> int:
     """The most rows a verification pass of ``model`` takes under ``settings``: its
     ``max_rows``, or (0, auto) ``AVX2_ROWS`` for a bf16 model on the CPU whose linear kernel is the
     AVX2 or portable one (a 16-row pass costs ~3.5 one-row steps there, against ~1.2 on AMX tiles;
-    measured: shorter chains won), else ``depth + 1``."""
+    measured: shorter chains won), else no cap (the largest tree the settings draw, plus the root)."""
     if settings.max_rows > 0:
         return settings.max_rows
     if model.device.type == "cpu" and model.dtype == torch.bfloat16 and model.native_stack is not None:
@@ -81,7 +81,7 @@ def pass_rows(settings, model) -> int:
 
         if native.available() and native._lib.linear_bf16_path() < 2 and not native.amx():
             return AVX2_ROWS
-    return settings.depth + 1
+    return max(settings.max_nodes, settings.depth) + 1
 
 
 def build_tree(weighted: list[tuple[tuple[int, ...], float]], max_nodes: int, max_depth: int) -> Tree:

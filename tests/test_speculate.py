@@ -162,11 +162,13 @@ def test_max_rows_caps_every_verification_pass(lm, tiny_model, monkeypatch):
                 assert max(sizes) == 5  # the repeated text drafts chains up to the cap
     spec = SpecSettings()
     assert pass_rows(spec, lm.model) == spec.depth + 1  # fp32: no cap
+    assert pass_rows(SpecSettings(max_nodes=24, depth=6), lm.model) == 25  # wide trees keep their nodes
     assert pass_rows(SpecSettings(max_rows=7), lm.model) == 7
     lm16 = load_model(str(tiny_model), device="cpu", dtype="bfloat16")
     if lm16.model.native_stack is not None:
         slow_rows = native._lib.linear_bf16_path() < 2 and not native.amx()
         assert pass_rows(spec, lm16.model) == (AVX2_ROWS if slow_rows else spec.depth + 1)
+        assert pass_rows(replace(spec, max_rows=2), lm16.model) == 2
 
 
 def greedy_plain(lm, request, plan, vocab):
