@@ -46,7 +46,7 @@ def main() -> None:
     bf = models["bfloat16"].model
     if bf.native_stack is None:
         sys.exit("needs the native kernels (a C compiler)")
-    path = {2: "AVX512-BF16", 1: "AVX2 + FMA", 0: "portable loop"}[native._lib.linear_bf16_path()]
+    path = {2: "AVX512-BF16", 1: "AVX2 + FMA", 0: "portable loop"}[native.linear_bf16_path()]
     mats = [m for m in bf.modules() if isinstance(m, Linear)]
     packed_bf = [native.pack_linear(m.weight) for m in mats]
     fp32_packs = can_pack(torch.device("cpu"), torch.float32)

@@ -404,15 +404,13 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
         else:
             if lv.live is None:
                 lv.live = LiveIndex()
-            tree = drafter.draft(lv.fed + [lv.generated[-1]], limit=min(room, rows - 1), live=lv.live)
-            if len(tree) > rows - 1:  # a tree of max_nodes wider than the cap: its best nodes (parents first)
-                tree = Tree(tree.tokens[:rows - 1], tree.parents[:rows - 1], tree.depths[:rows - 1])
-            trees.append(tree)
+            trees.append(drafter.draft(lv.fed + [lv.generated[-1]], limit=min(room, rows - 1), live=lv.live))
+    cap = rows - 1  # a tree wider than the cap (max_nodes > cap) keeps its best nodes (parents come first)
     if lm.model.native_stack is not None and len(lives) > 1:
         # one native call takes STACK_ROWS rows (sequences x (1 + nodes)); a larger pass
         # would run as several: past that, trees lose their last nodes instead
-        cap = max(0, STACK_ROWS // len(lives) - 1)
-        trees = [t if len(t) <= cap else Tree(t.tokens[:cap], t.parents[:cap], t.depths[:cap]) for t in trees]
+        cap = min(cap, max(0, STACK_ROWS // len(lives) - 1))
+    trees = [t if len(t) <= cap else Tree(t.tokens[:cap], t.parents[:cap], t.depths[:cap]) for t in trees]
     if not any(len(t) for t in trees):
         if undrafted is not None:
             return undrafted()

@@ -19,6 +19,7 @@ a message a user can act on.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -91,13 +92,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    return frozenset(w for ln in text.splitlines() if ln.startswith("flags") for w in ln.split(":", 1)[-1].split())
+
+
 def cpu_has_fast_bf16() -> bool:
     """AMX or AVX512-BF16: bf16 matmuls are several times faster than fp32 there."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
 def resolve_dtype(name: str, device: torch.device, native: bool = True) -> torch.dtype:

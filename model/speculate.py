@@ -79,7 +79,7 @@ def pass_rows(settings, model) -> int:
     if model.device.type == "cpu" and model.dtype == torch.bfloat16 and model.native_stack is not None:
         from . import native
 
-        if native.available() and native._lib.linear_bf16_path() < 2 and not native.amx():
+        if native.linear_bf16_path() in (0, 1) and not native.amx():
             return AVX2_ROWS
     return max(settings.max_nodes, settings.depth) + 1
 

@@ -13,7 +13,6 @@ K key/value heads, E head dim.  A sequence's KV lives in a ``SeqKV``: per layer
 from __future__ import annotations
 
 import functools
-
 import math
 import os
 from dataclasses import dataclass

@@ -40,16 +40,16 @@ def test_auto_dtype_follows_the_cpu_and_the_kernels():
     import torch
 
     from codecomplete.model import native
-    from codecomplete.model.loader import cpu_has_fast_bf16
+    from codecomplete.model.loader import cpu_flags, cpu_has_fast_bf16
 
     cpu = torch.device("cpu")
-    flags = set(" ".join(ln for ln in open("/proc/cpuinfo").read().splitlines() if ln.startswith("flags")).split())
+    flags = cpu_flags()
     fast = cpu_has_fast_bf16()
     assert resolve_dtype("auto", cpu, native=False) is (torch.bfloat16 if fast else torch.float32)
     if not native.available():
         assert resolve_dtype("auto", cpu) is (torch.bfloat16 if fast else torch.float32)
         return
-    path = native._lib.linear_bf16_path()
+    path = native.linear_bf16_path()
     assert path == (2 if "avx512_bf16" in flags else 1 if {"avx2", "fma"} <= flags else 0)
     assert native.linear_bf16_simd() == (path >= 1)
     assert resolve_dtype("auto", cpu) is (torch.bfloat16 if fast or path >= 1 else torch.float32)

@@ -166,7 +166,7 @@ def test_max_rows_caps_every_verification_pass(lm, tiny_model, monkeypatch):
     assert pass_rows(SpecSettings(max_rows=7), lm.model) == 7
     lm16 = load_model(str(tiny_model), device="cpu", dtype="bfloat16")
     if lm16.model.native_stack is not None:
-        slow_rows = native._lib.linear_bf16_path() < 2 and not native.amx()
+        slow_rows = native.linear_bf16_path() < 2 and not native.amx()
         assert pass_rows(spec, lm16.model) == (AVX2_ROWS if slow_rows else spec.depth + 1)
         assert pass_rows(replace(spec, max_rows=2), lm16.model) == 2
 

@@ -98,7 +98,6 @@ def _build() -> ctypes.CDLL:
     lib.silu_mul.argtypes = [i32] * 3 + [ptr] * 2
     lib.linear_bf16.restype = None
     lib.linear_bf16.argtypes = [i32] * 3 + [ptr] * 4
-    lib.linear_bf16_native.restype = i32
     lib.linear_bf16_path.restype = i32
     lib.linear_bf16_amx.restype = None
     lib.linear_bf16_amx.argtypes = [i32] * 3 + [ptr] * 4
@@ -264,12 +263,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def linear_bf16_path() -> int:
+    """Which path the bf16 linear kernel was built with (linear.c): 2 AVX512-BF16, 1 AVX2 + FMA,
+    0 the portable loop; -1 without the native kernels."""
+    return _lib.linear_bf16_path() if available() else -1
+
+
 def linear_bf16_simd() -> bool:
     """Whether bf16 products run on SIMD here (AVX512-BF16's dot products, or AVX2 + FMA
     splitting each bf16 pair): a bf16 model's decode step then streams half an fp32 model's
     bytes through the native kernels (3.3x faster than fp32 on an AVX2-only EPYC,
     bench/results/dtype_avx2.md).  False without the kernels or on the portable loop."""
-    return available() and _lib.linear_bf16_path() >= 1
+    return linear_bf16_path() >= 1
 
 
 LINEAR_ROWS = 32  # rows up to which ``linear`` is at least as fast as oneDNN, weights from memory (measured)

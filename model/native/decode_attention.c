@@ -181,7 +181,8 @@ __attribute__((noinline)) static void scores16(const float *q, const float *k, i
  * instance's sum over positions into several accumulators, so a row's output depended on how
  * many positions the chunk held (a step's and a pass's rows differed in the last bit). */
 #define ATTEND_CHUNK(NAME, EDIM)                                                                         \
-    __attribute__((optimize("no-associative-math"))) static void NAME(const float *q, const void *keys, const void *vals, int elsize, int R, int S,        \
+    __attribute__((optimize("no-associative-math"))) static void NAME(                                  \
+        const float *q, const void *keys, const void *vals, int elsize, int R, int S,                      \
                      int E_, int64_t len, const uint8_t *mask, int64_t t0, int64_t t1, float scale,        \
                      float *acc, float *m, float *l, float *scores, float *buf, int64_t split,             \
                      const void *kalt, const void *valt) {                                                 \

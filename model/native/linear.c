@@ -18,8 +18,8 @@
  * products are vdpbf16ps (bf16 pairs, fp32 accumulation); with AVX2 + FMA each 32-bit pair is
  * split into two fp32 vectors by a shift and a mask (on an AVX2-only AMD EPYC: one row over
  * SmolLM2-135M's weights 30.6 -> 18.1 ms, 16 rows 445 -> 58 ms; fp32 oneDNN 52 and 89 ms);
- * elsewhere a portable loop converts bf16 to fp32 first.  The output is rounded to bf16 once, as oneDNN's bf16 linear does; the
- * two differ only in summation order.
+ * elsewhere a portable loop converts bf16 to fp32 first.  The output is rounded to bf16 once, as
+ * oneDNN's bf16 linear does; the two differ only in summation order.
  *
  * The same kernel serves steps of many rows (speculation's verification, batched decoding):
  * six input rows at a time share each load of four weight vectors, so at 8-64 rows it is
@@ -184,13 +184,9 @@ static inline __attribute__((always_inline)) void group2(int MR, int K, int Kb, 
         const uint16_t *wb = w + (size_t)kb * 128;
         for (int h = 0; h < 32; h += 16) {
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)(x0 + h));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(x1 + h)); /* x0's again when MR = 1: unused */
             SPLIT_BF16(v0, x0e, x0o)
-            __m256 x1e = x0e, x1o = x0o;
-            if (MR > 1) {
-                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(x1 + h));
-                x1e = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
-                x1o = _mm256_castsi256_ps(_mm256_and_si256(v1, _mm256_set1_epi32((int)0xffff0000u)));
-            }
+            SPLIT_BF16(v1, x1e, x1o)
 #define DOT2(I)                                                                                                  \
     {                                                                                                            \
         const __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + I * 32 + h));                                \
@@ -392,15 +388,6 @@ int amx_enable(void) { return 0; }
 void linear_bf16_amx(int M, int N, int K, const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y) {
 #pragma omp parallel
     linear_team_amx(M, N, K, x, wp, bias, y);
-}
-
-/* 1 where the AVX512-BF16 path was compiled in */
-int linear_bf16_native(void) {
-#ifdef __AVX512BF16__
-    return 1;
-#else
-    return 0;
-#endif
 }
 
 /* which path linear_team takes: 2 AVX512-BF16, 1 AVX2 + FMA, 0 the portable loop */
