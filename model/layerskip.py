@@ -22,6 +22,9 @@ fits a lent GPU's time.  Validation (the fine-tune's validation split) before an
 the student's last layer against the teacher (top-1 agreement, KL, FIM loss on the
 middles) and each exit's agreement with the teacher.
 
+``--export-texts CHARS`` writes the texts to carry (the train split's random subset and the
+validation split) and ``--combine RUN_DIR`` turns a run into an adapter (see below).
+
 Writes DIR/lora-{0,1}.safetensors (the new LoRA, scale folded, bf16, split in two by
 layer), DIR/exits.safetensors (the exit adapters, for reference: ``exit_train`` retrains
 them on the result) and DIR/history.json.  ``combine`` appends the new LoRA to a shipped
@@ -197,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--texts", type=Path,
                     help="JSON (or .json.xz) {train: [...], validation: [...]} (default: the local corpus)")
     ap.add_argument("--export-texts", type=int, metavar="CHARS", help="only write --out as such a file and stop")
+    ap.add_argument("--combine", type=Path, metavar="RUN_DIR",
+                    help="only write --out: the adapter of --model (default: the shipped one) + RUN_DIR's new LoRA")
     ap.add_argument("--minutes", type=float, default=6.0, help="training time (the schedule follows it)")
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: the time decides)")
     ap.add_argument("--exits", default="8,12,16,20,24,27")
@@ -220,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.export_texts:
         print(json.dumps(export_texts(args.out, args.export_texts, args.seed)))
+        return 0
+    if args.combine:
+        from .adapter import SHIPPED
+
+        print(combine(SHIPPED if args.model == "default" else Path(args.model), args.combine, args.out))
         return 0
     exits = [int(x) for x in args.exits.split(",") if x.strip()]
     device = torch.device(args.device)

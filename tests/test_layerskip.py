@@ -49,7 +49,8 @@ def test_a_short_run_trains_the_exit_and_its_adapter_is_the_student(tiny_model: 
     assert 0 <= last["agree_1"] <= 1 and 0 <= last["final_agree"] <= 1
     assert first["final_kl"] < 0.05  # step 0: the student is the teacher (bf16 rounding apart)
 
-    combined = layerskip.combine(shipped, out, tmp_path / "combined")
+    combined = tmp_path / "combined"
+    assert layerskip.main(["--model", str(shipped), "--combine", str(out), "--out", str(combined)]) == 0
     meta = json.loads((combined / "adapter.json").read_text())
     assert meta["rank"] == 8 and meta["layerskip"]["rank"] == 4 and meta["base"] == str(tiny_model)
     new = {}
