@@ -67,8 +67,8 @@ def run(settings: EngineSettings, cases, tokens: int, together: bool = False) ->
     engine = Engine(settings).start()
     engine.ready.wait()
     try:
-        if engine.stats().get("error"):
-            raise RuntimeError(engine.stats()["error"])
+        if engine.stats().get("load_error"):
+            raise RuntimeError(engine.stats()["load_error"])
         reqs = [CompletionRequest(p, s, request_id=str(i), mode="multi", max_tokens=tokens, max_lines=1000,
                                   time_budget_ms=600000, ignore_eos=True) for i, (p, s) in enumerate(cases)]
         engine.complete(CompletionRequest(cases[0][0], cases[0][1], mode="multi", max_tokens=4))  # warm-up
@@ -83,6 +83,8 @@ def run(settings: EngineSettings, cases, tokens: int, together: bool = False) ->
         st = engine.stats()
     finally:
         engine.close()
+    if settings.early_exit.enabled and st["early_exit"]["error"]:  # it decoded without early exit: not this path
+        raise RuntimeError(f"early exit off: {st['early_exit']['error']}")
     errors = [o.error for o in outs if o.error]
     gen = sum(o.generated_tokens for o in outs)
     return {"ids": [o.token_ids for o in outs], "errors": errors[:3], "error_count": len(errors),
