@@ -124,6 +124,8 @@ class SpeculationConfig:
     max_nodes: int = field(default=3, metadata=_range(1, 512))  # draft tokens verified per step
     depth: int = field(default=15, metadata=_range(1, 32))  # longest draft
     max_rows: int = field(default=0, metadata=_range(0, 64))  # a pass's rows at most; 0: auto (4 on AVX2-only CPUs)
+    # where passes are costly (bf16 on AVX2-only CPUs), datastore drafts need a match this long (0: off)
+    costly_min_match: int = field(default=8, metadata=_range(0, 64))
     top_k: int = field(default=8, metadata=_range(1, 64))  # continuations per source
     alpha: float = field(default=1.0, metadata=_range(0, None))  # repository weight
     beta: float = field(default=0.5, metadata=_range(0, None))  # common datastore weight

@@ -35,7 +35,7 @@ from .loader import LoadedModel, ModelLoadError, load_model, model_identity
 from .native import STACK_ROWS
 from .prompts import PromptPlan, SessionPool, Tokens
 from .sampling import greedy_tokens
-from .speculate import Drafter, LiveIndex, Tree, pass_rows, verify
+from .speculate import Drafter, LiveIndex, Tree, datastore_min_match, pass_rows, verify
 from .stops import CompletionShape, StopRules
 from .transformer import SeqKV
 
@@ -397,6 +397,7 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
     ``undrafted``: what to run instead when no request has a draft (default: a plain step)."""
     trees = []
     rows = pass_rows(drafter.settings, lm.model)
+    min_match = datastore_min_match(drafter.settings, lm.model)
     for lv in lives:
         room = lv.budget - len(lv.generated)
         if lv.pending or room <= 0 or lv.request.cancel.is_set():
@@ -404,7 +405,8 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
         else:
             if lv.live is None:
                 lv.live = LiveIndex()
-            trees.append(drafter.draft(lv.fed + [lv.generated[-1]], limit=min(room, rows - 1), live=lv.live))
+            trees.append(drafter.draft(lv.fed + [lv.generated[-1]], limit=min(room, rows - 1), live=lv.live,
+                                       min_match=min_match))
     cap = rows - 1  # a tree wider than the cap (max_nodes > cap) keeps its best nodes (parents come first)
     if lm.model.native_stack is not None and len(lives) > 1:
         # one native call takes STACK_ROWS rows (sequences x (1 + nodes)); a larger pass

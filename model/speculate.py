@@ -69,19 +69,35 @@ class Tree:
 AVX2_ROWS = 4  # auto max_rows where bf16 products run on AVX2 (bench/results/spec_depth_avx2.md)
 
 
-def pass_rows(settings, model) -> int:
-    """The most rows a verification pass of ``model`` takes under ``settings``: its
-    ``max_rows``, or (0, auto) ``AVX2_ROWS`` for a bf16 model on the CPU whose linear kernel is the
-    AVX2 or portable one (a 16-row pass costs ~3.5 one-row steps there, against ~1.2 on AMX tiles;
-    measured: shorter chains won), else no cap (the largest tree the settings draw, plus the root)."""
-    if settings.max_rows > 0:
-        return settings.max_rows
+def costly_passes(model) -> bool:
+    """Whether a verification pass of several rows costs several one-row steps for ``model``: a
+    bf16 model on a CPU whose linear kernel is the AVX2 or portable one (a 16-row pass ~3.5 steps
+    there, against ~1.2 on AMX tiles)."""
     if model.device.type == "cpu" and model.dtype == torch.bfloat16 and model.native_stack is not None:
         from . import native
 
-        if native.linear_bf16_path() in (0, 1) and not native.amx():
-            return AVX2_ROWS
+        return native.linear_bf16_path() in (0, 1) and not native.amx()
+    return False
+
+
+def pass_rows(settings, model) -> int:
+    """The most rows a verification pass of ``model`` takes under ``settings``: its
+    ``max_rows``, or (0, auto) ``AVX2_ROWS`` where passes are costly (``costly_passes``; measured:
+    shorter chains won there), else no cap (the largest tree the settings draw, plus the root)."""
+    if settings.max_rows > 0:
+        return settings.max_rows
+    if costly_passes(model):
+        return AVX2_ROWS
     return max(settings.max_nodes, settings.depth) + 1
+
+
+def datastore_min_match(settings, model) -> int:
+    """The shortest context match the datastores draft from: ``min_match``, raised to
+    ``costly_min_match`` where passes are costly (measured on the AVX2 CPU: short matches' drafts
+    cost a wider pass and paid less than they cost, bench/results/spec_min_match_avx2.md)."""
+    if settings.costly_min_match and costly_passes(model):
+        return max(settings.min_match, settings.costly_min_match)
+    return settings.min_match
 
 
 def build_tree(weighted: list[tuple[tuple[int, ...], float]], max_nodes: int, max_depth: int) -> Tree:
@@ -263,17 +279,19 @@ class Drafter:
         head = cur[: len(cur) - len(cur.lstrip())]
         return not head.strip() and prev.rstrip(" \t").endswith("\n")
 
-    def draft(self, context: list[int], limit: int | None = None, live: LiveIndex | None = None) -> Tree:
+    def draft(self, context: list[int], limit: int | None = None, live: LiveIndex | None = None,
+              min_match: int | None = None) -> Tree:
         """A draft tree for what follows ``context`` (the last token is t0); ``live``: the
-        request's own index of its tokens (updated here with ``context``)."""
+        request's own index of its tokens (updated here with ``context``); ``min_match``: the
+        datastores' shortest match (default: the settings')."""
         t0 = time.perf_counter()
         try:
-            return self._draft(context, limit, live)
+            return self._draft(context, limit, live, min_match or self.settings.min_match)
         finally:
             self.stats["drafts"] += 1
             self.stats["draft_ms"] += (time.perf_counter() - t0) * 1000
 
-    def _draft(self, context: list[int], limit: int | None, live: LiveIndex | None) -> Tree:
+    def _draft(self, context: list[int], limit: int | None, live: LiveIndex | None, min_match: int) -> Tree:
         s = self.settings
         depth = max(1, min(s.depth, limit if limit is not None else s.depth))
         weighted: list[tuple[tuple[int, ...], float]] = []
@@ -300,7 +318,7 @@ class Drafter:
             if consult:
                 self.stats["retrievals"] += 1
                 found = False
-                for m in self.retriever(context, draft_len=depth, top_k=s.top_k, min_len=s.min_match):
+                for m in self.retriever(context, draft_len=depth, top_k=s.top_k, min_len=min_match):
                     weight = s.alpha if m.source == "repository" else s.beta
                     if (m.source == "repository" and not s.use_repository) or (
                             m.source == "common" and not s.use_common):

@@ -171,6 +171,39 @@ def test_max_rows_caps_every_verification_pass(lm, tiny_model, monkeypatch):
         assert pass_rows(replace(spec, max_rows=2), lm16.model) == 2
 
 
+def test_costly_passes_draft_only_long_datastore_matches(lm, monkeypatch):
+    """Where passes are costly, the datastores are asked for matches of ``costly_min_match``
+    tokens at least (0 turns it off); elsewhere ``min_match``; the output stays greedy."""
+    from codecomplete.model import engine, speculate
+    from codecomplete.model.speculate import costly_passes, datastore_min_match
+
+    assert not costly_passes(lm.model)  # fp32: passes cost what the CPU's GEMM costs
+    vocab = _Vocab(lm.tokenizer)
+    prefix, suffix = PROMPTS[3]
+    request = CompletionRequest(prefix, suffix, mode="multi", max_tokens=12, max_lines=200, ignore_eos=True)
+    with torch.inference_mode():
+        plan = plan_prompt(lm, request, NO_HEAL, None, None)
+        slow = greedy_plain(lm, request, plan, None)
+        for costly, spec, want in ((False, SpecSettings(), 2), (True, SpecSettings(), 8),
+                                   (True, SpecSettings(costly_min_match=0), 2),
+                                   (True, SpecSettings(min_match=10), 10)):
+            monkeypatch.setattr(speculate, "costly_passes", lambda model, c=costly: c)
+            asked = []
+
+            def retriever(context, **kw):
+                asked.append(kw["min_len"])
+                return []
+
+            assert datastore_min_match(spec, lm.model) == want
+            drafter = Drafter(replace(spec, missing_table=False, use_cache=False), retriever, vocab.texts)
+            live = start(lm, request, plan, None)
+            while advance(lm, live, None):
+                if not engine.spec_step(lm, [live], drafter, None):
+                    break
+            assert live.result.token_ids == slow.token_ids
+            assert asked and set(asked) == {want}, (costly, spec, set(asked))
+
+
 def greedy_plain(lm, request, plan, vocab):
     live = start(lm, request, plan, None)
     while advance(lm, live, vocab):
