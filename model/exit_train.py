@@ -58,11 +58,10 @@ def collect(lm, batches: int, layers: list[int], split: str, seed: int, batch: i
     (labels set), or at every position (``every``: the full model's top token is a target
     anywhere; the prompt's positions are six times the outputs'); token counts of the input."""
     from .train import batches as make_batches
+    from .train import special_ids
 
     model, tok = lm.model, lm.tokenizer
-    special = {k: tok.convert_tokens_to_ids(v) for k, v in
-               (("prefix", "<fim_prefix>"), ("suffix", "<fim_suffix>"), ("middle", "<fim_middle>"))}
-    special["eos"] = tok.eos_token_id
+    special = special_ids(tok)
     texts = [t for _, t in _splits()[split]]
     if any(v is None or v == tok.unk_token_id for v in special.values()):
         data = plain_batches(texts, tok, random.Random(seed), batch, seq)  # no FIM tokens: plain code

@@ -54,16 +54,17 @@ import torch.nn.functional as F
 from . import train as tr
 
 
-def load_texts(path: Path | None, split: str) -> list[str]:
-    """A split's texts: from ``path`` (JSON {split: [text]}, xz-compressed when it ends in
-    .xz: how the texts travel to a machine without this one's site-packages) or from the
-    local corpus."""
+def load_texts(path: Path | None) -> dict[str, list[str]]:
+    """The train and validation texts: from ``path`` (JSON {split: [text]}, xz-compressed when
+    it ends in .xz: how the texts travel to a machine without this one's site-packages) or
+    from the local corpus."""
     if path is not None:
         raw = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
-        return json.loads(raw)[split]
+        data = json.loads(raw)
+        return {k: data[k] for k in ("train", "validation")}
     from .exit_train import _splits
 
-    return [t for _, t in _splits()[split]]
+    return {k: [t for _, t in _splits()[k]] for k in ("train", "validation")}
 
 
 def export_texts(out: Path, max_chars: int, seed: int = 0) -> dict:
@@ -133,12 +134,12 @@ def evaluate(student, teacher, adapters, exits, batches, device, eos) -> dict:
             top = t_logits.argmax(-1)
             fin[0] += int((s_logits.argmax(-1) == top).sum())
             fin[1] += len(top)
-            kls.append(float(kl(s_logits, F.log_softmax(t_logits, -1))))  # the last layer against the teacher
+            t_logp = F.log_softmax(t_logits, -1)
+            kls.append(float(kl(s_logits, t_logp)))  # the last layer against the teacher
             mid = labels[:, 1:] != -100  # FIM loss on the middles, as the fine-tune measures it
             tgt = labels[:, 1:][mid]
             ce_s.append(float(F.cross_entropy(student.lm_head(s_last[:, :-1][mid]).float(), tgt)))
             ce_t.append(float(F.cross_entropy(teacher.lm_head(t_last[:, :-1][mid]).float(), tgt)))
-            t_logp = F.log_softmax(t_logits, -1)
             for e, h, a in zip(exits, s_exits, adapters):
                 logits = exit_logits(student, a, h[keep]).float()
                 agree[e][0] += int((logits.argmax(-1) == top).sum())
@@ -209,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=5.5, help="training time (the schedule follows it)")
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: the time decides)")
     ap.add_argument("--exits", default="12,16,20,24,27")
-    ap.add_argument("--exit-weight", type=float, default=0.15, help="weight of each exit's loss (the last layer's is 1)")
+    ap.add_argument("--exit-weight", type=float, default=0.15,
+                    help="weight of each exit's loss (the last layer's is 1)")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--alpha", type=float, default=32.0)
     ap.add_argument("--lr", type=float, default=2e-4)
@@ -245,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     n_layers = student.config.num_hidden_layers
     if any(not 0 < e < n_layers for e in exits):
         raise SystemExit(f"--exits must lie in 1..{n_layers - 1}")
-    special = {k: tok.convert_tokens_to_ids(v) for k, v in zip(("prefix", "suffix", "middle"), tr.FIM_TOKENS)}
-    special["eos"] = tok.eos_token_id
+    special = tr.special_ids(tok)
     teacher = copy.deepcopy(student).to(device=device, dtype=torch.bfloat16).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
@@ -262,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                              {"params": list(adapters.parameters()), "lr": args.exit_lr}], weight_decay=0.0)
     base_lrs = [g["lr"] for g in opt.param_groups]
 
-    train_texts, val_texts = load_texts(args.texts, "train"), load_texts(args.texts, "validation")
+    texts = load_texts(args.texts)
+    train_texts, val_texts = texts["train"], texts["validation"]
     loader = torch.utils.data.DataLoader(Batches(train_texts, tok, special, args.seed, args.batch, args.seq),
                                          batch_size=None, num_workers=args.workers,
                                          prefetch_factor=4 if args.workers else None)
@@ -273,12 +275,13 @@ def main(argv: list[str] | None = None) -> int:
                "model": args.model, "base": base_path, "device": str(device),
                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                "train_files": len(train_texts), "validation_files": len(val_texts), "evals": [], "steps": []}
-    t_eval = time.perf_counter()
+
     def check(step: int, tokens: int) -> None:
         history["evals"].append({"step": step, "tokens": tokens,
                                  **evaluate(student, teacher, adapters, exits, val, device, special["eos"])})
         log(json.dumps(history["evals"][-1]))
 
+    t_eval = time.perf_counter()
     check(0, 0)
     eval_s = time.perf_counter() - t_eval
     budget = args.minutes * 60

@@ -104,6 +104,13 @@ def add_fim_tokens(tok, model) -> list[int]:
     return [tok.convert_tokens_to_ids(t) for t in FIM_TOKENS]
 
 
+def special_ids(tok) -> dict[str, int | None]:
+    """The FIM tokens' and EOS's ids as ``fimdata.make_sample`` takes them (None or the unknown
+    token's id where the tokenizer lacks a FIM token)."""
+    ids = {k: tok.convert_tokens_to_ids(t) for k, t in zip(("prefix", "suffix", "middle"), FIM_TOKENS)}
+    return dict(ids, eos=tok.eos_token_id)
+
+
 def trainable(model, freeze_layers: int, new_ids: list[int], lora_rank: int = 0,
               lora_alpha: float = 32.0) -> list[torch.nn.Parameter]:
     """Upper layers and the final norm train (or, with ``lora_rank``, LoRA adapters on
@@ -258,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tok, model, base_path = load_base(args.base)
     new_ids = add_fim_tokens(tok, model)
-    special = dict(zip(("prefix", "suffix", "middle"), new_ids), eos=tok.eos_token_id)
+    special = special_ids(tok)
     import site
 
     sources = fd.collect_sources(None if args.corpus == "stdlib" else Path(site.getsitepackages()[0]))
