@@ -366,7 +366,31 @@ def test_amx_layout_is_refused_where_it_cannot_hold_the_matrix():
     w = torch.zeros(64, 64, dtype=torch.bfloat16)
     assert native.packed_rows(native.pack_linear(w, amx=True), 16) is None  # tiles go in pairs of 16 rows
     assert native.packed_rows(native.pack_linear(w, amx=True), 32).shape[0] == 2
-    assert native.packed_rows(native.pack_linear(w), 16).shape[0] == 12
+    assert native.packed_rows(native.pack_linear(w, path=0), 16).shape[0] == 12  # groups of 4 rows
+    panels = native.pack_linear(w, path=1)  # the AVX2 kernel's panels of 16 rows
+    assert native.panel_layout(panels) and not native.panel_layout(native.pack_linear(w, path=0))
+    assert native.packed_rows(panels, 8) is None and native.packed_rows(panels, 16).shape[0] == 3
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(960, 576), (13, 70), (40, 33), (8, 1)])
+def test_native_linear_rows_have_the_bits_of_rows_alone(n, k):
+    """Every row of a many-row product (1-70 rows: every tile shape, and past the AVX2 kernel's
+    60-row chunks) has the bits of that row computed alone, so a verification pass's rows equal
+    one-token steps'; partial panels and odd K included; and a weight packed for another build's
+    kernel is refused instead of read as garbage."""
+    torch.manual_seed(11)
+    w, b = torch.randn(n, k).to(torch.bfloat16), torch.randn(n).to(torch.bfloat16)
+    packed = native.pack_linear(w)
+    x = torch.randn(70, k).to(torch.bfloat16)
+    alone = torch.cat([native.linear(x[i:i + 1], packed, b, n) for i in range(70)])
+    want = F.linear(x.float(), w.float(), b.float())
+    assert (alone.float() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
+    for rows in (2, 3, 4, 5, 6, 8, 9, 13, 16, 61, 70):
+        assert torch.equal(native.linear(x[:rows], packed, b, n), alone[:rows]), rows
+    other = native.pack_linear(w, path=0 if native.linear_bf16_path() == 1 else 1)
+    with pytest.raises(ValueError, match="another build"):
+        native.linear(x[:1], other, b, n)
 
 
 @needs_amx
@@ -868,7 +892,7 @@ def test_the_library_links_and_loads_without_avx512_bf16(tmp_path, march):
     torch.manual_seed(0)
     for n, k in ((37, 64), (64, 576), (13, 70), (8, 31)):
         w, b = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
-        wp = native.pack_linear(w)
+        wp = native.pack_linear(w, path=lib.linear_bf16_path())
         x = torch.randn(7, k).bfloat16()
 
         def run(rows):

@@ -306,10 +306,15 @@ def amx_attention(on: bool | None = None) -> bool:
     return available() and bool(_lib.attn_amx_set(-1 if on is None else int(on)))
 
 
-def pack_linear(weight: torch.Tensor, amx: bool = False) -> torch.Tensor:
-    """A bf16 weight [N, K] in ``linear``'s layout: [N/4, K/32, 4, 32], N and K padded with
-    zeros (see linear.c for why); ``amx``: the AMX tiles' layout [N/16, K/32, 16, 16, 2]
-    instead, N padded to a multiple of 32 (K must be a multiple of 32; see ``amx_layout``)."""
+def pack_linear(weight: torch.Tensor, amx: bool = False, path: int | None = None) -> torch.Tensor:
+    """A bf16 weight [N, K] in ``linear``'s layout for the kernel this build runs (``path``: which
+    ``linear_bf16_path`` to pack for, by default this build's; see linear.c for why):
+
+    - AVX512-BF16 and the portable loop (2, 0): [N/4, K/32, 4, 32], N and K padded with zeros;
+    - AVX2 + FMA (1): panels [N/16, K, 8, 2] (lane j of column k: rows 16p + j and 16p + 8 + j),
+      N padded to a multiple of 16;
+    - ``amx``: the AMX tiles' layout [N/16, K/32, 16, 16, 2], N padded to a multiple of 32 (K must
+      be a multiple of 32; see ``amx_layout``)."""
     n, k = weight.shape
     w = weight.detach().to(torch.bfloat16)
     if amx:
@@ -319,6 +324,11 @@ def pack_linear(weight: torch.Tensor, amx: bool = False) -> torch.Tensor:
         if np_ != n:
             w = torch.nn.functional.pad(w, (0, 0, 0, np_ - n))
         return w.reshape(np_ // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    if (linear_bf16_path() if path is None else path) == 1:
+        np_ = -(-n // 16) * 16
+        if np_ != n:
+            w = torch.nn.functional.pad(w, (0, 0, 0, np_ - n))
+        return w.reshape(np_ // 16, 2, 8, k).permute(0, 3, 2, 1).contiguous()
     np_, kp = -(-n // 4) * 4, -(-k // 32) * 32
     if (np_, kp) != (n, k):
         w = torch.nn.functional.pad(w, (0, kp - k, 0, np_ - n))
@@ -330,10 +340,16 @@ def amx_layout(packed: torch.Tensor) -> bool:
     return packed.dim() == 5
 
 
+def panel_layout(packed: torch.Tensor) -> bool:
+    """Whether a weight from ``pack_linear`` is in the AVX2 kernel's panel layout."""
+    return packed.dim() == 4 and packed.shape[-1] == 2
+
+
 def packed_rows(packed: torch.Tensor, start: int) -> torch.Tensor | None:
     """The packed weight's output rows from ``start`` on (a view), or None where the layout
-    cannot start there: a multiple of 4 rows, of 32 in the AMX layout (its tiles go in pairs)."""
-    align, group = (32, 16) if amx_layout(packed) else (4, 4)
+    cannot start there: a multiple of 4 rows, of 16 in the panel layout, of 32 in the AMX layout
+    (its tiles go in pairs)."""
+    align, group = (32, 16) if amx_layout(packed) else (16, 16) if panel_layout(packed) else (4, 4)
     return None if start % align else packed[start // group:]
 
 
@@ -344,6 +360,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     k = x.shape[-1]
     x = x.contiguous()
     y = torch.empty((*x.shape[:-1], out_features), dtype=torch.bfloat16)
+    if not amx_layout(packed) and panel_layout(packed) != (linear_bf16_path() == 1):
+        raise ValueError("weight packed for another build's linear kernel (pack_linear's path)")
     fn = _lib.linear_bf16_amx if amx_layout(packed) else _lib.linear_bf16
     fn(x.numel() // k, out_features, k, x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
        y.data_ptr())

@@ -10,7 +10,8 @@
  *
  *   packed [N/4][K/32][4][32]: for each group of four rows, 32 columns of row 0, then of
  *   rows 1, 2, 3, then the next 32 columns.  N is padded to a multiple of 4 and K to a
- *   multiple of 32 with zeros.
+ *   multiple of 32 with zeros.  (CPUs with AVX2 but not AVX512-BF16 have a layout and kernel
+ *   of their own, further down.)
  *
  * On that layout one thread of this kernel streams ~29 GB/s and two ~57 GB/s (the same
  * kernel on the row-major layout: 11 and 23 GB/s).  A group of four weight rows is
@@ -145,76 +146,159 @@ static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t 
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2 + FMA without AVX512-BF16 (most laptops and desktops, Skylake/Cascade Lake servers, AMD
- * before Zen 4): bf16 becomes fp32 by a shift (even columns) or a mask (odd columns) of each 32-bit
- * pair, and one fp32 accumulator per (input row, weight row) takes both halves' products, so a row's
- * sums run in the same order whatever M is.  Input rows go two at a time (the 16 ymm registers hold
- * 8 accumulators, two rows' converted inputs and one weight row's); the group's 4 x K weights stay in
- * L1 for the next two rows.  The portable loop below reduced every 32 columns and converted each
- * weight once per input row. */
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+ * before Zen 4): a layout and kernel of their own (pack_linear's `path` 1), in the form of a GEMM
+ * micro-kernel rather than dot products:
+ *
+ *   packed [N/16][K][8][2]: panels of 16 output rows; per column k, the 32-bit lane j holds
+ *   W[16p + j][k] (low half) and W[16p + 8 + j][k] (high half).  N is padded to a multiple of
+ *   16 with zeros; K is not padded.
+ *
+ * A shift (lanes' low halves) and a mask (high halves) make two fp32 vectors of eight output rows
+ * each; every input row's x[k], converted to fp32 once per call, is broadcast and multiplied into
+ * one accumulator per (input row, eight output rows).  Each output's sum is then one chain of
+ * FMAs over k = 0 .. K-1, the same whatever the number of rows or the tile, so a row of a
+ * verification pass has the bits of a one-token step.  Tiles: one input row against four panels
+ * (8 accumulators: the FMA latency hidden), two rows against two, 3-5 rows against one panel;
+ * 6 rows would need 12 accumulators + 4 registers and GCC spilled them (half the speed).
+ *
+ * Measured on an AVX2-only AMD EPYC (2 cores, ~17 GB/s streaming): the dot-product kernel this
+ * replaced (4 weight rows x 2 input rows per step, two conversions per weight vector and per
+ * input vector) reached ~24 GMAC/s a core on L2-resident matrices; this one ~34 (peak 44), and
+ * over all of SmolLM2-135M's matrices from memory (interleaved, medians): 1 row 14.4 -> 12.0 ms,
+ * 4 rows 18.8 -> 15.9, 8 rows 29.8 -> 23.7, 16 rows 53.4 -> 36.7 (bench/results/linear_avx2.md). */
+#include <omp.h>
+#include <stdlib.h>
+
+/* 8 fp32 sums (+ bias) rounded to bf16 as f32_to_bf16 rounds, stored at y[0 .. n) (n <= 8: the rest are padding) */
+static inline void store8(__m256 s, const uint16_t *bias, uint16_t *y, int n) {
+    if (n < 8) {
+        float t[8];
+        _mm256_storeu_ps(t, s);
+        for (int i = 0; i < n; i++) y[i] = f32_to_bf16(t[i] + (bias ? bf16_to_f32(bias[i]) : 0.0f));
+        return;
+    }
+    if (bias) s = _mm256_add_ps(s, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)bias)), 16)));
+    const __m256i u = _mm256_castps_si256(s);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    r = _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), _mm256_set1_epi32(0x7fc0), nan);
+    _mm_storeu_si128((__m128i *)y, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 
-/* 16 bf16 as their even and odd columns in fp32 (each 32-bit lane holds columns 2j, 2j + 1) */
-#define SPLIT_BF16(V, EVEN, ODD)                                                                                 \
-    const __m256 EVEN = _mm256_castsi256_ps(_mm256_slli_epi32(V, 16));                                             \
-    const __m256 ODD = _mm256_castsi256_ps(_mm256_and_si256(V, _mm256_set1_epi32((int)0xffff0000u)));
-
-static inline __attribute__((always_inline)) void group2(int MR, int K, int Kb, const uint16_t *x, const uint16_t *w,
-                                                         const uint16_t *bias, uint16_t *y, int N, int n0, int m0,
-                                                         const char *pf) {
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-    const int full = K / 32;
-    uint16_t tx[2][32];  /* the last, partial block of the input rows, zero-padded (the weights are) */
-    for (int kb = 0; kb < Kb; kb++) {
-        const int k = kb * 32;
-        const uint16_t *x0 = x + (size_t)m0 * K + k, *x1 = MR > 1 ? x0 + K : x0;
-        if (kb >= full) {
-            memset(tx, 0, sizeof tx);
-            memcpy(tx[0], x0, (size_t)(K - k) * 2);
-            if (MR > 1) memcpy(tx[1], x1, (size_t)(K - k) * 2);
-            x0 = tx[0], x1 = tx[1];
-        }
-        if (pf) {
-            _mm_prefetch(pf + kb * 256, _MM_HINT_T0), _mm_prefetch(pf + kb * 256 + 64, _MM_HINT_T0);
-            _mm_prefetch(pf + kb * 256 + 128, _MM_HINT_T0), _mm_prefetch(pf + kb * 256 + 192, _MM_HINT_T0);
-        }
-        const uint16_t *wb = w + (size_t)kb * 128;
-        for (int h = 0; h < 32; h += 16) {
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(x0 + h));
-            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(x1 + h)); /* x0's again when MR = 1: unused */
-            SPLIT_BF16(v0, x0e, x0o)
-            SPLIT_BF16(v1, x1e, x1o)
-#define DOT2(I)                                                                                                  \
-    {                                                                                                            \
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + I * 32 + h));                                \
-        SPLIT_BF16(wv, we, wo)                                                                                   \
-        a0##I = _mm256_fmadd_ps(wo, x0o, _mm256_fmadd_ps(we, x0e, a0##I));                                        \
-        if (MR > 1) a1##I = _mm256_fmadd_ps(wo, x1o, _mm256_fmadd_ps(we, x1e, a1##I));                            \
+/* MR input rows (m0 ..) against P panels (from w, `ps` elements apart), MR and P constants at each
+ * call site; the accumulators are named variables (an array was kept on the stack).  Two columns a
+ * loop turn: one 64-byte line of each panel, prefetched 1 KB ahead (512 and 2048 measured no
+ * better on the EPYC). */
+#define PANEL_DECL(R) __m256 a##R##0e = z, a##R##0o = z, a##R##1e = z, a##R##1o = z, a##R##2e = z, a##R##2o = z, a##R##3e = z, a##R##3o = z;
+#define PANEL_FMA(R, Q)                                                                                          \
+    if (MR > R) {                                                                                                \
+        const __m256 b = _mm256_broadcast_ss(xr + (size_t)R * K + k);                                              \
+        a##R##Q##e = _mm256_fmadd_ps(we, b, a##R##Q##e);                                                         \
+        a##R##Q##o = _mm256_fmadd_ps(wo, b, a##R##Q##o);                                                         \
     }
-            DOT2(0) DOT2(1) DOT2(2) DOT2(3)
-#undef DOT2
-        }
+#define PANEL_COL(Q)                                                                                             \
+    if (P > Q) {                                                                                                 \
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(wk + (size_t)Q * ps));                            \
+        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));                                          \
+        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));          \
+        PANEL_FMA(0, Q) PANEL_FMA(1, Q) PANEL_FMA(2, Q) PANEL_FMA(3, Q) PANEL_FMA(4, Q)                          \
     }
-    float s[4] = {hsum8(a00), hsum8(a01), hsum8(a02), hsum8(a03)};
-    store4(s, bias, y, N, n0, m0);
-    if (MR > 1) {
-        float t[4] = {hsum8(a10), hsum8(a11), hsum8(a12), hsum8(a13)};
-        store4(t, bias, y, N, n0, m0 + 1);
+#define PANEL_STORE(R, Q)                                                                                        \
+    if (MR > R && P > Q) {                                                                                       \
+        const int n = N - n0 - 16 * Q;                                                                           \
+        uint16_t *yr = y + (size_t)(m0 + R) * N + n0 + 16 * Q;                                                   \
+        const uint16_t *bb = bias ? bias + n0 + 16 * Q : NULL;                                                   \
+        store8(a##R##Q##e, bb, yr, n);                                                                           \
+        if (n > 8) store8(a##R##Q##o, bb ? bb + 8 : NULL, yr + 8, n - 8);                                        \
     }
+#define PANEL_STORES(R) PANEL_STORE(R, 0) PANEL_STORE(R, 1) PANEL_STORE(R, 2) PANEL_STORE(R, 3)
+static inline __attribute__((always_inline)) void panel_tile(int MR, int P, int K, const float *x, const uint16_t *w,
+                                                              size_t ps, const uint16_t *bias, uint16_t *y, int N,
+                                                              int n0, int m0) {
+    const __m256 z = _mm256_setzero_ps();
+    PANEL_DECL(0) PANEL_DECL(1) PANEL_DECL(2) PANEL_DECL(3) PANEL_DECL(4)
+    const float *xr = x + (size_t)m0 * K;
+    int k = 0;
+    for (; k + 2 <= K; k += 2) {
+        const uint16_t *wk = w + (size_t)k * 16;
+        for (int q = 0; q < P; q++) _mm_prefetch((const char *)(wk + q * ps) + 1024, _MM_HINT_T0);
+        PANEL_COL(0) PANEL_COL(1) PANEL_COL(2) PANEL_COL(3)
+        wk += 16, k++;
+        PANEL_COL(0) PANEL_COL(1) PANEL_COL(2) PANEL_COL(3)
+        k--;
+    }
+    if (k < K) {
+        const uint16_t *wk = w + (size_t)k * 16;
+        PANEL_COL(0) PANEL_COL(1) PANEL_COL(2) PANEL_COL(3)
+    }
+    PANEL_STORES(0) PANEL_STORES(1) PANEL_STORES(2) PANEL_STORES(3) PANEL_STORES(4)
 }
 
-/* all M input rows against one group, two at a time; the first pair prefetches the next group's
- * weights (into L1), as the AVX512-BF16 path does */
-static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                 int n0) {
-    const char *pf = (const char *)(w + (size_t)Kb * 128);
-    int m0 = 0;
-    for (; m0 + 2 <= M; m0 += 2, pf = NULL) group2(2, K, Kb, x, w, bias, y, N, n0, m0, pf);
-    if (m0 < M) group2(1, K, Kb, x, w, bias, y, N, n0, m0, pf);
+/* rows m0 .. m0 + mr against panels p .. p + np (np <= the tile's width for mr) */
+static void panel_run(int mr, int np, int K, const float *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
+                      int N, int p, int m0) {
+    const size_t ps = (size_t)K * 16;
+    const uint16_t *w = wp + (size_t)p * ps;
+    const int n0 = 16 * p;
+#define PANEL_CASE(A, B)                                                                                         \
+    if (mr == A && np == B) {                                                                                    \
+        panel_tile(A, B, K, x, w, ps, bias, y, N, n0, m0);                                                       \
+        return;                                                                                                  \
+    }
+    PANEL_CASE(1, 4) PANEL_CASE(1, 3) PANEL_CASE(1, 2) PANEL_CASE(1, 1) PANEL_CASE(2, 2) PANEL_CASE(2, 1)
+    PANEL_CASE(3, 1) PANEL_CASE(4, 1) PANEL_CASE(5, 1)
+#undef PANEL_CASE
 }
+
+/* the panels' width a tile of `mr` rows takes */
+static inline int panel_width(int mr) { return mr == 1 ? 4 : mr == 2 ? 2 : 1; }
+
+/* each thread's fp32 copy of the input rows (at most PANEL_XROWS at a time), kept between calls */
+enum { PANEL_XROWS = 60 };
+static __thread float *panel_x;
+static __thread size_t panel_xcap;
+
+/* linear_team on the panel layout: this thread's share of the panels (contiguous, equal counts),
+ * input rows in chunks of up to PANEL_XROWS converted to fp32, then panels in runs that fit the L2
+ * (each re-read from it by the chunk's blocks of <= 5 rows, near-equal: 8 rows = 4 + 4). */
+static void panel_team(int M, int N, int K, const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y) {
+    const int np = (N + 15) / 16, T = omp_get_num_threads(), t = omp_get_thread_num();
+    const int p0 = (int)((long)np * t / T), p1 = (int)((long)np * (t + 1) / T);
+    if (p0 >= p1 || M <= 0) return;
+    const size_t need = (size_t)(M < PANEL_XROWS ? M : PANEL_XROWS) * K;
+    if (need > panel_xcap) {
+        free(panel_x);
+        panel_x = malloc(need * sizeof(float));
+        panel_xcap = panel_x ? need : 0;
+    }
+    if (!panel_x) { /* no memory for the copy: the same chains of FMAs, one output at a time */
+        for (int m = 0; m < M; m++)
+            for (int n = 16 * p0; n < 16 * p1 && n < N; n++) {
+                const uint16_t *w = wp + (size_t)(n / 16) * K * 16 + (n % 8) * 2 + (n % 16) / 8;
+                float s = 0.0f;
+                for (int k = 0; k < K; k++) s = fmaf(bf16_to_f32(w[(size_t)k * 16]), bf16_to_f32(x[(size_t)m * K + k]), s);
+                y[(size_t)m * N + n] = f32_to_bf16(s + (bias ? bf16_to_f32(bias[n]) : 0.0f));
+            }
+        return;
+    }
+    const int run = (int)(262144 / ((size_t)K * 32)) > 1 ? (int)(262144 / ((size_t)K * 32)) : 1; /* panels per 256 KB */
+    for (int r0 = 0; r0 < M; r0 += PANEL_XROWS) {
+        const int mc = M - r0 < PANEL_XROWS ? M - r0 : PANEL_XROWS, blocks = (mc + 4) / 5;
+        const uint16_t *xs = x + (size_t)r0 * K;
+        for (size_t i = 0; i < (size_t)mc * K; i++) panel_x[i] = bf16_to_f32(xs[i]);
+        uint16_t *yc = y + (size_t)r0 * N;
+        for (int pc = p0; pc < p1; pc += run) {
+            const int pe = pc + run < p1 ? pc + run : p1;
+            for (int b = 0, m0 = 0; b < blocks; b++) {
+                const int mr = (mc - m0) / (blocks - b) + ((mc - m0) % (blocks - b) ? 1 : 0), width = panel_width(mr);
+                for (int p = pc; p < pe; p += width)
+                    panel_run(mr, pe - p < width ? pe - p : width, K, panel_x, wp, bias, yc, N, p, m0);
+                m0 += mr;
+            }
+        }
+    }
+}
+#define LINEAR_PANELS 1
 #else
 static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                  int n0) {
@@ -241,9 +325,13 @@ static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t 
  * share the groups of four weight rows (each a contiguous half of the matrix for two
  * threads) and do not wait for each other at the end: the caller places the barrier. */
 void linear_team(int M, int N, int K, const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y) {
+#ifdef LINEAR_PANELS
+    panel_team(M, N, K, x, wp, bias, y); /* the AVX2 layout (above) */
+#else
     const int Kb = (K + 31) / 32, groups = (N + 3) / 4;
 #pragma omp for schedule(static) nowait
     for (int g = 0; g < groups; g++) rows(M, N, K, Kb, x, wp + (size_t)g * Kb * 128, bias, y, 4 * g);
+#endif
 }
 
 /* linear_team in a parallel region of its own */
