@@ -1,8 +1,9 @@
 """The AVX2 bf16 linear kernel against the one it replaced, on the default model's own weights.
 
 Builds the native library of an earlier revision (``--old``, default 4a68aab: the dot-product
-AVX2 kernel over the [N/4][K/32][4][32] layout) beside this checkout's (the GEMM-form kernel
-over panels of 16 rows, linear.c), packs every weight matrix and the head for each, and times
+AVX2 kernel over the [N/4][K/32][4][32] layout; a later one packs for the panels) beside this
+checkout's (the GEMM-form kernel over panels of 16 rows, linear.c), packs every weight matrix
+and the head for each, and times
 S input rows through all of them (what a forward of S rows costs the linear layers), both
 kernels alternating within each round (this machine's memory bandwidth drifts within minutes).
 Each cell: the median over rounds of the per-round median; the ratio is taken within a round.
@@ -34,8 +35,9 @@ from codecomplete.model import native  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build_old(rev: str, out_dir: Path) -> ctypes.CDLL:
-    """The native library of ``rev``, compiled with this checkout's flags."""
+def build_old(rev: str, out_dir: Path) -> tuple[ctypes.CDLL, bool]:
+    """The native library of ``rev``, compiled with this checkout's flags, and whether its AVX2
+    kernel reads the panel layout (from 6f756bd on) rather than the dot-product kernel's."""
     names = [p.name for p in (*native._SOURCES, *native._HEADERS)]
     for name in names:
         src = subprocess.run(["git", "show", f"{rev}:model/native/{name}"], cwd=ROOT, capture_output=True, check=True)
@@ -49,7 +51,7 @@ def build_old(rev: str, out_dir: Path) -> ctypes.CDLL:
     lib.linear_bf16.restype = None
     lib.linear_bf16.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
     lib.linear_bf16_path.restype = ctypes.c_int
-    return lib
+    return lib, b"LINEAR_PANELS" in (out_dir / "linear.c").read_bytes()
 
 
 def main() -> None:
@@ -64,14 +66,14 @@ def main() -> None:
     if native.linear_bf16_path() != 1:
         raise SystemExit(f"this build's bf16 linear path is {native.linear_bf16_path()}, not 1 (AVX2 + FMA)")
     tmp = tempfile.TemporaryDirectory()
-    old = build_old(args.old, Path(tmp.name))
+    old, old_panels = build_old(args.old, Path(tmp.name))
     if old.linear_bf16_path() != 1:
         raise SystemExit("the old build does not run its AVX2 path here")
     lm = native_model(args.model)
     model = lm.model
     lins = [lin for b in model.layers for lin in (b.attn.wqkv, b.attn.wo, b.mlp.w13, b.mlp.w2)] + [model.head]
-    mats = [(lin.out_features, lin.in_features, lin.native_weight, native.pack_linear(lin.weight, path=0))
-            for lin in lins]
+    mats = [(lin.out_features, lin.in_features, lin.native_weight,
+             native.pack_linear(lin.weight, path=1 if old_panels else 0)) for lin in lins]
     macs = sum(n * k for n, k, _, _ in mats)
     weight_mb = sum(n * k * 2 for n, k, _, _ in mats) / 1e6
     rows = sorted({1, *(int(x) for x in args.rows.split(","))})
@@ -125,7 +127,8 @@ def main() -> None:
     lines = [header("The AVX2 bf16 linear kernel: GEMM form over panels against dot products"), "",
              f"Model {lm.name}: every linear layer and the head ({weight_mb:.0f} MB of bf16 weights, "
              f"{macs / 1e6:.0f}M MACs per row), S input rows through all of them, from memory. Old: the kernel of "
-             f"{args.old} (dot products, [N/4][K/32][4][32]); new: this checkout's (linear.c, panels [N/16][K][8][2]). "
+             f"{args.old} ({'panels' if old_panels else 'dot products, [N/4][K/32][4][32]'}); new: this checkout's "
+             f"(linear.c, panels [N/16][K][8][2]). "
              f"{args.rounds} rounds, both kernels alternating in each; medians; ratios within a round. Both within "
              f"{worst:.2g} of the largest output of an fp32 product on every matrix (8 rows).", "",
              "| S | old ms | new ms | speed-up | old / 1-row step | new / 1-row step | new GMAC/s |",

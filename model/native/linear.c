@@ -158,8 +158,8 @@ static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t 
  * one accumulator per (input row, eight output rows).  Each output's sum is then one chain of
  * FMAs over k = 0 .. K-1, the same whatever the number of rows or the tile, so a row of a
  * verification pass has the bits of a one-token step.  Tiles: one input row against four panels
- * (8 accumulators: the FMA latency hidden), two rows against two, 3-5 rows against one panel;
- * 6 rows would need 12 accumulators + 4 registers and GCC spilled them (half the speed).
+ * (8 accumulators: the FMA latency hidden), two rows against two, 3-6 rows against one panel
+ * (6 rows: 12 accumulators, the two weight vectors and a broadcast in the 16 registers).
  *
  * Measured on an AVX2-only AMD EPYC (2 cores, ~17 GB/s streaming): the dot-product kernel this
  * replaced (4 weight rows x 2 input rows per step, two conversions per weight vector and per
@@ -201,7 +201,7 @@ static inline void store8(__m256 s, const uint16_t *bias, uint16_t *y, int n) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(wk + (size_t)Q * ps));                            \
         const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));                                          \
         const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));          \
-        PANEL_FMA(0, Q) PANEL_FMA(1, Q) PANEL_FMA(2, Q) PANEL_FMA(3, Q) PANEL_FMA(4, Q)                          \
+        PANEL_FMA(0, Q) PANEL_FMA(1, Q) PANEL_FMA(2, Q) PANEL_FMA(3, Q) PANEL_FMA(4, Q) PANEL_FMA(5, Q)                \
     }
 #define PANEL_STORE(R, Q)                                                                                        \
     if (MR > R && P > Q) {                                                                                       \
@@ -216,7 +216,7 @@ static inline __attribute__((always_inline)) void panel_tile(int MR, int P, int 
                                                               size_t ps, const uint16_t *bias, uint16_t *y, int N,
                                                               int n0, int m0, const char *pf, int every) {
     const __m256 z = _mm256_setzero_ps();
-    PANEL_DECL(0) PANEL_DECL(1) PANEL_DECL(2) PANEL_DECL(3) PANEL_DECL(4)
+    PANEL_DECL(0) PANEL_DECL(1) PANEL_DECL(2) PANEL_DECL(3) PANEL_DECL(4) PANEL_DECL(5)
     const float *xr = x + (size_t)m0 * K;
     int k = 0;
     for (int c = 0; k + 2 <= K; k += 2) {
@@ -234,8 +234,20 @@ static inline __attribute__((always_inline)) void panel_tile(int MR, int P, int 
         const uint16_t *wk = w + (size_t)k * 16;
         PANEL_COL(0) PANEL_COL(1) PANEL_COL(2) PANEL_COL(3)
     }
-    PANEL_STORES(0) PANEL_STORES(1) PANEL_STORES(2) PANEL_STORES(3) PANEL_STORES(4)
+    PANEL_STORES(0) PANEL_STORES(1) PANEL_STORES(2) PANEL_STORES(3) PANEL_STORES(4) PANEL_STORES(5)
 }
+
+/* each tile shape a function of its own: inlined together into one dispatcher, GCC allocated the
+ * 6-row tile's registers worse (19 GMAC/s a core against 34 alone) */
+#define PANEL_FN(A, B)                                                                                           \
+    static __attribute__((noinline)) void panel_##A##x##B(int K, const float *x, const uint16_t *w, size_t ps,   \
+                                                           const uint16_t *bias, uint16_t *y, int N, int n0,     \
+                                                           int m0, const char *pf, int every) {                  \
+        panel_tile(A, B, K, x, w, ps, bias, y, N, n0, m0, pf, every);                                            \
+    }
+PANEL_FN(1, 4) PANEL_FN(1, 3) PANEL_FN(1, 2) PANEL_FN(1, 1) PANEL_FN(2, 2) PANEL_FN(2, 1) PANEL_FN(3, 1)
+PANEL_FN(4, 1) PANEL_FN(5, 1) PANEL_FN(6, 1)
+#undef PANEL_FN
 
 /* rows m0 .. m0 + mr against panels p .. p + np (np <= the tile's width for mr); with `pf`, the tile
  * prefetches one line of it every `every` loop turns instead of its own panels ahead */
@@ -246,11 +258,11 @@ static void panel_run(int mr, int np, int K, const float *x, const uint16_t *wp,
     const int n0 = 16 * p;
 #define PANEL_CASE(A, B)                                                                                         \
     if (mr == A && np == B) {                                                                                    \
-        panel_tile(A, B, K, x, w, ps, bias, y, N, n0, m0, pf, every);                                                       \
+        panel_##A##x##B(K, x, w, ps, bias, y, N, n0, m0, pf, every);                                             \
         return;                                                                                                  \
     }
     PANEL_CASE(1, 4) PANEL_CASE(1, 3) PANEL_CASE(1, 2) PANEL_CASE(1, 1) PANEL_CASE(2, 2) PANEL_CASE(2, 1)
-    PANEL_CASE(3, 1) PANEL_CASE(4, 1) PANEL_CASE(5, 1)
+    PANEL_CASE(3, 1) PANEL_CASE(4, 1) PANEL_CASE(5, 1) PANEL_CASE(6, 1)
 #undef PANEL_CASE
 }
 
@@ -264,7 +276,7 @@ static __thread size_t panel_xcap;
 
 /* linear_team on the panel layout: this thread's share of the panels (contiguous, equal counts),
  * input rows in chunks of up to PANEL_XROWS converted to fp32, then panels in runs that fit the L2
- * (each re-read from it by the chunk's blocks of <= 5 rows, near-equal: 8 rows = 4 + 4). */
+ * (each re-read from it by the chunk's blocks of <= 6 rows, near-equal: 8 rows = 4 + 4). */
 static void panel_team(int M, int N, int K, const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y) {
     const int np = (N + 15) / 16, T = omp_get_num_threads(), t = omp_get_thread_num();
     const int p0 = (int)((long)np * t / T), p1 = (int)((long)np * (t + 1) / T);
@@ -287,7 +299,7 @@ static void panel_team(int M, int N, int K, const uint16_t *x, const uint16_t *w
     }
     const int run = (int)(262144 / ((size_t)K * 32)) > 1 ? (int)(262144 / ((size_t)K * 32)) : 1; /* panels per 256 KB */
     for (int r0 = 0; r0 < M; r0 += PANEL_XROWS) {
-        const int mc = M - r0 < PANEL_XROWS ? M - r0 : PANEL_XROWS, blocks = (mc + 4) / 5;
+        const int mc = M - r0 < PANEL_XROWS ? M - r0 : PANEL_XROWS, blocks = (mc + 5) / 6;
         const uint16_t *xs = x + (size_t)r0 * K;
         for (size_t i = 0; i < (size_t)mc * K; i++) panel_x[i] = bf16_to_f32(xs[i]);
         uint16_t *yc = y + (size_t)r0 * N;
