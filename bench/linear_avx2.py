@@ -124,7 +124,7 @@ def main() -> None:
               "cells": {f"{name}/{s}": v for (name, s), v in cells.items()}}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    lines = [header("The AVX2 bf16 linear kernel: GEMM form over panels against dot products"), "",
+    lines = [header("The AVX2 bf16 linear kernel against an earlier revision's"), "",
              f"Model {lm.name}: every linear layer and the head ({weight_mb:.0f} MB of bf16 weights, "
              f"{macs / 1e6:.0f}M MACs per row), S input rows through all of them, from memory. Old: the kernel of "
              f"{args.old} ({'panels' if old_panels else 'dot products, [N/4][K/32][4][32]'}); new: this checkout's "

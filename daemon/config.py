@@ -123,7 +123,7 @@ class SpeculationConfig:
     enabled: bool = True
     max_nodes: int = field(default=3, metadata=_range(1, 512))  # draft tokens verified per step
     depth: int = field(default=15, metadata=_range(1, 32))  # longest draft
-    max_rows: int = field(default=0, metadata=_range(0, 64))  # a pass's rows at most; 0: auto (6 on AVX2-only CPUs)
+    max_rows: int = field(default=0, metadata=_range(0, 64))  # a pass's rows at most; 0: auto (8 on AVX2-only CPUs)
     # where passes are costly (bf16 on AVX2-only CPUs), datastore drafts need a match this long (0: off)
     costly_min_match: int = field(default=8, metadata=_range(0, 64))
     top_k: int = field(default=8, metadata=_range(1, 64))  # continuations per source

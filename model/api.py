@@ -67,8 +67,8 @@ class SpecSettings:
     max_nodes: int = 3  # draft tokens verified per step (the tree's size; 3: the pass takes the greedy head)
     depth: int = 15  # longest draft sequence (a chain's pass: 16 rows, one tile of rows)
     # a verification pass's rows at most (the last token and its draft nodes); 0: auto, see
-    # speculate.pass_rows (6 where bf16 products run on AVX2 or the portable loop, where a 16-row
-    # pass costs ~2.7 steps; else no cap)
+    # speculate.pass_rows (8 where bf16 products run on AVX2 or the portable loop, where a 16-row
+    # pass costs ~2.5 steps; else no cap)
     max_rows: int = 0
     top_k: int = 8  # continuations taken per source
     alpha: float = 1.0  # repository weight

@@ -66,7 +66,7 @@ class Tree:
         return out
 
 
-AVX2_ROWS = 6  # auto max_rows where bf16 products run on AVX2 (bench/results/spec_rows_avx2_panels.md)
+AVX2_ROWS = 8  # auto max_rows where bf16 products run on AVX2 (bench/results/spec_rows_avx2_tiles6.md)
 
 
 def costly_passes(model) -> bool:
