@@ -164,8 +164,8 @@ static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t 
  * Measured on an AVX2-only AMD EPYC (2 cores, ~17 GB/s streaming): the dot-product kernel this
  * replaced (4 weight rows x 2 input rows per step, two conversions per weight vector and per
  * input vector) reached ~24 GMAC/s a core on L2-resident matrices; this one ~34 (peak 44), and
- * over all of SmolLM2-135M's matrices from memory (interleaved, medians): 1 row 14.4 -> 12.0 ms,
- * 4 rows 18.8 -> 15.9, 8 rows 29.8 -> 23.7, 16 rows 53.4 -> 36.7 (bench/results/linear_avx2.md). */
+ * over all of SmolLM2-135M's matrices from memory (alternating, medians): 1 row 15.2 -> 12.7 ms,
+ * 4 rows 19.1 -> 15.5, 8 rows 27.5 -> 19.1, 16 rows 52.6 -> 30.2 (bench/results/linear_avx2.md). */
 #include <omp.h>
 #include <stdlib.h>
 
