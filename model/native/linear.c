@@ -167,6 +167,7 @@ static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t 
  * over all of SmolLM2-135M's matrices from memory (alternating, medians): 1 row 15.2 -> 12.7 ms,
  * 4 rows 19.1 -> 15.5, 8 rows 27.5 -> 19.1, 16 rows 52.6 -> 30.2 (bench/results/linear_avx2.md). */
 #include <omp.h>
+#include <pthread.h>
 #include <stdlib.h>
 
 /* 8 fp32 sums (+ bias) rounded to bf16 as f32_to_bf16 rounds, stored at y[0 .. n) (n <= 8: the rest are padding) */
@@ -269,10 +270,15 @@ static void panel_run(int mr, int np, int K, const float *x, const uint16_t *wp,
 /* the panels' width a tile of `mr` rows takes */
 static inline int panel_width(int mr) { return mr == 1 ? 4 : mr == 2 ? 2 : 1; }
 
-/* each thread's fp32 copy of the input rows (at most PANEL_XROWS at a time), kept between calls */
+/* each thread's fp32 copy of the input rows (at most PANEL_XROWS at a time), kept between calls and
+ * freed when the thread exits (a pthread key's destructor: a server's short-lived threads would
+ * otherwise leave up to 60 x K floats each behind) */
 enum { PANEL_XROWS = 60 };
 static __thread float *panel_x;
 static __thread size_t panel_xcap;
+static pthread_key_t panel_key;
+static pthread_once_t panel_once = PTHREAD_ONCE_INIT;
+static void panel_key_make(void) { pthread_key_create(&panel_key, free); }
 
 /* linear_team on the panel layout: this thread's share of the panels (contiguous, equal counts),
  * input rows in chunks of up to PANEL_XROWS converted to fp32, then panels in runs that fit the L2
@@ -286,6 +292,8 @@ static void panel_team(int M, int N, int K, const uint16_t *x, const uint16_t *w
         free(panel_x);
         panel_x = malloc(need * sizeof(float));
         panel_xcap = panel_x ? need : 0;
+        pthread_once(&panel_once, panel_key_make);
+        pthread_setspecific(panel_key, panel_x);
     }
     if (!panel_x) { /* no memory for the copy: the same chains of FMAs, one output at a time */
         for (int m = 0; m < M; m++)
