@@ -71,8 +71,8 @@ AVX2_ROWS = 8  # auto max_rows where bf16 products run on AVX2 (bench/results/sp
 
 def costly_passes(model) -> bool:
     """Whether a verification pass of several rows costs several one-row steps for ``model``: a
-    bf16 model on a CPU whose linear kernel is the AVX2 or portable one (a 16-row pass ~3.5 steps
-    there, against ~1.2 on AMX tiles)."""
+    bf16 model on a CPU whose linear kernel is the AVX2 or portable one (a 16-row pass's linear
+    layers ~2.4 steps with the AVX2 kernel, bench/results/linear_avx2.md, against ~1.2 on AMX tiles)."""
     if model.device.type == "cpu" and model.dtype == torch.bfloat16 and model.native_stack is not None:
         from . import native
 
