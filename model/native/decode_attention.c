@@ -171,6 +171,52 @@ __attribute__((noinline)) static void scores16(const float *q, const float *k, i
     }
 }
 
+/* acc[j][e] = sum over t of p[j][t] v[t][e] for J (1-3) rows j (p: rows n apart, acc: rows E apart; a
+ * row whose max m[j] is -inf sees nothing: zeros), E a multiple of 32: 32 columns of the J rows in
+ * registers, so each value vector is loaded once for J rows.  Each (row, column) is one chain of
+ * fused multiply-adds in t order whatever J is, and where the kernel takes this path (AVX2, E a
+ * multiple of 32) every row takes it, so a row's bits do not depend on the rows beside it.  One row
+ * at a time, the value products were bound by the loads from the chunk's fp32 copy
+ * (pass_cost_avx2.md). */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PV_ROWS 1
+__attribute__((optimize("no-associative-math"), always_inline)) static inline void pv_rows_j(
+    int J, int E, int64_t n, const float *v, const float *p, const float *m, float *acc) {
+    for (int e0 = 0; e0 < E; e0 += 32) {
+        __m256 a[3][4];
+        for (int j = 0; j < J; j++)
+            for (int i = 0; i < 4; i++) a[j][i] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const float *vt = v + t * E + e0;
+            const __m256 v0 = _mm256_loadu_ps(vt), v1 = _mm256_loadu_ps(vt + 8);
+            const __m256 v2 = _mm256_loadu_ps(vt + 16), v3 = _mm256_loadu_ps(vt + 24);
+            for (int j = 0; j < J; j++) {
+                const __m256 pj = _mm256_broadcast_ss(p + (size_t)j * n + t);
+                a[j][0] = _mm256_fmadd_ps(pj, v0, a[j][0]);
+                a[j][1] = _mm256_fmadd_ps(pj, v1, a[j][1]);
+                a[j][2] = _mm256_fmadd_ps(pj, v2, a[j][2]);
+                a[j][3] = _mm256_fmadd_ps(pj, v3, a[j][3]);
+            }
+        }
+        for (int j = 0; j < J; j++)
+            for (int i = 0; i < 4; i++)
+                _mm256_storeu_ps(acc + (size_t)j * E + e0 + 8 * i, m[j] == -INFINITY ? _mm256_setzero_ps() : a[j][i]);
+    }
+}
+static void pv_rows_avx2(int J, int E, int64_t n, const float *v, const float *p, const float *m, float *acc) {
+    if (J == 3)
+        pv_rows_j(3, E, n, v, p, m, acc);
+    else if (J == 2)
+        pv_rows_j(2, E, n, v, p, m, acc);
+    else
+        pv_rows_j(1, E, n, v, p, m, acc);
+}
+#else
+#define PV_ROWS 0
+#define pv_rows_avx2(J, E, n, v, p, m, acc) ((void)0)
+#endif
+
 /* One work item: the R = G * S query rows that share one KV head (row r is query head
  * r / S at new position r % S), over cache positions [t0, t1) of it.  Position t is
  * visible to new position i when mask[i * T + t] (mask: [S, T], T = len + S) or, without
@@ -207,7 +253,12 @@ __attribute__((noinline)) static void scores16(const float *q, const float *k, i
             MASK_SOFTMAX(s, n, r % S, mask, T, len, t0, m + r, l + r);                                    \
         }                                                                                                  \
         const float *v = rows_f32(vals, elsize, E, t0, n, buf);                                            \
-        for (int r = 0; r < R; r++) {                                                                      \
+        int r = 0;                                                                                         \
+        if (PV_ROWS && EDIM > 0 && EDIM % 32 == 0) { /* up to three rows share each load of the values */  \
+            for (; r < R; r += 3) pv_rows_avx2(R - r < 3 ? R - r : 3, E, n, v, scores + (size_t)r * n, m + r,\
+                                          acc + (size_t)r * E);                                            \
+        }                                                                                                  \
+        for (; r < R; r++) {                                                                               \
             float a[EDIM > 0 ? EDIM : 1];                                                                  \
             float *ar = EDIM > 0 ? a : acc + (size_t)r * E;                                                \
             for (int e = 0; e < E; e++) ar[e] = 0.0f;                                                      \
