@@ -265,8 +265,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def linear_bf16_path() -> int:
     """Which path the bf16 linear kernel was built with (linear.c): 2 AVX512-BF16, 1 AVX2 + FMA,
-    0 the portable loop; -1 without the native kernels."""
-    return _lib.linear_bf16_path() if available() else -1
+    0 the portable loop; -1 without the native kernels.  Asked of the library once (``linear``
+    checks it at every call)."""
+    global _path
+    if _path is None:
+        _path = _lib.linear_bf16_path() if available() else -1  # available() is final once answered
+    return _path
+
+
+_path: int | None = None
 
 
 def linear_bf16_simd() -> bool:

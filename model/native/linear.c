@@ -319,11 +319,11 @@ static void panel_team(int M, int N, int K, const uint16_t *x, const uint16_t *w
              * from the L2.  More blocks (prefill) are compute-bound, and runs did better there
              * (32 rows 80 against 90 ms, 256 rows 609 against 675). */
             const int lines = (K * 32 + 63) / 64, share = (lines + blocks - 1) / blocks;
+            const int every = share * 2 < K ? K / (share * 2) : 1; /* turns (2 columns) per line of a share */
             for (int p = p0; p < p1; p++) {
                 const char *next = p + 1 < p1 ? (const char *)(wp + (size_t)(p + 1) * K * 16) : NULL;
                 for (int b = 0, m0 = 0; b < blocks; b++) {
                     const int mr = (mc - m0) / (blocks - b) + ((mc - m0) % (blocks - b) ? 1 : 0);
-                    const int every = share * 2 < K ? K / (share * 2) : 1; /* turns (2 columns) per line of the share */
                     panel_run(mr, 1, K, panel_x, wp, bias, yc, N, p, m0, next ? next + (size_t)b * share * 64 : NULL,
                               every);
                     m0 += mr;
