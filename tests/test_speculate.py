@@ -105,10 +105,7 @@ def test_a_completion_repeating_itself_is_drafted_from_its_own_output(lm):
         plan = plan_prompt(lm, request, NO_HEAL, None, None)
         slow = greedy_plain(lm, request, plan, None)
         drafter = Drafter(SpecSettings(use_cache=False, use_repository=False, use_common=False), None, vocab.texts)
-        live = start(lm, request, plan, None)
-        while advance(lm, live, None):
-            if not spec_step(lm, [live], drafter, None):
-                break
+        live = greedy_spec(lm, request, plan, drafter, None)
     assert live.result.token_ids == slow.token_ids
     assert drafter.stats["live_hits"] > 0 and live.accepted > 0
     off = Drafter(SpecSettings(use_cache=False, use_repository=False, use_common=False, use_live=False), None,
@@ -152,10 +149,7 @@ def test_max_rows_caps_every_verification_pass(lm, tiny_model, monkeypatch):
             spec = SpecSettings(max_nodes=nodes, depth=10, use_cache=False, use_repository=False, use_common=False,
                                 max_rows=rows)
             drafter = Drafter(spec, None, vocab.texts)
-            live = start(lm, request, plan, None)
-            while advance(lm, live, None):
-                if not spec_step(lm, [live], drafter, None):
-                    break
+            live = greedy_spec(lm, request, plan, drafter, None)
             assert live.result.token_ids == slow.token_ids
             assert sizes and max(sizes) <= rows - 1 and live.accepted > 0, (rows, nodes, sizes)
             if rows == 6:
@@ -174,7 +168,7 @@ def test_max_rows_caps_every_verification_pass(lm, tiny_model, monkeypatch):
 def test_costly_passes_draft_only_long_datastore_matches(lm, monkeypatch):
     """Where passes are costly, the datastores are asked for matches of ``costly_min_match``
     tokens at least (0 turns it off); elsewhere ``min_match``; the output stays greedy."""
-    from codecomplete.model import engine, speculate
+    from codecomplete.model import speculate
     from codecomplete.model.speculate import costly_passes, datastore_min_match
 
     assert not costly_passes(lm.model)  # fp32: passes cost what the CPU's GEMM costs
@@ -196,10 +190,7 @@ def test_costly_passes_draft_only_long_datastore_matches(lm, monkeypatch):
 
             assert datastore_min_match(spec, lm.model) == want
             drafter = Drafter(replace(spec, missing_table=False, use_cache=False), retriever, vocab.texts)
-            live = start(lm, request, plan, None)
-            while advance(lm, live, None):
-                if not engine.spec_step(lm, [live], drafter, None):
-                    break
+            live = greedy_spec(lm, request, plan, drafter, None)
             assert live.result.token_ids == slow.token_ids
             assert asked and set(asked) == {want}, (costly, spec, set(asked))
 
@@ -209,6 +200,15 @@ def greedy_plain(lm, request, plan, vocab):
     while advance(lm, live, vocab):
         step(lm, [live])
     return live.result
+
+
+def greedy_spec(lm, request, plan, drafter, vocab):
+    """The request decoded with speculation (verification passes while there are drafts); its Live."""
+    live = start(lm, request, plan, None)
+    while advance(lm, live, vocab):
+        if not spec_step(lm, [live], drafter, vocab):
+            break
+    return live
 
 
 def random_datastore(lm, rng: random.Random, outputs: list[list[int]]) -> DraftIndex:
@@ -263,10 +263,7 @@ def test_speculation_equals_greedy_with_fim_and_efim_prompts(lm, seed):
                      SpecSettings(skip_tokens=False, tau=0)):
             drafter = Drafter(spec, retriever_of(index), vocab.texts, seed=seed)
             for request, plan, slow in cases:
-                live = start(lm, request, plan, None)
-                while advance(lm, live, vocab):
-                    if not spec_step(lm, [live], drafter, vocab):
-                        break
+                live = greedy_spec(lm, request, plan, drafter, vocab)
                 fast = live.result
                 assert fast.token_ids == slow.token_ids and fast.text == slow.text
                 assert live.cache.length == len(live.fed)
@@ -300,10 +297,7 @@ def test_bf16_speculation_is_exactly_greedy_decoding(tiny_model):
                      SpecSettings(max_nodes=24, depth=6, top_k=8, use_cache=False, max_rows=25)):  # wide on any CPU
             drafter = Drafter(spec, retriever_of(index), vocab.texts, seed=3)
             for request, plan, slow in cases:
-                live = start(lm16, request, plan, None)
-                while advance(lm16, live, vocab):
-                    if not spec_step(lm16, [live], drafter, vocab):
-                        break
+                live = greedy_spec(lm16, request, plan, drafter, vocab)
                 assert live.result.token_ids == slow.token_ids
                 accepted += live.result.accepted_tokens
         assert accepted > 0
@@ -318,11 +312,8 @@ def test_speculative_kv_equals_recomputed_kv(lm):
         plan = plan_prompt(lm, request, NO_HEAL, None, None)
         slow = greedy_plain(lm, request, plan, None)
         index = random_datastore(lm, random.Random(5), [plan.ids[-6:] + slow.token_ids])
-        live = start(lm, request, plan, None)
         drafter = Drafter(SpecSettings(use_cache=False), retriever_of(index), vocab.texts)
-        while advance(lm, live, None):
-            if not spec_step(lm, [live], drafter, None):
-                break
+        live = greedy_spec(lm, request, plan, drafter, None)
         assert live.result.token_ids == slow.token_ids and live.accepted > 0
         fresh = lm.model.new_cache(len(live.fed))
         lm.model(torch.tensor([live.fed]), [fresh])
