@@ -59,8 +59,12 @@ __attribute__((optimize("no-associative-math"))) static float lane_sum(const flo
     return part[0];
 }
 
-/* s[j] = exp(s[j] - mr) for 16 scores, 0 where hidden (-inf): one vector code path for every block */
-static inline void exp_block16(float *s, float mr) {
+/* s[j] = exp(s[j] - mr) for 16 scores, 0 where hidden (-inf): one vector code path for every block.
+ * Not inlined: inlined, the full blocks' copy and the padded last block's copy were compiled apart and
+ * could round an exp otherwise (with -ffp-contract=fast each copy fuses its own multiply-adds), so a
+ * row whose chunk was full in a pass and ended in a partial block in its step lost a last bit (a few
+ * rows in a thousand, fp32 and bf16 caches alike). */
+__attribute__((noinline)) static void exp_block16(float *s, float mr) {
 #pragma omp simd
     for (int j = 0; j < 16; j++) s[j] = s[j] == -INFINITY ? 0.0f : exp_neg(s[j] - mr);
 }
