@@ -107,3 +107,26 @@ def run(cmd: list[str]) -> str:
     if done.returncode != 0:
         raise SystemExit(done.stderr[-3000:])
     return " ".join(cmd)
+
+
+def build_revision(rev: str, out_dir: Path):
+    """The native library of git revision ``rev`` (its model/native sources), compiled with this
+    checkout's flags into ``out_dir`` and configured as this checkout's (``native.configure``),
+    for a benchmark that times it beside this checkout's build."""
+    import ctypes
+
+    from codecomplete.model import native
+
+    root = RESULTS.parents[1]
+    for name in (p.name for p in (*native._SOURCES, *native._HEADERS)):
+        src = subprocess.run(["git", "show", f"{rev}:model/native/{name}"], cwd=root, capture_output=True)
+        if src.returncode:
+            raise SystemExit(f"{rev} has no model/native/{name}: {src.stderr.decode().strip()}")
+        (out_dir / name).write_bytes(src.stdout)
+    lib_path = out_dir / f"native-{rev}.so"
+    sources = [str(out_dir / p.name) for p in native._SOURCES]
+    proc = subprocess.run(["gcc", *native._FLAGS, *sources, "-o", str(lib_path), "-lm"], capture_output=True,
+                          text=True)
+    if proc.returncode:
+        raise SystemExit(proc.stderr[-2000:])
+    return native.configure(ctypes.CDLL(str(lib_path)))

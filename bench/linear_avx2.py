@@ -20,7 +20,6 @@ import argparse
 import ctypes
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,29 +27,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header, median_ms, native_model  # noqa: E402
+from common import RESULTS, build_revision, header, median_ms, native_model  # noqa: E402
 
 from codecomplete.model import native  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def build_old(rev: str, out_dir: Path) -> tuple[ctypes.CDLL, bool]:
-    """The native library of ``rev``, compiled with this checkout's flags, and whether its AVX2
-    kernel reads the panel layout (from 6f756bd on) rather than the dot-product kernel's."""
-    names = [p.name for p in (*native._SOURCES, *native._HEADERS)]
-    for name in names:
-        src = subprocess.run(["git", "show", f"{rev}:model/native/{name}"], cwd=ROOT, capture_output=True, check=True)
-        (out_dir / name).write_bytes(src.stdout)
-    lib_path = out_dir / "old.so"
-    sources = [str(out_dir / p.name) for p in native._SOURCES]
-    proc = subprocess.run(["gcc", *native._FLAGS, *sources, "-o", str(lib_path), "-lm"], capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(proc.stderr[-2000:])
-    lib = ctypes.CDLL(str(lib_path))
-    lib.linear_bf16.restype = None
-    lib.linear_bf16.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
-    lib.linear_bf16_path.restype = ctypes.c_int
+    """The native library of ``rev`` (build_revision) and whether its AVX2 kernel reads the panel
+    layout (from 6f756bd on) rather than the dot-product kernel's."""
+    lib = build_revision(rev, out_dir)
     return lib, b"LINEAR_PANELS" in (out_dir / "linear.c").read_bytes()
 
 

@@ -82,7 +82,13 @@ def _build() -> ctypes.CDLL:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    lib = ctypes.CDLL(str(out))
+    return configure(ctypes.CDLL(str(out)))
+
+
+def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set the argument and result types of a built library's entry points (and its AMX switch
+    from the environment); returns ``lib``.  Public so that a benchmark can load another
+    revision's build and swap it in (``bench/attention_avx2.py``)."""
     fn = lib.decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int] * 7 + [ctypes.c_void_p] * 3 + [ctypes.POINTER(ctypes.c_void_p)] * 2 + [

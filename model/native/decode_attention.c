@@ -184,7 +184,57 @@ __attribute__((noinline)) static void scores16(const float *q, const float *k, i
  * (pass_cost_avx2.md). */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define PV_ROWS 1
+#define ROWS_AVX2 1
+/* x stays in a register: GCC otherwise folds the load into each of the J products that use it,
+ * loading it J times (15 loads for 12 products, the loop bound by the loads) */
+#define IN_REGISTER(x) __asm__("" : "+x"(x))
+/* The four sums of x[0..3]'s lanes: lane i of x[c] summed as ((0+1)+(2+3)) + ((4+5)+(6+7)), the
+ * same tree for every x whatever sits beside it. */
+static inline __m128 lanes_sum4(const __m256 x[4]) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* s[j][c] = scale * (q[j] . k[c]) for J (1-3) query rows q (E apart) and 16 keys k [16, E], E a
+ * multiple of 8 (s: rows ns apart): tiles of J rows by 4 keys, so each load of a key vector serves
+ * J rows and each load of a query vector 4 keys (one row at a time, scores16 loaded both for every
+ * product and ended each key in a reduction of its own).  Each (row, key) is one chain of fused
+ * multiply-adds over the E / 8 vectors, then lanes_sum4's fixed tree, whatever J is; where the
+ * kernel takes this path every row takes it, so a row's bits do not depend on the rows beside it. */
+__attribute__((optimize("no-associative-math"), always_inline)) static inline void scores_rows_j(
+    int J, int E, const float *q, const float *k, float scale, float *s, int64_t ns) {
+    const __m128 sc = _mm_set1_ps(scale);
+    for (int c0 = 0; c0 < 16; c0 += 4) {
+        __m256 a[3][4];
+        for (int j = 0; j < J; j++)
+            for (int c = 0; c < 4; c++) a[j][c] = _mm256_setzero_ps();
+        const float *kc = k + (size_t)c0 * E;
+        for (int e = 0; e < E; e += 8) {
+            /* the J query vectors in registers, then one key vector at a time: 12 accumulators, 3
+             * queries and a key fill the 16 registers */
+            __m256 qv[3];
+            for (int j = 0; j < J; j++) {
+                qv[j] = _mm256_loadu_ps(q + (size_t)j * E + e);
+                IN_REGISTER(qv[j]);
+            }
+            for (int c = 0; c < 4; c++) {
+                __m256 kv = _mm256_loadu_ps(kc + (size_t)c * E + e);
+                IN_REGISTER(kv);
+                for (int j = 0; j < J; j++) a[j][c] = _mm256_fmadd_ps(qv[j], kv, a[j][c]);
+            }
+        }
+        for (int j = 0; j < J; j++) _mm_storeu_ps(s + (size_t)j * ns + c0, _mm_mul_ps(lanes_sum4(a[j]), sc));
+    }
+}
+__attribute__((noinline)) static void scores_rows_avx2(int J, int E, const float *q, const float *k, float scale,
+                                                       float *s, int64_t ns) {
+    if (J == 3)
+        scores_rows_j(3, E, q, k, scale, s, ns);
+    else if (J == 2)
+        scores_rows_j(2, E, q, k, scale, s, ns);
+    else
+        scores_rows_j(1, E, q, k, scale, s, ns);
+}
 __attribute__((optimize("no-associative-math"), always_inline)) static inline void pv_rows_j(
     int J, int E, int64_t n, const float *v, const float *p, const float *m, float *acc) {
     for (int e0 = 0; e0 < E; e0 += 32) {
@@ -192,23 +242,28 @@ __attribute__((optimize("no-associative-math"), always_inline)) static inline vo
         for (int j = 0; j < J; j++)
             for (int i = 0; i < 4; i++) a[j][i] = _mm256_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
+            /* the J probabilities in registers, then one value vector at a time (as scores_rows_j) */
             const float *vt = v + t * E + e0;
-            const __m256 v0 = _mm256_loadu_ps(vt), v1 = _mm256_loadu_ps(vt + 8);
-            const __m256 v2 = _mm256_loadu_ps(vt + 16), v3 = _mm256_loadu_ps(vt + 24);
+            __m256 pj[3];
             for (int j = 0; j < J; j++) {
-                const __m256 pj = _mm256_broadcast_ss(p + (size_t)j * n + t);
-                a[j][0] = _mm256_fmadd_ps(pj, v0, a[j][0]);
-                a[j][1] = _mm256_fmadd_ps(pj, v1, a[j][1]);
-                a[j][2] = _mm256_fmadd_ps(pj, v2, a[j][2]);
-                a[j][3] = _mm256_fmadd_ps(pj, v3, a[j][3]);
+                pj[j] = _mm256_broadcast_ss(p + (size_t)j * n + t);
+                IN_REGISTER(pj[j]);
+            }
+            for (int i = 0; i < 4; i++) {
+                __m256 vv = _mm256_loadu_ps(vt + 8 * i);
+                IN_REGISTER(vv);
+                for (int j = 0; j < J; j++) a[j][i] = _mm256_fmadd_ps(pj[j], vv, a[j][i]);
             }
         }
-        for (int j = 0; j < J; j++)
+        for (int j = 0; j < J; j++) {
+            uint32_t mb; /* m[j] == -inf as an integer test: a float test kept -inf in a vector register */
+            memcpy(&mb, m + j, sizeof mb);
             for (int i = 0; i < 4; i++)
-                _mm256_storeu_ps(acc + (size_t)j * E + e0 + 8 * i, m[j] == -INFINITY ? _mm256_setzero_ps() : a[j][i]);
+                _mm256_storeu_ps(acc + (size_t)j * E + e0 + 8 * i, mb == 0xff800000u ? _mm256_setzero_ps() : a[j][i]);
+        }
     }
 }
-static void pv_rows_avx2(int J, int E, int64_t n, const float *v, const float *p, const float *m, float *acc) {
+__attribute__((noinline)) static void pv_rows_avx2(int J, int E, int64_t n, const float *v, const float *p, const float *m, float *acc) {
     if (J == 3)
         pv_rows_j(3, E, n, v, p, m, acc);
     else if (J == 2)
@@ -217,8 +272,9 @@ static void pv_rows_avx2(int J, int E, int64_t n, const float *v, const float *p
         pv_rows_j(1, E, n, v, p, m, acc);
 }
 #else
-#define PV_ROWS 0
+#define ROWS_AVX2 0
 #define pv_rows_avx2(J, E, n, v, p, m, acc) ((void)0)
+#define scores_rows_avx2(J, E, q, k, scale, s, ns) ((void)0)
 #endif
 
 /* One work item: the R = G * S query rows that share one KV head (row r is query head
@@ -246,19 +302,36 @@ static void pv_rows_avx2(int J, int E, int64_t n, const float *v, const float *p
             memset(kpad, 0, sizeof kpad);                                                                  \
             memcpy(kpad, k + nb * E, sizeof(float) * (size_t)(n - nb) * E);                                \
         }                                                                                                  \
-        for (int r = 0; r < R; r++) {                                                                      \
-            const float *qr = q + (size_t)r * E;                                                           \
-            float *s = scores + (size_t)r * n, tail[16];                                                   \
-            for (int64_t t = 0; t < nb; t += 16) scores16(qr, k + t * E, E, scale, s + t);                \
-            if (nb < n) {                                                                                  \
-                scores16(qr, kpad, E, scale, tail);                                                        \
-                memcpy(s + nb, tail, sizeof(float) * (size_t)(n - nb));                                    \
+        if (ROWS_AVX2 && EDIM > 0 && EDIM % 8 == 0) { /* up to three rows share each load of the keys */   \
+            for (int64_t t = 0; t < n; t += 16) {                                                          \
+                for (int r = 0; r < R; r += 3) {                                                           \
+                    const int J = R - r < 3 ? R - r : 3;                                                   \
+                    float tail[3][16];                                                                     \
+                    if (t < nb) {                                                                          \
+                        scores_rows_avx2(J, E, q + (size_t)r * E, k + t * E, scale, scores + (size_t)r * n + t, n);\
+                        continue;                                                                          \
+                    }                                                                                      \
+                    scores_rows_avx2(J, E, q + (size_t)r * E, kpad, scale, tail[0], 16);                   \
+                    for (int j = 0; j < J; j++)                                                            \
+                        memcpy(scores + (size_t)(r + j) * n + t, tail[j], sizeof(float) * (size_t)(n - t));\
+                }                                                                                          \
             }                                                                                              \
-            MASK_SOFTMAX(s, n, r % S, mask, T, len, t0, m + r, l + r);                                    \
+            for (int r = 0; r < R; r++) MASK_SOFTMAX(scores + (size_t)r * n, n, r % S, mask, T, len, t0, m + r, l + r);\
+        } else {                                                                                           \
+            for (int r = 0; r < R; r++) {                                                                  \
+                const float *qr = q + (size_t)r * E;                                                       \
+                float *s = scores + (size_t)r * n, tail[16];                                               \
+                for (int64_t t = 0; t < nb; t += 16) scores16(qr, k + t * E, E, scale, s + t);            \
+                if (nb < n) {                                                                              \
+                    scores16(qr, kpad, E, scale, tail);                                                    \
+                    memcpy(s + nb, tail, sizeof(float) * (size_t)(n - nb));                                \
+                }                                                                                          \
+                MASK_SOFTMAX(s, n, r % S, mask, T, len, t0, m + r, l + r);                                \
+            }                                                                                              \
         }                                                                                                  \
         const float *v = rows_f32(vals, elsize, E, t0, n, buf);                                            \
         int r = 0;                                                                                         \
-        if (PV_ROWS && EDIM > 0 && EDIM % 32 == 0) { /* up to three rows share each load of the values */  \
+        if (ROWS_AVX2 && EDIM > 0 && EDIM % 32 == 0) { /* up to three rows share each load of the values */  \
             for (; r < R; r += 3) pv_rows_avx2(R - r < 3 ? R - r : 3, E, n, v, scores + (size_t)r * n, m + r,\
                                           acc + (size_t)r * E);                                            \
         }                                                                                                  \
