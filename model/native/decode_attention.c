@@ -175,13 +175,6 @@ __attribute__((noinline)) static void scores16(const float *q, const float *k, i
     }
 }
 
-/* acc[j][e] = sum over t of p[j][t] v[t][e] for J (1-3) rows j (p: rows n apart, acc: rows E apart; a
- * row whose max m[j] is -inf sees nothing: zeros), E a multiple of 32: 32 columns of the J rows in
- * registers, so each value vector is loaded once for J rows.  Each (row, column) is one chain of
- * fused multiply-adds in t order whatever J is, and where the kernel takes this path (AVX2, E a
- * multiple of 32) every row takes it, so a row's bits do not depend on the rows beside it.  One row
- * at a time, the value products were bound by the loads from the chunk's fp32 copy
- * (pass_cost_avx2.md). */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define ROWS_AVX2 1
@@ -235,6 +228,13 @@ __attribute__((noinline)) static void scores_rows_avx2(int J, int E, const float
     else
         scores_rows_j(1, E, q, k, scale, s, ns);
 }
+/* acc[j][e] = sum over t of p[j][t] v[t][e] for J (1-3) rows j (p: rows n apart, acc: rows E apart; a
+ * row whose max m[j] is -inf sees nothing: zeros), E a multiple of 32: 32 columns of the J rows in
+ * registers, so each value vector is loaded once for J rows.  Each (row, column) is one chain of
+ * fused multiply-adds in t order whatever J is, and where the kernel takes this path (AVX2, E a
+ * multiple of 32) every row takes it, so a row's bits do not depend on the rows beside it.  One row
+ * at a time, the value products were bound by the loads from the chunk's fp32 copy
+ * (pass_cost_avx2.md). */
 __attribute__((optimize("no-associative-math"), always_inline)) static inline void pv_rows_j(
     int J, int E, int64_t n, const float *v, const float *p, const float *m, float *acc) {
     for (int e0 = 0; e0 < E; e0 += 32) {
@@ -263,7 +263,8 @@ __attribute__((optimize("no-associative-math"), always_inline)) static inline vo
         }
     }
 }
-__attribute__((noinline)) static void pv_rows_avx2(int J, int E, int64_t n, const float *v, const float *p, const float *m, float *acc) {
+__attribute__((noinline)) static void pv_rows_avx2(int J, int E, int64_t n, const float *v, const float *p,
+                                                   const float *m, float *acc) {
     if (J == 3)
         pv_rows_j(3, E, n, v, p, m, acc);
     else if (J == 2)
