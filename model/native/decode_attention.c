@@ -181,6 +181,16 @@ __attribute__((noinline)) static void scores16(const float *q, const float *k, i
 /* x stays in a register: GCC otherwise folds the load into each of the J products that use it,
  * loading it J times (15 loads for 12 products, the loop bound by the loads) */
 #define IN_REGISTER(x) __asm__("" : "+x"(x))
+/* F(J, ...) with J = 3, 2 or 1 a constant, so that each row count gets its own unrolled copy */
+#define BY_ROWS(F, J, ...)              \
+    do {                                \
+        if ((J) == 3)                   \
+            F(3, __VA_ARGS__);          \
+        else if ((J) == 2)              \
+            F(2, __VA_ARGS__);          \
+        else                            \
+            F(1, __VA_ARGS__);          \
+    } while (0)
 /* The four sums of x[0..3]'s lanes: lane i of x[c] summed as ((0+1)+(2+3)) + ((4+5)+(6+7)), the
  * same tree for every x whatever sits beside it. */
 static inline __m128 lanes_sum4(const __m256 x[4]) {
@@ -221,12 +231,7 @@ __attribute__((optimize("no-associative-math"), always_inline)) static inline vo
 }
 __attribute__((noinline)) static void scores_rows_avx2(int J, int E, const float *q, const float *k, float scale,
                                                        float *s, int64_t ns) {
-    if (J == 3)
-        scores_rows_j(3, E, q, k, scale, s, ns);
-    else if (J == 2)
-        scores_rows_j(2, E, q, k, scale, s, ns);
-    else
-        scores_rows_j(1, E, q, k, scale, s, ns);
+    BY_ROWS(scores_rows_j, J, E, q, k, scale, s, ns);
 }
 /* acc[j][e] = sum over t of p[j][t] v[t][e] for J (1-3) rows j (p: rows n apart, acc: rows E apart; a
  * row whose max m[j] is -inf sees nothing: zeros), E a multiple of 32: 32 columns of the J rows in
@@ -265,12 +270,7 @@ __attribute__((optimize("no-associative-math"), always_inline)) static inline vo
 }
 __attribute__((noinline)) static void pv_rows_avx2(int J, int E, int64_t n, const float *v, const float *p,
                                                    const float *m, float *acc) {
-    if (J == 3)
-        pv_rows_j(3, E, n, v, p, m, acc);
-    else if (J == 2)
-        pv_rows_j(2, E, n, v, p, m, acc);
-    else
-        pv_rows_j(1, E, n, v, p, m, acc);
+    BY_ROWS(pv_rows_j, J, E, n, v, p, m, acc);
 }
 #else
 #define ROWS_AVX2 0
