@@ -81,8 +81,6 @@ class SpecSettings:
     # where passes are costly (speculate.costly_passes: bf16 on AVX2 or the portable loop), the
     # datastores draft only from matches at least this long (0: min_match everywhere)
     costly_min_match: int = 8
-    # there, a shorter match (at least min_match) still drafts its first short_draft tokens (0: none)
-    short_draft: int = 0
     cache_sequences: int = 4096  # the verified cache's size (sequences, LRU)
     use_repository: bool = True
     use_common: bool = True

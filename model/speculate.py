@@ -318,19 +318,14 @@ class Drafter:
             if consult:
                 self.stats["retrievals"] += 1
                 found = False
-                # a match shorter than min_match (raised where passes are costly) drafts only its
-                # first short_draft tokens: a pass of a few rows costs about a step there
-                short = s.short_draft if s.short_draft and min_match > s.min_match else 0
-                for m in self.retriever(context, draft_len=depth, top_k=s.top_k,
-                                        min_len=s.min_match if short else min_match):
+                for m in self.retriever(context, draft_len=depth, top_k=s.top_k, min_len=min_match):
                     weight = s.alpha if m.source == "repository" else s.beta
                     if (m.source == "repository" and not s.use_repository) or (
                             m.source == "common" and not s.use_common):
                         continue
-                    cut = short if short and m.length < min_match else None
                     total = sum(c.count for c in m.continuations) or 1
                     for c in m.continuations:
-                        weighted.append((tuple(c.tokens[:cut]), weight * c.count / total))
+                        weighted.append((tuple(c.tokens), weight * c.count / total))
                         found = True
                 if not found and s.missing_table:
                     self.missing[key] = None

@@ -195,36 +195,6 @@ def test_costly_passes_draft_only_long_datastore_matches(lm, monkeypatch):
             assert asked and set(asked) == {want}, (costly, spec, set(asked))
 
 
-def test_short_datastore_matches_draft_a_few_tokens_where_passes_are_costly():
-    """``short_draft``: where the datastores need a match of ``costly_min_match`` tokens, a shorter
-    match (at least ``min_match``) still drafts its first ``short_draft`` tokens; a long match its
-    whole continuation; off (0), short matches are not asked for."""
-    from codecomplete.indexer.suffix import Continuation, Match
-
-    cont = tuple(range(100, 110))
-    for length, short, asked_for, depth in ((3, 2, 2, 2), (9, 2, 2, 10), (3, 0, 8, None), (5, 1, 2, 1)):
-        asked = []
-
-        def retriever(context, **kw):
-            asked.append(kw["min_len"])
-            if kw["min_len"] > length:
-                return []
-            return [Match(length, 4, [Continuation(cont, 4)], "repository")]
-
-        spec = SpecSettings(max_nodes=12, depth=12, short_draft=short, use_cache=False, missing_table=False,
-                            skip_tokens=False, costly_min_match=8)
-        tree = Drafter(spec, retriever).draft(list(range(20)), min_match=8)
-        assert asked == [asked_for], (length, short, asked)
-        if depth is None:
-            assert len(tree) == 0
-        else:
-            assert tree.tokens == list(cont[:depth]) and tree.depths == list(range(1, depth + 1)), (length, short)
-        # where passes are cheap (min_match as set), nothing is cut
-        asked.clear()
-        tree = Drafter(spec, retriever).draft(list(range(20)), min_match=2)
-        assert asked == [2] and tree.tokens == list(cont), (length, short)
-
-
 def greedy_plain(lm, request, plan, vocab):
     live = start(lm, request, plan, None)
     while advance(lm, live, vocab):
