@@ -304,18 +304,16 @@ __attribute__((noinline)) static void pv_rows_avx2(int J, int E, int64_t n, cons
             memcpy(kpad, k + nb * E, sizeof(float) * (size_t)(n - nb) * E);                                \
         }                                                                                                  \
         if (ROWS_AVX2 && EDIM > 0 && EDIM % 8 == 0) { /* up to three rows share each load of the keys */   \
-            for (int64_t t = 0; t < n; t += 16) {                                                          \
-                for (int r = 0; r < R; r += 3) {                                                           \
-                    const int J = R - r < 3 ? R - r : 3;                                                   \
-                    float tail[3][16];                                                                     \
-                    if (t < nb) {                                                                          \
-                        scores_rows_avx2(J, E, q + (size_t)r * E, k + t * E, scale, scores + (size_t)r * n + t, n);\
-                        continue;                                                                          \
-                    }                                                                                      \
-                    scores_rows_avx2(J, E, q + (size_t)r * E, kpad, scale, tail[0], 16);                   \
-                    for (int j = 0; j < J; j++)                                                            \
-                        memcpy(scores + (size_t)(r + j) * n + t, tail[j], sizeof(float) * (size_t)(n - t));\
-                }                                                                                          \
+            for (int64_t t = 0; t < nb; t += 16) /* a block of keys in L1 for every group of rows */      \
+                for (int r = 0; r < R; r += 3)                                                             \
+                    scores_rows_avx2(R - r < 3 ? R - r : 3, E, q + (size_t)r * E, k + t * E, scale,        \
+                                     scores + (size_t)r * n + t, n);                                       \
+            for (int r = 0; nb < n && r < R; r += 3) {                                                     \
+                const int J = R - r < 3 ? R - r : 3;                                                       \
+                float tail[3][16];                                                                         \
+                scores_rows_avx2(J, E, q + (size_t)r * E, kpad, scale, tail[0], 16);                       \
+                for (int j = 0; j < J; j++)                                                                \
+                    memcpy(scores + (size_t)(r + j) * n + nb, tail[j], sizeof(float) * (size_t)(n - nb));  \
             }                                                                                              \
             for (int r = 0; r < R; r++) MASK_SOFTMAX(scores + (size_t)r * n, n, r % S, mask, T, len, t0, m + r, l + r);\
         } else {                                                                                           \
