@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, build_revision, header, median_ms, native_model  # noqa: E402
+from common import RESULTS, build_revision, header, median_ms, native_model, ratio_in_rounds  # noqa: E402
 from pass_cost import chain_mask  # noqa: E402
 
 from codecomplete.model import native  # noqa: E402
@@ -126,10 +126,10 @@ def main() -> None:
         return statistics.median(cells[(kind, name, L, s)])
 
     def speedup(kind, L, s):
-        return statistics.median(o / n for o, n in zip(cells[(kind, "old", L, s)], cells[(kind, "new", L, s)]))
+        return ratio_in_rounds(cells[(kind, "old", L, s)], cells[(kind, "new", L, s)])
 
     def step_ratio(name, L, s):
-        return statistics.median(x / y for x, y in zip(cells[("forward", name, L, s)], cells[("forward", name, L, 1)]))
+        return ratio_in_rounds(cells[("forward", name, L, s)], cells[("forward", name, L, 1)])
 
     result = {"model": lm.name, "old": args.old, "rounds": args.rounds, "worst_relative_difference": worst,
               "cells": {f"{k}/{n}/{L}/{s}": v for (k, n, L, s), v in cells.items()}}

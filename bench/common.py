@@ -99,6 +99,13 @@ def median_ms(fn, reps: int) -> float:
     return statistics.median(times) * 1000
 
 
+def ratio_in_rounds(a: list[float], b: list[float]) -> float:
+    """The median over rounds of a[i] / b[i]: two cells timed in the same rounds compared within
+    each round (this machine's speed drifts between rounds, not within one)."""
+    import statistics
+
+    return statistics.median(x / y for x, y in zip(a, b))
+
 def run(cmd: list[str]) -> str:
     """Run a command (printed on stderr first), exit with its stderr's tail if it fails;
     the command line, for a results file."""

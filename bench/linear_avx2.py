@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, build_revision, header, median_ms, native_model  # noqa: E402
+from common import RESULTS, build_revision, header, median_ms, native_model, ratio_in_rounds  # noqa: E402
 
 from codecomplete.model import native  # noqa: E402
 
@@ -99,10 +99,10 @@ def main() -> None:
         return statistics.median(cells[(name, s)])
 
     def speedup(s):
-        return statistics.median(o / n for o, n in zip(cells[("old", s)], cells[("new", s)]))
+        return ratio_in_rounds(cells[("old", s)], cells[("new", s)])
 
     def step_ratio(name, s):
-        return statistics.median(x / y for x, y in zip(cells[(name, s)], cells[(name, 1)]))
+        return ratio_in_rounds(cells[(name, s)], cells[(name, 1)])
 
     result = {"model": lm.name, "old": args.old, "rounds": args.rounds, "weights_mb": round(weight_mb, 1),
               "macs_per_row": macs, "worst_relative_error": worst,

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header, median_ms, native_model  # noqa: E402
+from common import RESULTS, header, median_ms, native_model, ratio_in_rounds  # noqa: E402
 
 from codecomplete.model import native  # noqa: E402
 
@@ -115,7 +115,7 @@ def main() -> None:
         return statistics.median(cells[(kind, L, s)])
 
     def ratio(kind, L, s):
-        return statistics.median(x / y for x, y in zip(cells[(kind, L, s)], cells[(kind, L, 1)]))
+        return ratio_in_rounds(cells[(kind, L, s)], cells[(kind, L, 1)])
 
     result = {"model": lm.name, "dtype": str(lm.dtype), "rounds": args.rounds, "weights_mb": round(weight_mb, 1),
               "macs_per_row": macs, "cells": {f"{k}/{L}/{s}": v for (k, L, s), v in cells.items()}}
