@@ -65,10 +65,19 @@ def settings_for(name: str, path: str) -> ExitSettings | None:
                         max_batch=1024)  # the batch rows measure the exits (the daemon's max_batch = 1 skips them)
 
 
-def decode(lm, rt: ExitRuntime | None, prompts: list[tuple[str, str]], tokens: int, batch: int) -> dict:
-    """Time decoding only (prefill excluded); layers per token and exit layers."""
+def speed_prompts(seed: int) -> list[tuple[str, str]]:
+    """The speed runs' (prefix, suffix) pairs: 16 HumanEval-Infilling multi-line prompts, shuffled."""
+    prompts = [(t["prompt"][-2000:], t["suffix"][:600]) for t in infill.load("multi", 16)]
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+def decode(lm, rt: ExitRuntime | None, prompts: list[tuple[str, str]], tokens: int, batch: int,
+           outputs: dict | None = None) -> dict:
+    """Time decoding only (prefill excluded); layers per token and exit layers.  ``outputs``:
+    filled with (prefix, suffix) -> the generated token ids."""
     settings = EngineSettings(token_healing=False)
-    done, secs, layers, passes = 0, 0.0, 0, 0
+    done, secs, layers, passes, accepted = 0, 0.0, 0, 0, 0
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     ran_hist: dict[int, int] = {}
     if rt is not None:
@@ -90,12 +99,16 @@ def decode(lm, rt: ExitRuntime | None, prompts: list[tuple[str, str]], tokens: i
                         ran_hist[lv.layers - b] = ran_hist.get(lv.layers - b, 0) + 1
                 going = [lv for lv in going if advance(lm, lv, None)]
             secs += time.perf_counter() - t0
+            if outputs is not None:
+                outputs.update({(lv.request.prefix, lv.request.suffix): list(lv.generated) for lv in lives})
             done += sum(len(lv.generated) for lv in lives)
             layers += sum(lv.layers for lv in lives)
             passes += sum(lv.passes for lv in lives)
+            accepted += sum(lv.accepted for lv in lives)
     steps = sum(ran_hist.values())
     decoded = done - len(prompts)  # each request's first token comes from the prefill
     return {"tokens": decoded, "seconds": round(secs, 3), "tokens_per_s": round(decoded / secs, 2),
+            "layers": layers, "passes": passes, "accepted": accepted,
             "ms_per_token": round(1000 * secs / decoded * min(batch, len(prompts)), 2),
             "mean_layers": round(layers / max(1, passes), 2), "tokens_per_pass": round(decoded / max(1, passes), 3),
             "exit_rate": {str(k): round(v / steps, 3) for k, v in sorted(ran_hist.items())} if steps else {},
@@ -142,11 +155,7 @@ def main() -> None:
     exits = load_exits(path, lm.model)
     fmt = "efim" if lm.template.template is not None else "fim"
     tasks = infill.load("single", args.tasks)
-    rng = random.Random(args.seed)
-    prompts = []
-    for t in infill.load("multi", 16):
-        prompts.append((t["prompt"][-2000:], t["suffix"][:600]))
-    rng.shuffle(prompts)
+    prompts = speed_prompts(args.seed)
     configs = args.configs.split(",")
     speed, qual = {}, {}
     full_outs: list[str] = []

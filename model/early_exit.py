@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -352,13 +353,17 @@ def _run_layers(model: Transformer, x: torch.Tensor, cos, sin, first: int, end: 
 
 @torch.no_grad()
 def self_spec(model: Transformer, exits: Exits, layer: int, root: int, cache: SeqKV, draft: int,
-              stop_ids: frozenset[int] = frozenset(), min_margin: float = 0.0
-              ) -> tuple[list[int], torch.Tensor, int]:
+              stop_ids: frozenset[int] = frozenset(), min_margin: float = 0.0,
+              oracle: Callable[[int], int | None] | None = None) -> tuple[list[int], torch.Tensor, int]:
     """Lossless early exit: draft up to ``draft`` tokens with the first ``layer`` layers
     and the exit head (subset), verify them with the remaining layers in one pass.  Drafting
     stops at the first token whose exit margin (softmax top-1 minus top-2, the calibrated
     ``softmax`` measure) is below ``min_margin``: an unlikely draft costs its early layers and
     saves nothing, and with no draft the round is one full step.
+
+    ``oracle`` (what-if measurements, bench/early_exit_ceiling.py): called with the draft's
+    index, it picks the draft token instead of the exit head (None: stop drafting); the
+    exit check still runs, so a round costs what a real one does.
 
     Returns (accepted drafts, logits [1 + accepted, V] of the full model at the root and
     each accepted token, drafted count); the cache then holds root + accepted tokens in
@@ -378,6 +383,12 @@ def self_spec(model: Transformer, exits: Exits, layer: int, root: int, cache: Se
         if j >= draft or (j and seq[-1] in stop_ids):
             break
         margin, logits = exits.confidence(model, "softmax", layer, x[:, -1], None)
+        if oracle is not None:
+            tok = oracle(j)
+            if tok is None:
+                break
+            seq.append(tok)
+            continue
         if float(margin[0]) < min_margin:
             break
         seq.append(int(exits.tokens(logits, subset=True)[0]))

@@ -287,6 +287,9 @@ class ExitRuntime:
     draft_tokens: int = 4
     draft_margin: float = 0.0  # lossless: the softmax margin below which drafting stops
     max_batch: int = 1  # lossy exits only for batches this small (lossless: one request)
+    # lossless, what-if measurements only (bench/early_exit_ceiling.py): (request, draft index) ->
+    # the token to draft instead of the exit head's, or None to stop drafting
+    oracle: Callable[[Live, int], int | None] | None = None
 
     def takes(self, batch: int) -> bool:
         """Whether a decode step of ``batch`` requests goes through the exits.  Self-speculation
@@ -363,7 +366,8 @@ def self_spec_step(lm: LoadedModel, lives: list[Live], rt: ExitRuntime, vocab: "
             continue
         root = lv.generated[-1]
         acc, logits, drafted = self_spec(lm.model, rt.exits, rt.draft_layer, root, lv.cache,
-                                         min(rt.draft_tokens, room - 1), lm.stop_ids, rt.draft_margin)
+                                         min(rt.draft_tokens, room - 1), lm.stop_ids, rt.draft_margin,
+                                         None if rt.oracle is None else (lambda j, lv=lv: rt.oracle(lv, j)))
         lv.layers += (drafted + 1) * rt.draft_layer + n_layers - rt.draft_layer
         lv.spec_steps += 1
         lv.accepted += len(acc)

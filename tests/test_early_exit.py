@@ -211,6 +211,43 @@ def test_lossless_drafts_only_while_the_exit_is_confident(lm, trained):
     assert drafted[0.0] > 0
 
 
+def test_lossless_oracle_drafts_are_still_verified(lm, trained):
+    """``ExitRuntime.oracle`` (bench/early_exit_ceiling.py) replaces the exit head's drafts: drafts
+    that are the full model's own tokens are all accepted (every round takes its drafts and
+    one more token), wrong ones are all rejected; the output is greedy decoding's either way."""
+    exits = load_exits(trained, lm.model)
+    prefix, suffix = PROMPTS[1]
+    full = generate(lm, CompletionRequest(prefix, suffix, mode="multi", max_tokens=16, max_lines=50,
+                                          ignore_eos=True), PLAIN)
+    ref = full.token_ids
+    vocab = lm.model.args.vocab_size
+    for right in (True, False):
+        rt = ExitRuntime(exits, ExitPolicy("softmax", {}), lossless=True, draft_layer=1, draft_tokens=3)
+        calls = []
+
+        def oracle(lv, j, right=right):
+            n = len(lv.generated)
+            calls.append((n, j))
+            if n + j >= len(ref):
+                return None
+            return ref[n + j] if right else (ref[n + j] + 1) % vocab
+
+        rt.oracle = oracle
+        req = CompletionRequest(prefix, suffix, mode="multi", max_tokens=16, max_lines=50, ignore_eos=True)
+        with torch.inference_mode():
+            live = start(lm, req, plan_prompt(lm, req, PLAIN, None, None), None)
+            going = [live] if advance(lm, live, None) else []
+            while going:
+                going = [lv for lv in self_spec_step(lm, going, rt, None) if advance(lm, lv, None)]
+        assert live.result.token_ids == ref
+        assert calls and live.spec_steps > 0
+        if right:  # 3 drafts and a bonus token a round while the budget lasts
+            assert live.accepted == len(ref) - 1 - live.passes
+            assert live.passes < len(ref) - 1
+        else:
+            assert live.accepted == 0
+
+
 def test_lossless_draft_bound_picks_the_calibrated_threshold(lm, trained):
     """``ExitSettings.draft_bound`` resolves to the softmax threshold calibrated for the nearest
     calibrated bound at the drafting exit (these exits: 0.02 and 0.5); 0 drafts always; exits
