@@ -70,9 +70,23 @@ class Exits(nn.Module):
         # whose subset-head margin there is confident skips the full vocabulary head
         self.final = 0
         self.head_skips = 0  # tokens the final check took (benchmarks read and reset it)
+        self._kv: tuple | None = None  # (key, FoldedKV) for fill_kv (``folded_kv``)
 
     def index(self, layer: int) -> int:
         return self.layers.index(layer)
+
+    def folded_kv(self, model: Transformer) -> "FoldedKV | None":
+        """The K and V rows of every layer with its input norm's weight folded in, stacked and
+        packed once for the native kernel (fill_kv's one-product path); None where that path
+        does not apply (not a bf16 CPU model with the native kernels, no grad)."""
+        w0 = model.layers[0].attn.wqkv.weight
+        if (w0.dtype != torch.bfloat16 or w0.device.type != "cpu" or torch.is_grad_enabled()
+                or not native.available()):
+            return None
+        key = (id(model), w0.data_ptr())
+        if self._kv is None or self._kv[0] != key:
+            self._kv = (key, FoldedKV.build(model))
+        return self._kv[1]
 
     def _linear(self, name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x W^T; a bf16 step of few rows without autograd through the native kernel, on a
@@ -209,12 +223,60 @@ class ExitPolicy:
         return min(1.0, 0.9 * base + 0.1 * math.exp(-self.decay * t / max(1, self.max_len)))
 
 
+@dataclass
+class FoldedKV:
+    """Every layer's K and V rows times its input norm's weight (W diag(g): the norm's scale
+    moved into the product), stacked [n_layers * 2 kd, D] and packed for ``native.linear``:
+    the KV filling of all skipped layers is then one product of the exit state's normalised
+    row, instead of a norm, a product, RoPE and two writes per layer from Python (measured
+    on the AVX2 EPYC: 3.0 ms for the 22 layers after an exit at 8, 0.46 ms folded).
+    The bf16 weights are rounded once more than the model's path rounds (g times W): KV
+    filling approximates the skipped layers anyway."""
+
+    packed: torch.Tensor
+    bias: torch.Tensor | None  # [n_layers * 2 kd] or None
+    rows: int  # 2 kd: one layer's rows
+    eps: float
+
+    @classmethod
+    def build(cls, model: Transformer) -> "FoldedKV":
+        a = model.args
+        qd = a.n_heads * a.head_dim
+        ws, bs = [], []
+        for layer in model.layers:
+            w = layer.attn.wqkv.weight.detach()[qd:].float() * layer.attn_norm.weight.detach().float()
+            ws.append(w.to(torch.bfloat16))
+            b = layer.attn.wqkv.bias
+            bs.append(None if b is None else b.detach()[qd:].to(torch.bfloat16))
+        bias = None if any(b is None for b in bs) else torch.cat(bs).contiguous()
+        return cls(native.pack_linear(torch.cat(ws)), bias, ws[0].shape[0], model.layers[0].attn_norm.eps)
+
+    def project(self, h: torch.Tensor, first: int, n_layers: int) -> torch.Tensor | None:
+        """K and V of layers ``first``.. for the state h [D] ([n_layers - first, 2 kd] bf16),
+        or None where the packed layout cannot start at that layer."""
+        rows = native.packed_rows(self.packed, first * self.rows)
+        if rows is None:
+            return None
+        u = F.rms_norm(h.view(1, -1).float(), h.shape[-1:], eps=self.eps).to(torch.bfloat16)
+        n = (n_layers - first) * self.rows
+        b = self.bias[first * self.rows:] if self.bias is not None else None
+        return native.linear(u, rows, b, n).view(n_layers - first, self.rows)
+
+
 def fill_kv(model: Transformer, h: torch.Tensor, cache: SeqKV, first: int, pos: int,
-            cos: torch.Tensor, sin: torch.Tensor) -> None:
+            cos: torch.Tensor, sin: torch.Tensor, folded: FoldedKV | None = None) -> None:
     """Write the KV of layers ``first``.. at position ``pos`` from the exit state h [D]:
-    each skipped layer's K and V projections of its own input norm of h."""
+    each skipped layer's K and V projections of its own input norm of h (``folded``: all
+    layers in one product, ``FoldedKV``)."""
     a = model.args
     qd, kd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    kvp = folded.project(h, first, a.n_layers) if folded is not None and h.dtype == torch.bfloat16 else None
+    if kvp is not None:
+        n = a.n_layers - first
+        k = apply_rope(kvp[:, :kd].reshape(n, 1, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)
+        cache.k[first:, :, pos] = k[:, :, 0]
+        cache.v[first:, :, pos] = kvp[:, kd:].reshape(n, a.n_kv_heads, a.head_dim)
+        return
     for j in range(first, a.n_layers):
         layer = model.layers[j]
         wqkv = layer.attn.wqkv
@@ -292,11 +354,12 @@ def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: l
         picked = logits[rows] if logits is not None else exits.logits(model, n, h[rows], subset=True).float()
         full = exits.in_vocab(picked, model.args.vocab_size)
         state = exits.state(n, h[rows])
+        folded = exits.folded_kv(model)
         for j, r in enumerate(rows):
             b = active[r]
             out[b] = full[j]
             ran[b] = n
-            fill_kv(model, state[j], caches[b], n, caches[b].length, cos_all[b:b + 1], sin_all[b:b + 1])
+            fill_kv(model, state[j], caches[b], n, caches[b].length, cos_all[b:b + 1], sin_all[b:b + 1], folded)
         keep = [r for r, o in enumerate(ok) if not o]
         if not keep:
             active = []

@@ -11,7 +11,8 @@ import torch
 
 from codecomplete.model import native
 from codecomplete.model.api import CompletionRequest, EngineSettings, ExitSettings, SpecSettings
-from codecomplete.model.early_exit import Exits, ExitPolicy, ExitsError, exit_forward, load_exits, untrained_exits
+from codecomplete.model.early_exit import (Exits, ExitPolicy, ExitsError, exit_forward, fill_kv, load_exits,
+                                            untrained_exits)
 from codecomplete.model.engine import (Engine, ExitRuntime, advance, decode_step, generate, plan_prompt,
                                        self_spec_step, start)
 from codecomplete.model.loader import load_model, model_identity
@@ -70,6 +71,42 @@ def test_kv_filling_keeps_every_layer_aligned(lm):
     with torch.inference_mode():
         out, ran = exit_forward(model, exits, ExitPolicy("cosine", {}), [int(logits[0].argmax())], [cache], [1])
     assert ran == [2] and cache.length == pos + 2 and torch.isfinite(out).all()
+
+
+def test_folded_kv_filling_matches_the_layer_by_layer_filling(tiny_model):
+    """``FoldedKV`` (bf16 on a CPU with the native kernels): the skipped layers' K and V from one
+    product with the norms' weights folded in equal, within bf16 rounding, what the layer-by-layer
+    filling writes; layers below the exit and other positions are left alone."""
+    if not native.available():
+        pytest.skip(f"native kernels unavailable: {native.error()}")
+    lm16 = load_model(str(tiny_model), device="cpu", dtype="bfloat16")
+    model = lm16.model
+    with torch.no_grad():  # norms that scale (the tiny model's are ones): folding them must count
+        for layer in model.layers:
+            layer.attn_norm.weight.copy_(torch.linspace(0.5, 1.5, layer.attn_norm.weight.numel()))
+    exits = untrained_exits(model, [1])
+    with torch.inference_mode():
+        folded = exits.folded_kv(model)
+        assert folded is not None and exits.folded_kv(model) is folded  # built once
+        ids = lm16.tokenizer.encode(PROMPTS[0][0], add_special_tokens=False)
+        cache = model.new_cache(len(ids) + 4)
+        cache.k.zero_()
+        cache.v.zero_()
+        model(torch.tensor([ids]), [cache])
+        pos = cache.length
+        cos, sin = model.rope(torch.tensor([[pos]]))
+        h = model.embed(torch.tensor([[ids[-1]]]))[0, 0] * 4
+        before = cache.k.clone(), cache.v.clone()
+        fill_kv(model, h, cache, 1, pos, cos, sin)
+        want = cache.k[:, :, pos].clone(), cache.v[:, :, pos].clone()
+        cache.k.copy_(before[0])
+        cache.v.copy_(before[1])
+        fill_kv(model, h, cache, 1, pos, cos, sin, folded)
+    for got, ref, old in zip((cache.k, cache.v), want, before):
+        torch.testing.assert_close(got[1, :, pos].float(), ref[1].float(), rtol=3e-2,
+                                   atol=3e-2 * float(ref[1].abs().max()))
+        assert torch.equal(got[0], old[0]) and torch.equal(got[1, :, :pos], old[1, :, :pos])
+        assert not torch.equal(got[1, :, pos], old[1, :, pos])
 
 
 def test_never_confident_is_the_full_model(lm):
