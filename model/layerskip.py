@@ -29,8 +29,12 @@ middles) and each exit's agreement with the teacher.
 ``--export-texts CHARS`` writes the texts to carry (the train split's random subset and the
 validation split) and ``--combine RUN_DIR`` turns a run into an adapter (see below).
 
-Writes DIR/lora-{0,1}.safetensors (the new LoRA, scale folded, bf16, split in two by
-layer), DIR/exits.safetensors (the exit adapters, for reference: ``exit_train`` retrains
+``--target own`` distils each exit towards the student's own last layer (detached) instead
+of the teacher, so the exit terms pull the layers only through the exits' inputs; the last
+layer's KL to the teacher (weight ``--final-weight``) holds the model's outputs.
+
+Writes DIR/lora-*.safetensors (the new LoRA, scale folded, bf16, in files of whole layers of
+at most ~14 MB each), DIR/exits.safetensors (the exit adapters, for reference: ``exit_train`` retrains
 them on the result) and DIR/history.json.  ``combine`` appends the new LoRA to a shipped
 adapter, which gives an adapter of rank 32 + r in the same format (``B1 A1 + B2 A2 =
 [B1 B2] [A1; A2]``), loadable with ``--model``.
@@ -121,6 +125,7 @@ def exit_logits(model, adapter, h):
 def evaluate(student, teacher, adapters, exits, batches, device, eos) -> dict:
     student.eval()
     agree = {e: [0, 0] for e in exits}
+    own = {e: 0 for e in exits}  # the exit's top token = the student's own last layer's
     exit_kl: dict[int, list[float]] = {e: [] for e in exits}
     fin, kls, ce_s, ce_t = [0, 0], [], [], []
     for ids, labels in batches:
@@ -132,7 +137,8 @@ def evaluate(student, teacher, adapters, exits, batches, device, eos) -> dict:
             t_logits = teacher.lm_head(t_last[keep]).float()
             s_logits = student.lm_head(s_last[keep]).float()
             top = t_logits.argmax(-1)
-            fin[0] += int((s_logits.argmax(-1) == top).sum())
+            s_top = s_logits.argmax(-1)
+            fin[0] += int((s_top == top).sum())
             fin[1] += len(top)
             t_logp = F.log_softmax(t_logits, -1)
             kls.append(float(kl(s_logits, t_logp)))  # the last layer against the teacher
@@ -144,23 +150,30 @@ def evaluate(student, teacher, adapters, exits, batches, device, eos) -> dict:
                 logits = exit_logits(student, a, h[keep]).float()
                 agree[e][0] += int((logits.argmax(-1) == top).sum())
                 agree[e][1] += len(top)
+                own[e] += int((logits.argmax(-1) == s_top).sum())
                 exit_kl[e].append(float(kl(logits, t_logp)))
     student.train()
     res = {"final_agree": round(fin[0] / fin[1], 4), "final_kl": round(sum(kls) / len(kls), 4),
            "fim_loss": round(sum(ce_s) / len(ce_s), 4), "teacher_fim_loss": round(sum(ce_t) / len(ce_t), 4),
            "positions": fin[1]}
     res.update({f"agree_{e}": round(a / n, 4) for e, (a, n) in agree.items()})
+    res.update({f"own_{e}": round(own[e] / n, 4) for e, (a, n) in agree.items()})
     res.update({f"exit_kl_{e}": round(sum(v) / len(v), 4) for e, v in exit_kl.items()})
     return res
 
 
-def save(student, adapters, exits, out: Path, split_layer: int) -> None:
+def save(student, adapters, exits, out: Path, n_layers: int, part_bytes: int = 14 * 10**6) -> None:
+    """The LoRA in files of at most about ``part_bytes`` (whole layers each; a device call
+    brings back files of at most 16 MiB), and the exit adapters."""
     from safetensors.torch import save_file
 
-    parts: list[dict] = [{}, {}]
-    for name, mod in tr.lora_modules(student).items():
+    mods = tr.lora_modules(student)
+    size = sum(2 * (m.lora_a.numel() + m.lora_b.numel()) for m in mods.values())
+    n_parts = max(1, -(-size // part_bytes))
+    parts: list[dict] = [{} for _ in range(n_parts)]
+    for name, mod in mods.items():
         layer = int(name.split(".")[2])
-        part = parts[layer >= split_layer]
+        part = parts[layer * n_parts // n_layers]
         part[f"{name}.lora_a"] = mod.lora_a.detach().to(torch.bfloat16).cpu().contiguous()
         part[f"{name}.lora_b"] = (mod.lora_b.detach() * mod.scale).to(torch.bfloat16).cpu().contiguous()
     for i, part in enumerate(parts):
@@ -212,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exits", default="12,16,20,24,27")
     ap.add_argument("--exit-weight", type=float, default=0.15,
                     help="weight of each exit's loss (the last layer's is 1)")
+    ap.add_argument("--target", choices=("teacher", "own"), default="teacher",
+                    help="what the exits learn: the teacher's distribution, or the student's own last layer's "
+                         "(detached: the exits follow the layers without pulling them)")
+    ap.add_argument("--final-weight", type=float, default=1.0, help="weight of the last layer's KL to the teacher")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--alpha", type=float, default=32.0)
     ap.add_argument("--lr", type=float, default=2e-4)
@@ -301,9 +318,11 @@ def main(argv: list[str] | None = None) -> int:
                 t_last = teacher.model(input_ids=ids).last_hidden_state
                 t_logp = F.log_softmax(teacher.lm_head(t_last[keep]).float(), -1)
             s_last, s_exits = forward_all(student, ids, exits)
-            loss_final = kl(student.lm_head(s_last[keep]), t_logp)
-            loss_exits = [kl(exit_logits(student, a, h[keep]), t_logp) for h, a in zip(s_exits, adapters)]
-            loss = loss_final + w_exit * sum(loss_exits)
+            s_logits = student.lm_head(s_last[keep])
+            loss_final = kl(s_logits, t_logp)
+            target = t_logp if args.target == "teacher" else F.log_softmax(s_logits.detach().float(), -1)
+            loss_exits = [kl(exit_logits(student, a, h[keep]), target) for h, a in zip(s_exits, adapters)]
+            loss = args.final_weight * loss_final + w_exit * sum(loss_exits)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(lora + list(adapters.parameters()), 1.0)
         opt.step()
@@ -320,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             check(step, tokens)
     history["train_s"] = round(time.perf_counter() - t0, 1)
     check(step, tokens)
-    save(student, adapters, exits, args.out, n_layers // 2)
+    save(student, adapters, exits, args.out, n_layers)
     (args.out / "history.json").write_text(json.dumps(history, indent=1))
     return 0
 

@@ -75,3 +75,36 @@ def test_a_short_run_trains_the_exit_and_its_adapter_is_the_student(tiny_model: 
         want = ref(ids).logits[0]
     assert torch.allclose(got.reshape(want.shape), want, atol=1e-4, rtol=1e-4)
     assert any((new[k].float().abs() > 0).any() for k in new if k.endswith(".lora_b"))  # B trained off zero
+
+
+def test_own_target_runs_and_the_lora_splits_into_parts(tiny_model: Path, tmp_path: Path):
+    """``--target own`` (the exits learn the student's own last layer, detached) trains and reports
+    each exit's agreement with that layer; ``save`` cuts the LoRA into files of whole layers that
+    together hold every module once (a device call brings back files of at most 16 MiB)."""
+    from safetensors.torch import load_file
+
+    from codecomplete.model import layerskip
+    from codecomplete.model import train as tr
+
+    out = tmp_path / "own"
+    assert layerskip.main(["--model", str(tiny_model), "--out", str(out), "--texts", str(_texts(tmp_path / "t.json")),
+                           "--exits", "1", "--rank", "4", "--max-steps", "4", "--minutes", "10", "--batch", "2",
+                           "--seq", "64", "--workers", "0", "--eval-batches", "2", "--device", "cpu",
+                           "--target", "own", "--final-weight", "2"]) == 0
+    history = json.loads((out / "history.json").read_text())
+    assert history["args"]["target"] == "own" and history["evals"][-1]["step"] == 4
+    assert all(0 <= e["own_1"] <= 1 for e in history["evals"])
+
+    _, student, _ = tr.load_base(str(tiny_model))
+    tr.add_lora(student, 4, 4.0, 0)
+    mods = tr.lora_modules(student)
+    size = sum(2 * (m.lora_a.numel() + m.lora_b.numel()) for m in mods.values())
+    split = tmp_path / "split"
+    split.mkdir()
+    layerskip.save(student, torch.nn.ModuleList([torch.nn.Linear(4, 4)]), [1], split,
+                   student.config.num_hidden_layers, part_bytes=size // 2 + 1)
+    files = sorted(split.glob("lora-*.safetensors"))
+    assert len(files) == 2
+    keys = [set(load_file(str(f))) for f in files]
+    assert not keys[0] & keys[1]
+    assert keys[0] | keys[1] == {f"{n}.{t}" for n in mods for t in ("lora_a", "lora_b")}
