@@ -109,6 +109,35 @@ def test_folded_kv_filling_matches_the_layer_by_layer_filling(tiny_model):
         assert not torch.equal(got[1, :, pos], old[1, :, pos])
 
 
+def test_native_softmax_check_is_the_pytorch_check(tiny_model, trained):
+    """``native.exit_check`` (one bf16 row on a CPU with the native kernels) computes what
+    ``Exits.confidence``'s PyTorch path does: the same subset logits to the bit and the same
+    softmax margin within float rounding, at a trained exit (adapter) and at the last layer."""
+    if not native.available():
+        pytest.skip(f"native kernels unavailable: {native.error()}")
+    lm16 = load_model(str(tiny_model), device="cpu", dtype="bfloat16")
+    model = lm16.model
+    exits = load_exits(trained, model)
+    assert exits.trained and len(exits.subset)
+    torch.manual_seed(0)
+    calls = []
+    real = native.exit_check
+    with torch.inference_mode():
+        for scale in (0.5, 2.0, 8.0):
+            h = (torch.randn(1, model.args.dim) * scale).to(torch.bfloat16)
+            for layer in (exits.layers[0], model.args.n_layers):
+                native.exit_check = lambda *a, **k: calls.append(1) or real(*a, **k)
+                try:
+                    margin, logits = exits.confidence(model, "softmax", layer, h, None)
+                finally:
+                    native.exit_check = real
+                want = exits.logits(model, layer, h, subset=True).float()
+                top2 = torch.softmax(want, -1).topk(2, dim=-1).values
+                assert torch.equal(logits, want)
+                assert abs(float(margin[0]) - float(top2[0, 0] - top2[0, 1])) < 1e-4
+    assert len(calls) == 6  # every check took the native call
+
+
 def test_never_confident_is_the_full_model(lm):
     exits = untrained_exits(lm.model, [1])
     rt = ExitRuntime(exits, ExitPolicy("softmax", {1: 2.0}))

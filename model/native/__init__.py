@@ -121,6 +121,9 @@ def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.head_greedy_amx_set.argtypes = [i32]
     lib.argmax_bf16.restype = None
     lib.argmax_bf16.argtypes = [ctypes.c_int64, ctypes.c_int64, ptr, ptr]
+    if hasattr(lib, "exit_check"):  # a build of an older revision (bench/common.build_revision) may lack it
+        lib.exit_check.restype = ctypes.c_float
+        lib.exit_check.argtypes = [i32] * 2 + [ptr] * 3 + [ctypes.c_float] + [ptr] * 5
     return lib
 
 
@@ -364,6 +367,28 @@ def packed_rows(packed: torch.Tensor, start: int) -> torch.Tensor | None:
     (its tiles go in pairs)."""
     align, group = (32, 16) if amx_layout(packed) else (16, 16) if panel_layout(packed) else (4, 4)
     return None if start % align else packed[start // group:]
+
+
+def exit_check(h: torch.Tensor, adapter: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+               subset: torch.Tensor, n: int) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """An early exit's softmax check of one row h [D] bf16 in one native call (step_ops.c's
+    exit_check): the exit state h + h A^T (``adapter`` packed by ``pack_linear``, or None),
+    its norm (weight ``norm_w``), the subset head's logits (``subset`` packed, ``n`` rows) and
+    the softmax margin over them.  Returns (margin, logits [n] bf16, state [D] bf16)."""
+    if not available():
+        raise RuntimeError(f"native kernels unavailable: {_error}")
+    for w in (adapter, subset):
+        if w is not None and (amx_layout(w) or panel_layout(w) != (linear_bf16_path() == 1)):
+            raise ValueError("weight packed for another linear kernel (pack_linear's path, no AMX)")
+    d = h.shape[-1]
+    h = h.reshape(d).contiguous()
+    norm_w = norm_w.to(torch.bfloat16).contiguous()
+    buf = torch.empty(3 * d + n, dtype=torch.bfloat16)
+    y, hn, tmp, logits = buf[:d], buf[d:2 * d], buf[2 * d:3 * d], buf[3 * d:]
+    margin = _lib.exit_check(d, n, h.data_ptr(), adapter.data_ptr() if adapter is not None else None,
+                             norm_w.data_ptr(), eps, subset.data_ptr(), y.data_ptr(), hn.data_ptr(),
+                             logits.data_ptr(), tmp.data_ptr())
+    return float(margin), logits, y
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
