@@ -65,6 +65,15 @@ def settings_for(name: str, path: str) -> ExitSettings | None:
                         max_batch=1024)  # the batch rows measure the exits (the daemon's max_batch = 1 skips them)
 
 
+def load_with_exits(model: str, dtype: str, exits_dir: str):
+    """(loaded model, exit heads folder, Exits): ``exits_dir`` or the heads stored with the model."""
+    lm = load_model(model, dtype=dtype)
+    path = exits_dir or default_exits_path(lm)
+    if path is None:
+        raise SystemExit("no exit heads: pass --exits (python -m codecomplete.model.exit_train)")
+    return lm, path, load_exits(path, lm.model)
+
+
 def speed_prompts(seed: int) -> list[tuple[str, str]]:
     """The speed runs' (prefix, suffix) pairs: 16 HumanEval-Infilling multi-line prompts, shuffled."""
     prompts = [(t["prompt"][-2000:], t["suffix"][:600]) for t in infill.load("multi", 16)]
@@ -148,11 +157,7 @@ def main() -> None:
     ap.add_argument("--no-quality", action="store_true", help="speed only")
     ap.add_argument("--out", default=str(RESULTS / "early_exit"))
     args = ap.parse_args()
-    lm = load_model(args.model, dtype=args.dtype)
-    path = args.exits or default_exits_path(lm)
-    if path is None:
-        raise SystemExit("no exit heads: pass --exits (python -m codecomplete.model.exit_train)")
-    exits = load_exits(path, lm.model)
+    lm, path, exits = load_with_exits(args.model, args.dtype, args.exits)
     fmt = "efim" if lm.template.template is not None else "fim"
     tasks = infill.load("single", args.tasks)
     prompts = speed_prompts(args.seed)

@@ -38,14 +38,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, ratio_in_rounds  # noqa: E402
-from early_exit import decode, speed_prompts  # noqa: E402
+from early_exit import decode, load_with_exits, speed_prompts  # noqa: E402
 
 import torch  # noqa: E402
 
 from codecomplete.model.api import ExitSettings  # noqa: E402
-from codecomplete.model.early_exit import Exits, load_exits  # noqa: E402
-from codecomplete.model.engine import ExitRuntime, default_exits_path  # noqa: E402
-from codecomplete.model.loader import load_model  # noqa: E402
+from codecomplete.model.early_exit import Exits  # noqa: E402
+from codecomplete.model.engine import ExitRuntime  # noqa: E402
 
 
 def widen(exits: Exits, layers: list[int], model) -> Exits:
@@ -92,11 +91,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "early_exit_ceiling"))
     args = ap.parse_args()
-    lm = load_model(args.model, dtype=args.dtype)
-    path = args.exits or default_exits_path(lm)
-    if path is None:
-        raise SystemExit("no exit heads: pass --exits (python -m codecomplete.model.exit_train)")
-    shipped = load_exits(path, lm.model)
+    lm, path, shipped = load_with_exits(args.model, args.dtype, args.exits)
     layers = [int(x) for x in args.layers.split(",") if x.strip()]
     exits = widen(shipped, layers, lm.model)
     prompts = speed_prompts(args.seed)

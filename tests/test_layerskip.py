@@ -21,6 +21,15 @@ def _texts(path: Path) -> Path:
     return path
 
 
+def _run(model: Path, out: Path, texts: Path, steps: int, *extra: str) -> int:
+    """layerskip.main on the tiny model's scale: exit 1, rank 4, batches of 2 x 64 on the CPU."""
+    from codecomplete.model import layerskip
+
+    return layerskip.main(["--model", str(model), "--out", str(out), "--texts", str(texts), "--exits", "1",
+                           "--rank", "4", "--max-steps", str(steps), "--minutes", "10", "--batch", "2", "--seq", "64",
+                           "--workers", "0", "--eval-batches", "2", "--device", "cpu", *extra])
+
+
 def test_valid_positions_end_at_each_rows_last_real_token():
     from codecomplete.model.layerskip import valid_positions
 
@@ -38,10 +47,7 @@ def test_a_short_run_trains_the_exit_and_its_adapter_is_the_student(tiny_model: 
     assert done.returncode == 0, done.stderr[-3000:]
     shipped = tmp_path / "ft" / "adapter"  # the fine-tune's adapter, as the default model ships one
     out = tmp_path / "ls"
-    assert layerskip.main(["--model", str(shipped), "--out", str(out), "--texts", str(_texts(tmp_path / "t.json")),
-                           "--exits", "1", "--rank", "4", "--max-steps", "16", "--minutes", "10", "--batch", "2",
-                           "--seq", "64", "--workers", "0", "--eval-batches", "2", "--device", "cpu",
-                           "--lr", "3e-3", "--exit-lr", "3e-2"]) == 0
+    assert _run(shipped, out, _texts(tmp_path / "t.json"), 16, "--lr", "3e-3", "--exit-lr", "3e-2") == 0
     history = json.loads((out / "history.json").read_text())
     first, last = history["evals"][0], history["evals"][-1]
     assert last["step"] == 16 and last["tokens"] > 0
@@ -87,10 +93,7 @@ def test_own_target_runs_and_the_lora_splits_into_parts(tiny_model: Path, tmp_pa
     from codecomplete.model import train as tr
 
     out = tmp_path / "own"
-    assert layerskip.main(["--model", str(tiny_model), "--out", str(out), "--texts", str(_texts(tmp_path / "t.json")),
-                           "--exits", "1", "--rank", "4", "--max-steps", "4", "--minutes", "10", "--batch", "2",
-                           "--seq", "64", "--workers", "0", "--eval-batches", "2", "--device", "cpu",
-                           "--target", "own", "--final-weight", "2"]) == 0
+    assert _run(tiny_model, out, _texts(tmp_path / "t.json"), 4, "--target", "own", "--final-weight", "2") == 0
     history = json.loads((out / "history.json").read_text())
     assert history["args"]["target"] == "own" and history["evals"][-1]["step"] == 4
     assert all(0 <= e["own_1"] <= 1 for e in history["evals"])
