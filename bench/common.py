@@ -106,6 +106,7 @@ def ratio_in_rounds(a: list[float], b: list[float]) -> float:
 
     return statistics.median(x / y for x, y in zip(a, b))
 
+
 def run(cmd: list[str]) -> str:
     """Run a command (printed on stderr first), exit with its stderr's tail if it fails;
     the command line, for a results file."""

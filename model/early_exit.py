@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
