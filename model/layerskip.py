@@ -148,9 +148,10 @@ def evaluate(student, teacher, adapters, exits, batches, device, eos) -> dict:
             ce_t.append(float(F.cross_entropy(teacher.lm_head(t_last[:, :-1][mid]).float(), tgt)))
             for e, h, a in zip(exits, s_exits, adapters):
                 logits = exit_logits(student, a, h[keep]).float()
-                agree[e][0] += int((logits.argmax(-1) == top).sum())
+                e_top = logits.argmax(-1)
+                agree[e][0] += int((e_top == top).sum())
                 agree[e][1] += len(top)
-                own[e] += int((logits.argmax(-1) == s_top).sum())
+                own[e] += int((e_top == s_top).sum())
                 exit_kl[e].append(float(kl(logits, t_logp)))
     student.train()
     res = {"final_agree": round(fin[0] / fin[1], 4), "final_kl": round(sum(kls) / len(kls), 4),
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: the time decides)")
     ap.add_argument("--exits", default="12,16,20,24,27")
     ap.add_argument("--exit-weight", type=float, default=0.15,
-                    help="weight of each exit's loss (the last layer's is 1)")
+                    help="weight of each exit's loss (the last layer's is --final-weight)")
     ap.add_argument("--target", choices=("teacher", "own"), default="teacher",
                     help="what the exits learn: the teacher's distribution, or the student's own last layer's "
                          "(detached: the exits follow the layers without pulling them)")
