@@ -20,10 +20,24 @@ cost)``, by replaying drafting without the model:
 
 The replay is checked against the engine itself: with the shipped settings, the engine's
 speculative run of the same tasks must give the same outputs and the same number of
-passes as the replay.
+passes as the replay.  The replay applies what the engine applies on this machine: the
+row cap of a pass (``pass_rows``) and the datastores' shortest match
+(``datastore_min_match``), both raised or lowered where passes are costly (AVX2).
+
+Two more uses, both replayed the same way:
+
+- ``--grid``: the row cap, shortest datastore match and tree size over a grid (the tune
+  split: ``--split tune``), each priced by ``--pass-cost``: where the shipped settings sit
+  among their neighbours on this machine.
+- ``--recycle``: a fallback draft source tried and not shipped, after Token Recycling
+  (Luo et al. 2024): where the engine has no draft, a chain from a successor table (each
+  token -> the greedy token that last followed it in a verified row).  In the engine the
+  table would also learn from rejected rows' greedy picks; the replay sees only the greedy
+  path, so it understates that source slightly.
 
     python bench/spec_ceiling.py --repos A,B,C [--models default,smollm2-135m] [--functions 10]
-                                 [--sizes 3,4,8,16,32,64] [--out bench/results/spec_ceiling]
+                                 [--sizes 3,4,8,16,32,64] [--split test|tune] [--grid] [--recycle 1,3,7]
+                                 [--pass-cost bench/results/pass_cost.json] [--out bench/results/spec_ceiling]
 """
 
 from __future__ import annotations
@@ -37,6 +51,8 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import itertools  # noqa: E402
+
 from common import RESULTS, header  # noqa: E402
 from speculation import load_repos, task_args  # noqa: E402
 
@@ -46,7 +62,8 @@ from codecomplete.indexer.tokens import TokenizerInfo  # noqa: E402
 from codecomplete.model.api import CompletionRequest, EngineSettings, SpecSettings  # noqa: E402
 from codecomplete.model.engine import _Vocab, generate, plan_prompt  # noqa: E402
 from codecomplete.model.loader import load_model  # noqa: E402
-from codecomplete.model.speculate import Drafter, LiveIndex  # noqa: E402
+from codecomplete.model.speculate import (Drafter, LiveIndex, Tree, build_tree, datastore_min_match,  # noqa: E402
+                                          pass_rows)
 
 WIDE = dict(top_k=32, depth=16)  # trees past the shipped size: more continuations and deeper ones to choose from
 
@@ -81,22 +98,52 @@ class PassCost:
         return None
 
 
-def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings, cost: PassCost | None) -> dict:
-    """Drafting replayed over the greedy outputs, one drafter per repository (as one engine per run)."""
-    tokens = passes = spec_steps = accepted = nodes = 0
+class Successors:
+    """``--recycle``'s table: token -> the greedy token that last followed it in a verified row."""
+
+    def __init__(self):
+        self.next: dict[int, int] = {}
+
+    def learn(self, row_tokens: list[int], greedy: list[int]) -> None:
+        for tok, nxt in zip(row_tokens, greedy):
+            self.next[tok] = nxt
+
+    def chain(self, t0: int, n: int) -> Tree:
+        seq, tok = [], t0
+        while len(seq) < n and tok in self.next:
+            tok = self.next[tok]
+            seq.append(tok)
+        return build_tree([(tuple(seq), 1.0)], n, n) if seq else Tree()
+
+
+def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings, cost: PassCost | None,
+           rows: int | None, min_match: int, recycle: int = 0) -> dict:
+    """Drafting replayed over the greedy outputs, one drafter per repository (as one engine per run):
+    passes of at most ``rows`` rows (the root and the tree; None: any), datastore matches of ``min_match``
+    tokens or more (the engine's ``pass_rows`` and ``datastore_min_match``); ``recycle`` > 0: where
+    the drafter has nothing, a chain of up to that many tokens from ``Successors``."""
+    tokens = passes = spec_steps = accepted = nodes = recycled = recycled_acc = 0
     step_units = 0.0
     priced = True
     draft_ms = 0.0
     for name, store in stores.items():
         drafter = Drafter(spec, store.retrieve, texts)
+        succ = Successors()
         for t in (t for t in tasks if t["repo"] == name):
             prompt, out = t["prompt"], t["out"]
             live = LiveIndex()
             i = 1  # the first token comes with the prefill
             while i < len(out):
                 ctx = prompt + out[:i]
-                # the engine's room: the token budget, also where a stop rule ended the output sooner
-                tree = drafter.draft(ctx, limit=t["budget"] - i, live=live)
+                # the engine's room: the token budget (also where a stop rule ended the output sooner)
+                # and the pass's rows; a tree wider than the cap keeps its best nodes, as spec_step cuts it
+                room = t["budget"] - i if rows is None else min(t["budget"] - i, rows - 1)
+                tree = drafter.draft(ctx, limit=room, live=live, min_match=min_match)
+                if rows is not None and len(tree) > rows - 1:
+                    tree = Tree(tree.tokens[:rows - 1], tree.parents[:rows - 1], tree.depths[:rows - 1])
+                from_table = recycle > 0 and not len(tree) and room > 0
+                if from_table:
+                    tree = succ.chain(ctx[-1], min(recycle, room))
                 kids = tree.children()
                 row, acc = 0, []
                 while i + len(acc) < len(out):
@@ -110,6 +157,11 @@ def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings
                 if len(tree):
                     spec_steps += 1
                     accepted += len(acc)
+                    if from_table:
+                        recycled += 1
+                        recycled_acc += len(acc)
+                path = [ctx[-1]] + acc  # the verified rows on the greedy path and what greedy picked after each
+                succ.learn(path, out[i:i + len(path)])
                 c = cost(1 + len(tree), len(ctx)) if cost else None
                 if c is None:
                     priced = False
@@ -125,7 +177,9 @@ def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings
             "acceptance_length": round(1 + accepted / spec_steps, 3) if spec_steps else None,
             "nodes_per_pass": round(nodes / max(1, passes), 2),
             "cpu_projection": round((tokens - len(tasks)) / step_units, 3) if priced and step_units else None,
-            "draft_ms_per_pass": round(draft_ms / max(1, passes), 3)}
+            "draft_ms_per_pass": round(draft_ms / max(1, passes), 3),
+            "drafted_share": round(spec_steps / max(1, passes), 3), "rows": rows, "min_match": min_match,
+            "recycled_passes": recycled, "recycled_acceptance": round(recycled_acc / recycled, 3) if recycled else None}
 
 
 def run_model(spec_name: str, args, cost: PassCost) -> dict:
@@ -137,7 +191,7 @@ def run_model(spec_name: str, args, cost: PassCost) -> dict:
     for repo in load_repos(args, lm, tok):
         name = repo["name"]
         stores[name] = repo["store"]
-        for f in repo["test"]:
+        for f in repo[args.split]:
             req = CompletionRequest(f["context"], "", mode="multi", max_tokens=args.max_new, max_lines=100000,
                                     time_budget_ms=600000, ignore_eos=True)
             plan = plan_prompt(lm, req, settings, vocab, None)  # the engine's own prompt (healed where it heals)
@@ -156,26 +210,41 @@ def run_model(spec_name: str, args, cost: PassCost) -> dict:
             check["engine_passes"] += spec.forward_passes
         print(f"{lm.name} / {name}: outputs", file=sys.stderr)
     rows = {}
-    shipped_row = replay(tasks, stores, vocab.texts, shipped, cost)
+    engine_rows, engine_mm = pass_rows(shipped, lm.model), datastore_min_match(shipped, lm.model)
+    shipped_row = replay(tasks, stores, vocab.texts, shipped, cost, engine_rows, engine_mm)
     check["replay_passes"] = shipped_row["passes"]
-    rows[f"shipped ({shipped.max_nodes} nodes, top_k {shipped.top_k}, depth {shipped.depth})"] = shipped_row
+    rows[f"shipped ({shipped.max_nodes} nodes, top_k {shipped.top_k}, depth {shipped.depth}; here passes of "
+         f"<= {engine_rows} rows, datastore matches >= {engine_mm})"] = shipped_row
+    for n in args.recycle:
+        rows[f"shipped + successor chains of <= {n} where it has no draft"] = replay(
+            tasks, stores, vocab.texts, shipped, cost, engine_rows, engine_mm, recycle=n)
+        print(f"{lm.name}: recycle {n} {rows[list(rows)[-1]]}", file=sys.stderr)
+    if args.grid:
+        for mm, r, n in itertools.product(args.grid_min_match, args.grid_rows, args.grid_nodes):
+            if n <= r - 1:
+                rows[f"grid: matches >= {mm}, <= {r} rows, {n} nodes"] = replay(
+                    tasks, stores, vocab.texts, replace(shipped, max_nodes=n), cost, r, mm)
+                print(f"{lm.name}: grid {mm} {r} {n} {rows[list(rows)[-1]]}", file=sys.stderr)
+    # the sizes: trees of that many nodes with no row cap (the ceiling where rows are free)
     for n in args.sizes:
         rows[f"{n} nodes (top_k {WIDE['top_k']}, depth {WIDE['depth']})"] = replay(
-            tasks, stores, vocab.texts, replace(shipped, max_nodes=n, **WIDE), cost)
+            tasks, stores, vocab.texts, replace(shipped, max_nodes=n, **WIDE), cost, None, shipped.min_match)
         print(f"{lm.name}: {n} nodes {rows[list(rows)[-1]]}", file=sys.stderr)
-    big = max(args.sizes)
-    for label, kw in (("own tokens only", dict(use_repository=False, use_common=False, use_cache=False)),
-                      ("retrieval only (repository + common + cache)", dict(use_live=False)),
-                      ("repository only", dict(use_live=False, use_common=False, use_cache=False))):
-        spec = replace(shipped, max_nodes=big, **WIDE, **kw)
-        rows[f"{big} nodes, {label}"] = replay(tasks, stores, vocab.texts, spec, cost)
+    if args.sizes:
+        big = max(args.sizes)
+        for label, kw in (("own tokens only", dict(use_repository=False, use_common=False, use_cache=False)),
+                          ("retrieval only (repository + common + cache)", dict(use_live=False)),
+                          ("repository only", dict(use_live=False, use_common=False, use_cache=False))):
+            spec = replace(shipped, max_nodes=big, **WIDE, **kw)
+            rows[f"{big} nodes, {label}"] = replay(tasks, stores, vocab.texts, spec, cost, None, shipped.min_match)
     return {"model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."), "tasks": len(tasks), "check": check,
             "rows": rows, "repos": {n: s.tokens for n, s in stores.items()}}
 
 
 def write(out: Path, args, cost: PassCost, results: list[dict]) -> None:
     lines = [header("Retrieval speculation: tokens per pass by draft-tree size (drafting replayed)"),
-             f"Held-out functions: the test split of bench/speculation.py ({args.functions} per repository), "
+             f"Held-out functions: the {args.split} split of bench/speculation.py "
+             f"({args.functions if args.split == 'test' else args.tune_functions} per repository), "
              f"{args.max_new} greedy tokens each (end-of-text ignored, token healing off). Drafting is the engine's "
              "own `Drafter`, replayed over the greedy outputs without the model: a node is accepted when the greedy "
              "output follows it, as a verification pass would accept it.", "",
@@ -191,12 +260,14 @@ def write(out: Path, args, cost: PassCost, results: list[dict]) -> None:
                   f"Check against the engine (shipped settings, same tasks): outputs identical "
                   f"{c['outputs_identical']}/{c['tasks']}; passes: engine {c['engine_passes']}, replay "
                   f"{c['replay_passes']}.", "",
-                  "| draft tree | tokens/pass | acceptance length | draft nodes/pass | CPU projection | "
-                  "drafting ms/pass |",
-                  "|---|---|---|---|---|---|"]
+                  "| draft tree | tokens/pass | acceptance length | draft nodes/pass | passes with a draft | "
+                  "CPU projection | drafting ms/pass | successor chains: passes, tokens accepted |",
+                  "|---|---|---|---|---|---|---|---|"]
         for label, r in res["rows"].items():
+            chains = f"{r['recycled_passes']}, {r['recycled_acceptance']}" if r["recycled_passes"] else "-"
             lines.append(f"| {label} | {r['tokens_per_pass']} | {r['acceptance_length'] or '-'} | "
-                         f"{r['nodes_per_pass']} | {r['cpu_projection'] or '-'} | {r['draft_ms_per_pass']} |")
+                         f"{r['nodes_per_pass']} | {r['drafted_share']} | {r['cpu_projection'] or '-'} | "
+                         f"{r['draft_ms_per_pass']} | {chains} |")
         lines.append("")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
@@ -207,12 +278,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     task_args(ap)  # as bench/speculation.py: the same test split
     ap.add_argument("--models", default="default,smollm2-135m")
-    ap.add_argument("--sizes", default="3,4,8,16,32,64")
+    ap.add_argument("--sizes", default="3,4,8,16,32,64", help="tree sizes with no row cap ('' for none)")
+    ap.add_argument("--split", default="test", choices=("test", "tune"))
+    ap.add_argument("--recycle", default="", help="comma-separated chain lengths for the successor-table fallback")
+    ap.add_argument("--grid", action="store_true", help="replay the grid below with the engine's row caps")
+    ap.add_argument("--grid-min-match", default="2,3,4,6,8")
+    ap.add_argument("--grid-rows", default="4,6,8")
+    ap.add_argument("--grid-nodes", default="3,5,7")
     ap.add_argument("--pass-cost", default=str(RESULTS / "pass_cost.json"))
     ap.add_argument("--out", default=str(RESULTS / "spec_ceiling"))
     args = ap.parse_args()
-    args.sizes = [int(s) for s in args.sizes.split(",")]
-    cost = PassCost(Path(args.pass_cost))
+    def ints(text: str) -> list[int]:
+        return [int(v) for v in text.split(",") if v.strip()]
+
+    args.sizes, args.recycle = ints(args.sizes), ints(args.recycle)
+    args.grid_min_match, args.grid_rows, args.grid_nodes = ints(args.grid_min_match), ints(args.grid_rows), \
+        ints(args.grid_nodes)
+    cost = PassCost(Path(args.pass_cost).resolve())
     results = [run_model(m.strip(), args, cost) for m in args.models.split(",") if m.strip()]
     write(Path(args.out), args, cost, results)
 
