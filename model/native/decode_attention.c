@@ -32,6 +32,22 @@ static inline const float *rows_f32(const void *base, int elsize, int E, int64_t
     return buf;
 }
 
+/* rows_f32 of a bf16 chunk's keys, prefetching (into L2) the same positions' values, which the
+ * chunk reads next: their stream starts while the keys' products run instead of after them */
+static inline const float *keys_f32(const void *base, const void *vals, int elsize, int E, int64_t t0, int64_t n,
+                                    float *buf) {
+    if (elsize == 4) return rows_f32(base, elsize, E, t0, n, buf);
+    const uint16_t *src = (const uint16_t *)base + t0 * E;
+    const char *vp = (const char *)((const uint16_t *)vals + t0 * E);
+    const size_t row = (size_t)E * 2;
+    for (int64_t t = 0; t < n; t++) {
+        for (size_t b = 0; b < row; b += 64) __builtin_prefetch(vp + t * row + b, 0, 2);
+#pragma omp simd
+        for (int e = 0; e < E; e++) buf[t * E + e] = bf16_to_f32(src[t * E + e]);
+    }
+    return buf;
+}
+
 /* One query row's scores s[0, n) over cache positions [t0, t0 + n) with the hidden ones set to
  * -inf: row i of the S new positions sees position t when mask[i * T + t] (mask: [S, T],
  * T = len + S) or, without a mask, when t <= len + i. */
@@ -296,7 +312,7 @@ __attribute__((noinline)) static void pv_rows_avx2(int J, int E, int64_t n, cons
         (void)split, (void)kalt, (void)valt; /* rows all at keys/vals (attn_gathered gathers a whole chunk) */ \
         const int E = EDIM > 0 ? EDIM : E_;                                                                \
         const int64_t n = t1 - t0, T = len + S;                                                            \
-        const float *k = rows_f32(keys, elsize, E, t0, n, buf);                                            \
+        const float *k = keys_f32(keys, vals, elsize, E, t0, n, buf);                                      \
         const int64_t nb = n / 16 * 16;                                                                    \
         float kpad[16 * (EDIM > 0 ? EDIM : E_)];                                                           \
         if (nb < n) { /* the last, partial block of 16 keys, zero-padded */                                \
