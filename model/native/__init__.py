@@ -272,6 +272,59 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 and most arm64 kernels
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_libc: ctypes.CDLL | None = None
+
+
+def huge_pages() -> bool:
+    """Whether large CPU buffers (``huge_empty``) ask for transparent huge pages: on Linux, unless
+    CODECOMPLETE_HUGE_PAGES=0.  Streaming a step's weights through 4 KB pages costs a TLB walk
+    every 4 KB and stops the hardware prefetchers at every page's end; measured on an AVX2 EPYC
+    (bench/results/huge_pages_avx2.md)."""
+    return platform.system() == "Linux" and os.environ.get("CODECOMPLETE_HUGE_PAGES", "1") != "0"
+
+
+def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype)`` on the CPU whose memory starts on a huge page's boundary and
+    is advised for transparent huge pages (``madvise(MADV_HUGEPAGE)``, before anything touches it,
+    so the first writes fault in huge pages where the kernel has them; with THP "madvise" or
+    "always").  A view of a slightly larger buffer, which it keeps alive.  Small buffers, other
+    systems, ``huge_pages()`` off or a refused madvise: plain memory, the same tensor otherwise."""
+    global _libc
+    n = 1
+    for d in shape:
+        n *= d
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or not huge_pages():
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    off = -raw.data_ptr() % HUGE_PAGE
+    view = raw[off:off + nbytes]
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc.madvise(view.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)  # refused: plain pages
+    except (OSError, AttributeError):
+        pass
+    return view.view(dtype).view(shape)
+
+
+def huge_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous copies of ``tensors`` packed one after another (64-byte aligned) into one
+    ``huge_empty`` buffer: a model's packed weights, which every step streams from memory."""
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
+    arena = huge_empty((sum(sizes),), torch.uint8)
+    out, off = [], 0
+    for t, size in zip(tensors, sizes):
+        view = arena[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append(view)
+        off += size
+    return out
+
+
 def linear_bf16_path() -> int:
     """Which path the bf16 linear kernel was built with (linear.c): 2 AVX512-BF16, 1 AVX2 + FMA,
     0 the portable loop; -1 without the native kernels.  Asked of the library once (``linear``
