@@ -107,6 +107,15 @@ def ratio_in_rounds(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
+def write_results(out: str | Path, lines: list[str], data) -> None:
+    """``out``.md (the lines) and ``out``.json (``data``), and the table on stdout."""
+    import json
+
+    Path(out).with_suffix(".md").write_text("\n".join(lines) + "\n")
+    Path(out).with_suffix(".json").write_text(json.dumps(data, indent=1))
+    print("\n".join(lines))
+
+
 def run(cmd: list[str]) -> str:
     """Run a command (printed on stderr first), exit with its stderr's tail if it fails;
     the command line, for a results file."""

@@ -17,14 +17,13 @@ ratios.  Also reports how much of the process's memory the kernel gave huge page
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header, median_ms, native_model  # noqa: E402
+from common import RESULTS, header, median_ms, native_model, ratio_in_rounds, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -100,12 +99,10 @@ def main() -> None:
     for L in contexts:
         for s in rows:
             p, h = cells[f"plain pages/{L}/{s}"], cells[f"huge pages/{L}/{s}"]
-            ratio = statistics.median(x / y for x, y in zip(p, h))
+            ratio = ratio_in_rounds(p, h)
             lines.append(f"| {L} | {s} | {statistics.median(p):.2f} | {statistics.median(h):.2f} | {ratio:.3f}x |")
     lines.append("")
-    Path(args.out).with_suffix(".md").write_text("\n".join(lines) + "\n")
-    Path(args.out).with_suffix(".json").write_text(json.dumps({"cells": cells, "anon_huge_kb": huge_kb}, indent=1))
-    print("\n".join(lines))
+    write_results(args.out, lines, {"cells": cells, "anon_huge_kb": huge_kb})
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ median of its rounds' best-of-reps.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -37,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header  # noqa: E402
+from common import RESULTS, header, write_results  # noqa: E402
 
 from codecomplete.model import native  # noqa: E402
 
@@ -171,9 +170,7 @@ def main() -> None:
             gmac = m * n * k / us / 1e3
             lines.append(f"| {n} x {k} | {m} | {us:.2f} | {gmac:.1f} | {gmac / pk[1]:.0%} |")
     lines.append("")
-    Path(args.out).with_suffix(".md").write_text("\n".join(lines) + "\n")
-    Path(args.out).with_suffix(".json").write_text(json.dumps({"cells": cells, "median": med}, indent=1))
-    print("\n".join(lines))
+    write_results(args.out, lines, {"cells": cells, "median": med})
 
 
 if __name__ == "__main__":

@@ -375,9 +375,9 @@ class Transformer(nn.Module):
         amx = lin and native.amx() and all(m.in_features % 32 == 0 for m in mats)
         for mod in mats:
             mod.native_weight = native.pack_linear(mod.weight, amx=amx) if lin else None
-        if lin:  # every step streams them all: one buffer on huge pages (native.huge_copies)
-            for mod, w in zip(mats, native.huge_copies([m.native_weight for m in mats])):
-                mod.native_weight = w
+        if lin:  # every step streams them all: one buffer on huge pages, filled a matrix at a time
+            for mod, room in zip(mats, native.huge_views([m.native_weight for m in mats])):
+                mod.native_weight = room.copy_(mod.native_weight)
         # long prompts: native pieces on CPUs without AMX (1.2-1.8x faster than PyTorch's path
         # there), and on a CPU with AMX where our matrices and attention both run on its tiles
         # (1.03-1.5x faster than PyTorch's path at 2k-256 tokens); with our matrices or attention

@@ -311,17 +311,25 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return view.view(dtype).view(shape)
 
 
-def huge_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Contiguous copies of ``tensors`` packed one after another (64-byte aligned) into one
-    ``huge_empty`` buffer: a model's packed weights, which every step streams from memory."""
-    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
+def huge_views(like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Uninitialised contiguous tensors shaped and typed as ``like``, one after another (64-byte
+    aligned) in one ``huge_empty`` buffer: room for a model's packed weights, which every step
+    streams from memory.  Fill each and drop the original one at a time (``native_decode``), so
+    the copies never hold twice the weights in memory."""
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in like]
     arena = huge_empty((sum(sizes),), torch.uint8)
     out, off = [], 0
-    for t, size in zip(tensors, sizes):
-        view = arena[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        out.append(view)
+    for t, size in zip(like, sizes):
+        out.append(arena[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
         off += size
+    return out
+
+
+def huge_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` in one ``huge_views`` buffer."""
+    out = huge_views(tensors)
+    for view, t in zip(out, tensors):
+        view.copy_(t)
     return out
 
 
