@@ -1,6 +1,7 @@
 """Packed weights on transparent huge pages (native.huge_empty / huge_copies)."""
 
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,7 +46,8 @@ def test_small_or_switched_off_buffers_are_plain(monkeypatch):
     assert big.shape == (1024, 1024) and big.untyped_storage().nbytes() == 1024 * 1024 * 4
 
 
-@pytest.mark.skipif(platform.system() != "Linux", reason="madvise and /proc/self/smaps are Linux's")
+@pytest.mark.skipif(platform.system() != "Linux" or not Path("/sys/kernel/mm/transparent_hugepage").is_dir(),
+                    reason="madvise's huge-page advice needs a Linux kernel built with transparent huge pages")
 def test_a_large_buffer_is_advised_for_huge_pages(monkeypatch):
     """The mapping that holds a large huge_empty buffer carries the huge-page advice ("hg"), so the
     kernel may back it with 2 MB pages (whether it does depends on its THP setting and free memory)."""
