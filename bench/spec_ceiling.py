@@ -139,8 +139,8 @@ def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings
                 # and the pass's rows; a tree wider than the cap keeps its best nodes, as spec_step cuts it
                 room = t["budget"] - i if rows is None else min(t["budget"] - i, rows - 1)
                 tree = drafter.draft(ctx, limit=room, live=live, min_match=min_match)
-                if rows is not None and len(tree) > rows - 1:
-                    tree = Tree(tree.tokens[:rows - 1], tree.parents[:rows - 1], tree.depths[:rows - 1])
+                if rows is not None:
+                    tree = tree.first(rows - 1)
                 from_table = recycle > 0 and not len(tree) and room > 0
                 if from_table:
                     tree = succ.chain(ctx[-1], min(recycle, room))

@@ -416,7 +416,7 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
         # one native call takes STACK_ROWS rows (sequences x (1 + nodes)); a larger pass
         # would run as several: past that, trees lose their last nodes instead
         cap = min(cap, max(0, STACK_ROWS // len(lives) - 1))
-    trees = [t if len(t) <= cap else Tree(t.tokens[:cap], t.parents[:cap], t.depths[:cap]) for t in trees]
+    trees = [t.first(cap) for t in trees]
     if not any(len(t) for t in trees):
         if undrafted is not None:
             return undrafted()

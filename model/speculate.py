@@ -58,6 +58,10 @@ class Tree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def first(self, n: int) -> "Tree":
+        """The first ``n`` nodes (every kept node's parent comes before it): a tree cut to a pass's rows."""
+        return self if len(self) <= n else Tree(self.tokens[:n], self.parents[:n], self.depths[:n])
+
     def children(self) -> list[dict[int, int]]:
         """Per node (index 0 = the root, i + 1 = node i): token -> child node index + 1."""
         out: list[dict[int, int]] = [{} for _ in range(len(self.tokens) + 1)]
