@@ -3,7 +3,7 @@
 Every decode step streams all of a model's packed weights from memory (269 MB for SmolLM2-135M):
 through 4 KB pages that is a TLB walk every 4 KB, and the hardware prefetchers stop at each
 page's end.  ``Transformer.native_decode`` puts them in one buffer advised for huge pages
-(``native.huge_copies``).  This benchmark loads the model twice in one process, once with
+(``native.huge_views``).  This benchmark loads the model twice in one process, once with
 CODECOMPLETE_HUGE_PAGES=0 (plain pages) and once without, checks that both give the same
 logits, and times forwards of S rows (a decode step, or a verification pass's chain) after L
 cached positions, the two models alternating within each round (this machine's speed drifts

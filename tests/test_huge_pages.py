@@ -1,4 +1,4 @@
-"""Packed weights on transparent huge pages (native.huge_empty / huge_copies)."""
+"""Packed weights on transparent huge pages (native.huge_empty / huge_views)."""
 
 import platform
 from pathlib import Path
@@ -26,7 +26,9 @@ def vm_flags(addr: int) -> list[str]:
 def test_copies_keep_values_shapes_and_alignment():
     torch.manual_seed(0)
     ts = [torch.randn(300, 577).to(torch.bfloat16), torch.randn(5, 3), torch.randn(2048, 1024).to(torch.bfloat16)]
-    out = native.huge_copies(ts)
+    out = native.huge_views(ts)
+    for view, t in zip(out, ts):
+        view.copy_(t)
     for a, b in zip(ts, out):
         assert b.dtype == a.dtype and b.shape == a.shape and b.is_contiguous() and torch.equal(a, b)
         assert b.data_ptr() % 64 == 0
@@ -64,7 +66,7 @@ def test_a_large_buffer_is_advised_for_huge_pages(monkeypatch):
 
 @pytest.mark.skipif(not native.available(), reason="needs the native kernels")
 def test_native_model_steps_run_on_the_huge_buffer(monkeypatch):
-    """A bf16 model's packed weights all live in one huge_copies buffer, and its native steps give
+    """A bf16 model's packed weights all live in one huge_views buffer, and its native steps give
     the logits of a model packed on plain pages."""
     from codecomplete.model.transformer import ModelArgs, Transformer
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -292,10 +293,7 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     "always").  A view of a slightly larger buffer, which it keeps alive.  Small buffers, other
     systems, ``huge_pages()`` off or a refused madvise: plain memory, the same tensor otherwise."""
     global _libc
-    n = 1
-    for d in shape:
-        n *= d
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not huge_pages():
         return torch.empty(shape, dtype=dtype)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
@@ -322,14 +320,6 @@ def huge_views(like: list[torch.Tensor]) -> list[torch.Tensor]:
     for t, size in zip(like, sizes):
         out.append(arena[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
         off += size
-    return out
-
-
-def huge_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``tensors`` in one ``huge_views`` buffer."""
-    out = huge_views(tensors)
-    for view, t in zip(out, tensors):
-        view.copy_(t)
     return out
 
 
