@@ -23,25 +23,18 @@
 #include "common.h"
 
 /* Rows [t0, t1) of a [T, E] fp32 or bf16 matrix as fp32: a pointer into it, or into `buf`
- * after converting. */
-static inline const float *rows_f32(const void *base, int elsize, int E, int64_t t0, int64_t n, float *buf) {
+ * after converting.  `pf` (or NULL): another bf16 matrix of the same shape whose same rows the
+ * caller reads next (a chunk's values after its keys), prefetched into L2 while converting, so
+ * their stream starts while the keys' products run instead of after them. */
+static inline const float *rows_f32(const void *base, int elsize, int E, int64_t t0, int64_t n, float *buf,
+                                    const void *pf) {
     if (elsize == 4) return (const float *)base + t0 * E;
     const uint16_t *src = (const uint16_t *)base + t0 * E;
-#pragma omp simd
-    for (int64_t i = 0; i < n * E; i++) buf[i] = bf16_to_f32(src[i]);
-    return buf;
-}
-
-/* rows_f32 of a bf16 chunk's keys, prefetching (into L2) the same positions' values, which the
- * chunk reads next: their stream starts while the keys' products run instead of after them */
-static inline const float *keys_f32(const void *base, const void *vals, int elsize, int E, int64_t t0, int64_t n,
-                                    float *buf) {
-    if (elsize == 4) return rows_f32(base, elsize, E, t0, n, buf);
-    const uint16_t *src = (const uint16_t *)base + t0 * E;
-    const char *vp = (const char *)((const uint16_t *)vals + t0 * E);
+    const char *next = pf ? (const char *)((const uint16_t *)pf + t0 * E) : NULL;
     const size_t row = (size_t)E * 2;
     for (int64_t t = 0; t < n; t++) {
-        for (size_t b = 0; b < row; b += 64) __builtin_prefetch(vp + t * row + b, 0, 2);
+        if (next)
+            for (size_t b = 0; b < row; b += 64) __builtin_prefetch(next + t * row + b, 0, 2);
 #pragma omp simd
         for (int e = 0; e < E; e++) buf[t * E + e] = bf16_to_f32(src[t * E + e]);
     }
@@ -312,7 +305,7 @@ __attribute__((noinline)) static void pv_rows_avx2(int J, int E, int64_t n, cons
         (void)split, (void)kalt, (void)valt; /* rows all at keys/vals (attn_gathered gathers a whole chunk) */ \
         const int E = EDIM > 0 ? EDIM : E_;                                                                \
         const int64_t n = t1 - t0, T = len + S;                                                            \
-        const float *k = keys_f32(keys, vals, elsize, E, t0, n, buf);                                      \
+        const float *k = rows_f32(keys, elsize, E, t0, n, buf, vals);                                      \
         const int64_t nb = n / 16 * 16;                                                                    \
         float kpad[16 * (EDIM > 0 ? EDIM : E_)];                                                           \
         if (nb < n) { /* the last, partial block of 16 keys, zero-padded */                                \
@@ -344,7 +337,7 @@ __attribute__((noinline)) static void pv_rows_avx2(int J, int E, int64_t n, cons
                 MASK_SOFTMAX(s, n, r % S, mask, T, len, t0, m + r, l + r);                                \
             }                                                                                              \
         }                                                                                                  \
-        const float *v = rows_f32(vals, elsize, E, t0, n, buf);                                            \
+        const float *v = rows_f32(vals, elsize, E, t0, n, buf, NULL);                                      \
         int r = 0;                                                                                         \
         if (ROWS_AVX2 && EDIM > 0 && EDIM % 32 == 0) { /* up to three rows share each load of the values */  \
             for (; r < R; r += 3) pv_rows_avx2(R - r < 3 ? R - r : 3, E, n, v, scores + (size_t)r * n, m + r,\
