@@ -112,8 +112,36 @@ def plain_batches(texts: list[str], tok, rng: random.Random, batch: int, seq: in
         yield ids, ids.clone()
 
 
-def train_exits(lm, exits: Exits, data: dict, epochs: int, lr: float = 1e-3, bs: int = 512, seed: int = 0) -> dict:
-    """Adapters by distillation on the subset head, then classifiers on agreement."""
+def fit_adapter(adapter, norm, head_w, h_all, y_all, h_dev, y_dev, n: int, epochs: int, lr: float, bs: int) -> float:
+    """Fit one exit's adapter; keeps the epoch with the best held-out agreement (returned)."""
+    opt = torch.optim.AdamW(adapter.parameters(), lr=lr, weight_decay=0.0)
+    best, best_w = -1.0, adapter.weight.detach().clone()
+    for ep in range(epochs):
+        perm = torch.randperm(len(h_all))
+        total = 0.0
+        for i in range(0, len(perm), bs):
+            idx = perm[i:i + bs]
+            h = h_all[idx]
+            logits = F.linear(norm(h + adapter(h)), head_w)
+            loss = F.cross_entropy(logits, y_all[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += loss.item() * len(idx)
+        with torch.no_grad():
+            dev = float((F.linear(norm(h_dev + adapter(h_dev)), head_w).argmax(-1) == y_dev).float().mean())
+        if dev > best:
+            best, best_w = dev, adapter.weight.detach().clone()
+        sys.stderr.write(f"\rexit {n}: epoch {ep + 1}/{epochs} loss {total / len(perm):.3f} held-out agreement {dev:.3f}")
+    with torch.no_grad():
+        adapter.weight.copy_(best_w)
+    return best
+
+
+def train_exits(lm, exits: Exits, data: dict, epochs: int, lr: float = 1e-3, bs: int = 512, seed: int = 0,
+                fit_adapters: bool = True) -> dict:
+    """Adapters by distillation on the subset head (unless ``fit_adapters`` is off: the
+    adapters come trained, from ``exit_stream``), then classifiers on agreement."""
     model = lm.model
     torch.manual_seed(seed)
     exits.float()
@@ -136,28 +164,12 @@ def train_exits(lm, exits: Exits, data: dict, epochs: int, lr: float = 1e-3, bs:
         h_in = data["states"][n].float()[inside]
         y_in = target[inside]
         h_all, y_all, h_dev, y_dev = h_in[:split], y_in[:split], h_in[split:], y_in[split:]
-        opt = torch.optim.AdamW(exits.adapters[k].parameters(), lr=lr, weight_decay=0.0)
         exits.trained = True
-        best, best_w = -1.0, exits.adapters[k].weight.detach().clone()
-        for ep in range(epochs):
-            perm = torch.randperm(len(h_all))
-            total = 0.0
-            for i in range(0, len(perm), bs):
-                idx = perm[i:i + bs]
-                h = h_all[idx]
-                logits = F.linear(norm(h + exits.adapters[k](h)), head_w)
-                loss = F.cross_entropy(logits, y_all[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                total += loss.item() * len(idx)
+        if fit_adapters:
+            best = fit_adapter(exits.adapters[k], norm, head_w, h_all, y_all, h_dev, y_dev, n, epochs, lr, bs)
+        else:
             with torch.no_grad():
-                dev = float((F.linear(norm(h_dev + exits.adapters[k](h_dev)), head_w).argmax(-1) == y_dev).float().mean())
-            if dev > best:
-                best, best_w = dev, exits.adapters[k].weight.detach().clone()
-            sys.stderr.write(f"\rexit {n}: epoch {ep + 1}/{epochs} loss {total / len(perm):.3f} held-out agreement {dev:.3f}")
-        with torch.no_grad():
-            exits.adapters[k].weight.copy_(best_w)
+                best = float((F.linear(norm(h_dev + exits.adapters[k](h_dev)), head_w).argmax(-1) == y_dev).float().mean())
         report[f"dev_agree_{n}"] = round(best, 4)
         sys.stderr.write("\n")
         # the classifier: does this exit's full-head top token equal the full model's?
@@ -245,6 +257,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="train the exits at every position of the samples, or only where the model's output is "
                          "predicted (FIM middles; calibration always uses those)")
     ap.add_argument("--untrained", action="store_true", help="no adapters or classifiers: calibrate the logit lens")
+    ap.add_argument("--adapters", type=Path, metavar="RUN_DIR",
+                    help="take the linear adapters trained by exit_stream in RUN_DIR (on the vocabulary subset of "
+                         "--subset-from) instead of fitting them here; the classifiers and thresholds are fitted here")
+    ap.add_argument("--recalibrate", type=Path, metavar="EXITS_DIR",
+                    help="only calibrate the exits in EXITS_DIR again (their adapters and classifiers kept), on this "
+                         "--dtype: thresholds found on another dtype's states need not hold on the one served")
+    ap.add_argument("--subset-from", type=Path, help="exits folder whose vocabulary subset to use "
+                    "(default: the shipped exits' with --adapters, else the collected text's most frequent tokens)")
     ap.add_argument("--no-final", action="store_true",
                     help="no check after the last layer (a confident subset-head margin there skips the full head)")
     ap.add_argument("--seed", type=int, default=0)
@@ -252,29 +272,71 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     lm = load_model(args.model, device="cpu", dtype=args.dtype)
+    if args.recalibrate:
+        return recalibrate(lm, args, argv)
     layers = [int(x) for x in args.layers.split(",")]
     if any(not 0 < n < lm.model.args.n_layers for n in layers):
         raise SystemExit(f"--layers must lie in 1..{lm.model.args.n_layers - 1}")
+    trained = None
+    if args.adapters:  # checked before the long collection
+        from .exit_stream import load_adapters
+
+        trained = load_adapters(args.adapters, "linear")
+        missing = [n for n in layers if f"exit_{n}.weight" not in trained]
+        if missing:
+            raise SystemExit(f"{args.adapters} has no linear adapter at layer(s) {missing}")
     t0 = time.perf_counter()
     final = not args.no_final and args.subset > 0
     train = None if args.untrained else collect(lm, args.batches, layers, "train", args.seed,
                                                   every=args.positions == "all")
     val = collect(lm, args.val_batches, layers, "validation", args.seed + 1, final=final)
     counts = (train or val)["counts"]
-    subset = counts.argsort(descending=True)[: args.subset] if args.subset else None
-    exits = Exits(lm.model.args.dim, layers, subset.sort().values if subset is not None else None)
+    subset = counts.argsort(descending=True)[: args.subset].sort().values if args.subset else None
+    if args.adapters or args.subset_from:
+        from .exit_stream import SHIPPED_EXITS, read_subset
+
+        subset = read_subset(args.subset_from or SHIPPED_EXITS)
+    exits = Exits(lm.model.args.dim, layers, subset)
+    if trained is not None:
+        with torch.no_grad():
+            for k, n in enumerate(exits.layers):
+                exits.adapters[k].weight.copy_(trained[f"exit_{n}.weight"])
     exits.final = lm.model.args.n_layers if final else 0
     report: dict = {"model": lm.name, "model_id": model_identity(lm.home), "positions_train": 0 if train is None else len(train["top"]),
-                    "positions_val": len(val["top"]), "subset": args.subset,
+                    "positions_val": len(val["top"]), "subset": len(exits.subset),
+                    "adapters_from": str(args.adapters) if args.adapters else None,
                     "subset_coverage_val": round(float(torch.isin(val["top"], exits.subset).float().mean()), 4)
                     if args.subset else 1.0}
     if train is not None:
-        report.update(train_exits(lm, exits, train, args.epochs, lr=args.lr, seed=args.seed))
+        report.update(train_exits(lm, exits, train, args.epochs, lr=args.lr, seed=args.seed,
+                                  fit_adapters=args.adapters is None))
         del train
     exits.to(dtype=lm.model.dtype).eval()
     bounds = [float(b) for b in args.bounds.split(",")]
     report["calibration"] = calibrate(lm, exits, val, bounds, min_rate=args.min_rate)
     report.update(bounds=bounds, min_rate=args.min_rate, seconds=round(time.perf_counter() - t0, 1),
+                  command="python -m codecomplete.model.exit_train " + " ".join(argv or sys.argv[1:]))
+    exits.meta = report
+    exits.save(args.out)
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+def recalibrate(lm, args, argv) -> int:
+    """``--recalibrate``: the exits of a folder with new thresholds from this model and dtype."""
+    from .early_exit import load_exits
+
+    exits = load_exits(args.recalibrate, lm.model)
+    t0 = time.perf_counter()
+    val = collect(lm, args.val_batches, exits.layers, "validation", args.seed + 1, final=bool(exits.final))
+    exits.to(dtype=lm.model.dtype).eval()
+    bounds = [float(b) for b in args.bounds.split(",")]
+    old = dict(exits.meta)
+    report = {k: v for k, v in old.items() if k not in ("calibration", "bounds", "min_rate", "seconds", "command")}
+    report.update(positions_val=len(val["top"]), recalibrated_from=str(args.recalibrate), trained_by=old.get("command"),
+                  calibration=calibrate(lm, exits, val, bounds, min_rate=args.min_rate), bounds=bounds,
+                  min_rate=args.min_rate, dtype=str(lm.model.dtype).removeprefix("torch."),
+                  seconds=round(time.perf_counter() - t0, 1),
                   command="python -m codecomplete.model.exit_train " + " ".join(argv or sys.argv[1:]))
     exits.meta = report
     exits.save(args.out)
