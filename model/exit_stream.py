@@ -74,7 +74,8 @@ class BlockAdapter(torch.nn.Module):
         self.layer = copy.deepcopy(src).float()
         self._rotary = [model.model.rotary_emb]  # the model's (a list: not this module's own)
         cfg = model.config
-        self.h, self.k, self.e = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+        self.h, self.k = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.e = cfg.hidden_size // cfg.num_attention_heads
 
     def forward(self, x):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

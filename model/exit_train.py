@@ -132,7 +132,8 @@ def fit_adapter(adapter, norm, head_w, h_all, y_all, h_dev, y_dev, n: int, epoch
             dev = float((F.linear(norm(h_dev + adapter(h_dev)), head_w).argmax(-1) == y_dev).float().mean())
         if dev > best:
             best, best_w = dev, adapter.weight.detach().clone()
-        sys.stderr.write(f"\rexit {n}: epoch {ep + 1}/{epochs} loss {total / len(perm):.3f} held-out agreement {dev:.3f}")
+        sys.stderr.write(f"\rexit {n}: epoch {ep + 1}/{epochs} loss {total / len(perm):.3f} "
+                         f"held-out agreement {dev:.3f}")
     with torch.no_grad():
         adapter.weight.copy_(best_w)
     return best
@@ -169,7 +170,8 @@ def train_exits(lm, exits: Exits, data: dict, epochs: int, lr: float = 1e-3, bs:
             best = fit_adapter(exits.adapters[k], norm, head_w, h_all, y_all, h_dev, y_dev, n, epochs, lr, bs)
         else:
             with torch.no_grad():
-                best = float((F.linear(norm(h_dev + exits.adapters[k](h_dev)), head_w).argmax(-1) == y_dev).float().mean())
+                logits = F.linear(norm(h_dev + exits.adapters[k](h_dev)), head_w)
+                best = float((logits.argmax(-1) == y_dev).float().mean())
         report[f"dev_agree_{n}"] = round(best, 4)
         sys.stderr.write("\n")
         # the classifier: does this exit's full-head top token equal the full model's?
@@ -302,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             for k, n in enumerate(exits.layers):
                 exits.adapters[k].weight.copy_(trained[f"exit_{n}.weight"])
     exits.final = lm.model.args.n_layers if final else 0
-    report: dict = {"model": lm.name, "model_id": model_identity(lm.home), "positions_train": 0 if train is None else len(train["top"]),
+    report: dict = {"model": lm.name, "model_id": model_identity(lm.home),
+                    "positions_train": 0 if train is None else len(train["top"]),
                     "positions_val": len(val["top"]), "subset": len(exits.subset),
                     "adapters_from": str(args.adapters) if args.adapters else None,
                     "subset_coverage_val": round(float(torch.isin(val["top"], exits.subset).float().mean()), 4)
