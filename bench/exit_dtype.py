@@ -15,38 +15,26 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, write_results  # noqa: E402
+from exit_cost import margins  # noqa: E402
 
-from codecomplete.model.early_exit import load_exits  # noqa: E402
-from codecomplete.model.exit_train import collect  # noqa: E402
 from codecomplete.model.loader import load_model  # noqa: E402
 
 
 def measure(folder: Path, dtype: str, batches: int, bounds: list[str]) -> tuple[int, dict]:
-    lm = load_model("default", device="cpu", dtype=dtype)
-    ex = load_exits(folder, lm.model)
-    ex.to(dtype=lm.model.dtype).eval()
-    val = collect(lm, batches, ex.layers, "validation", 1, final=bool(ex.final))
+    conf, agree, ex = margins(load_model("default", device="cpu", dtype=dtype), folder, batches)
     res: dict = {}
-    with torch.no_grad():
-        for n in ex.layers:
-            h = val["states"][n]
-            conf, logits = ex.confidence(lm.model, "softmax", n, h, h)
-            if logits is None:
-                logits = ex.logits(lm.model, n, h, subset=True)
-            agree = ex.tokens(logits.float(), subset=True) == val["top"]
-            row: dict = {"agree": round(float(agree.float().mean()), 4)}
-            for b in bounds:
-                thr = ex.thresholds.get(f"softmax@{b}", {}).get(n)
-                if thr is not None:
-                    take = conf.float() >= thr
-                    row[b] = {"rate": round(float(take.float().mean()), 4),
-                              "disagree": round(float((~agree[take]).float().mean()) if take.any() else 0.0, 4)}
-            res[n] = row
-    return len(val["top"]), res
+    for n in ex.layers:
+        row: dict = {"agree": round(float(agree[n].float().mean()), 4)}
+        for b in bounds:
+            thr = ex.thresholds.get(f"softmax@{b}", {}).get(n)
+            if thr is not None:
+                take = conf[n] >= thr
+                row[b] = {"rate": round(float(take.float().mean()), 4),
+                          "disagree": round(float((~agree[n][take]).float().mean()) if take.any() else 0.0, 4)}
+        res[n] = row
+    return len(conf[ex.layers[0]]), res
 
 
 def main() -> int:
