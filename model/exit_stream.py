@@ -131,23 +131,37 @@ def read_shipped(folder: Path, exits: list[int], dim: int) -> torch.nn.ModuleLis
     return mods
 
 
-class Heads:
-    """The frozen model's final norm and its head's subset rows, fp32."""
+class SubsetHead:
+    """A model's final norm and its head's rows of a vocabulary subset, fp32: the exits' head
+    while they train (here and in ``exit_train``); ``where`` maps a token to its index in the
+    subset (-1: outside)."""
 
-    def __init__(self, model, subset: torch.Tensor, device):
-        self.w = model.lm_head.weight.detach()[subset.to(model.lm_head.weight.device)].float().to(device)
-        self.g = model.model.norm.weight.detach().float().to(device)
-        self.eps = model.config.rms_norm_eps
+    def __init__(self, head_w: torch.Tensor, norm_w: torch.Tensor, eps: float, subset: torch.Tensor,
+                 vocab_size: int, device="cpu"):
+        self.w = head_w.detach()[subset.to(head_w.device)].float().to(device)
+        self.g = norm_w.detach().float().to(device)
+        self.eps = eps
         self.subset = subset.to(device)
-        where = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
+        where = torch.full((vocab_size,), -1, dtype=torch.long)
         where[subset] = torch.arange(len(subset))
         self.where = where.to(device)
 
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.g
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Subset logits of (adapted) states x [..., D]."""
+        return F.linear(self.norm(x), self.w)
+
+    @torch.no_grad()
+    def agreement(self, adapter, h: torch.Tensor, y: torch.Tensor) -> float:
+        """How often the adapted states' top subset token is ``y`` (subset indices)."""
+        return float((self(h + adapter(h)).argmax(-1) == y).float().mean())
+
     def logits(self, h: torch.Tensor, adapter, keep: torch.Tensor) -> torch.Tensor:
-        """Subset logits at the ``keep`` positions of states h [B, S, D]."""
-        x = (h + adapter(h))[keep]
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.g
-        return F.linear(x, self.w)
+        """Subset logits at the ``keep`` positions of states h [B, S, D] (an adapter may read the
+        whole sequence)."""
+        return self((h + adapter(h))[keep])
 
 
 def forward(model, ids: torch.Tensor, exits: list[int]):
@@ -159,7 +173,7 @@ def forward(model, ids: torch.Tensor, exits: list[int]):
 
 
 @torch.no_grad()
-def evaluate(model, heads: Heads, kinds: dict[str, torch.nn.ModuleList], exits, batches, device, eos) -> dict:
+def evaluate(model, heads: SubsetHead, kinds: dict[str, torch.nn.ModuleList], exits, batches, device, eos) -> dict:
     res: dict = {}
     counts: dict = {}
     for ids, labels in batches:
@@ -256,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     n_layers, dim = model.config.num_hidden_layers, model.config.hidden_size
     if any(not 0 < e < n_layers for e in exits):
         raise SystemExit(f"--exits must lie in 1..{n_layers - 1}")
-    heads = Heads(model, read_subset(args.subset_from), device)
+    heads = SubsetHead(model.lm_head.weight, model.model.norm.weight, model.config.rms_norm_eps,
+                       read_subset(args.subset_from), model.config.vocab_size, device)
     kinds = {k: make_adapters(k, dim, len(exits), args.mlp_hidden, model, exits).to(device)
              for k in args.kinds.split(",")}
     lrs = {"linear": args.lr_linear, "mlp": args.lr, "block": args.lr_block}

@@ -112,8 +112,9 @@ def plain_batches(texts: list[str], tok, rng: random.Random, batch: int, seq: in
         yield ids, ids.clone()
 
 
-def fit_adapter(adapter, norm, head_w, h_all, y_all, h_dev, y_dev, n: int, epochs: int, lr: float, bs: int) -> float:
-    """Fit one exit's adapter; keeps the epoch with the best held-out agreement (returned)."""
+def fit_adapter(adapter, head, h_all, y_all, h_dev, y_dev, n: int, epochs: int, lr: float, bs: int) -> float:
+    """Fit one exit's adapter on the subset head ``head`` (``exit_stream.SubsetHead``); keeps the
+    epoch with the best held-out agreement (returned)."""
     opt = torch.optim.AdamW(adapter.parameters(), lr=lr, weight_decay=0.0)
     best, best_w = -1.0, adapter.weight.detach().clone()
     for ep in range(epochs):
@@ -122,14 +123,12 @@ def fit_adapter(adapter, norm, head_w, h_all, y_all, h_dev, y_dev, n: int, epoch
         for i in range(0, len(perm), bs):
             idx = perm[i:i + bs]
             h = h_all[idx]
-            logits = F.linear(norm(h + adapter(h)), head_w)
-            loss = F.cross_entropy(logits, y_all[idx])
+            loss = F.cross_entropy(head(h + adapter(h)), y_all[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
             total += loss.item() * len(idx)
-        with torch.no_grad():
-            dev = float((F.linear(norm(h_dev + adapter(h_dev)), head_w).argmax(-1) == y_dev).float().mean())
+        dev = head.agreement(adapter, h_dev, y_dev)
         if dev > best:
             best, best_w = dev, adapter.weight.detach().clone()
         sys.stderr.write(f"\rexit {n}: epoch {ep + 1}/{epochs} loss {total / len(perm):.3f} "
@@ -143,19 +142,15 @@ def train_exits(lm, exits: Exits, data: dict, epochs: int, lr: float = 1e-3, bs:
                 fit_adapters: bool = True) -> dict:
     """Adapters by distillation on the subset head (unless ``fit_adapters`` is off: the
     adapters come trained, from ``exit_stream``), then classifiers on agreement."""
+    from .exit_stream import SubsetHead
+
     model = lm.model
     torch.manual_seed(seed)
     exits.float()
-    head_w = model.head.weight.detach()[exits.subset].float()
-    norm_w, eps = model.norm.weight.detach().float(), model.norm.eps
-    where = torch.full((model.args.vocab_size,), -1, dtype=torch.long)
-    where[exits.subset] = torch.arange(len(exits.subset))
-    target = where[data["top"]]
+    head = SubsetHead(model.head.weight, model.norm.weight, model.norm.eps, exits.subset, model.args.vocab_size)
+    target = head.where[data["top"]]
     inside = target >= 0
     report = {"targets_in_subset": round(float(inside.float().mean()), 4)}
-
-    def norm(h):
-        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_w
 
     # a tenth of the training positions (by sample order) picks the epoch: the adapters
     # overfit otherwise (measured: train agreement 0.90 at layer 24, validation 0.67)
@@ -167,21 +162,19 @@ def train_exits(lm, exits: Exits, data: dict, epochs: int, lr: float = 1e-3, bs:
         h_all, y_all, h_dev, y_dev = h_in[:split], y_in[:split], h_in[split:], y_in[split:]
         exits.trained = True
         if fit_adapters:
-            best = fit_adapter(exits.adapters[k], norm, head_w, h_all, y_all, h_dev, y_dev, n, epochs, lr, bs)
+            best = fit_adapter(exits.adapters[k], head, h_all, y_all, h_dev, y_dev, n, epochs, lr, bs)
         else:
-            with torch.no_grad():
-                logits = F.linear(norm(h_dev + exits.adapters[k](h_dev)), head_w)
-                best = float((logits.argmax(-1) == y_dev).float().mean())
+            best = head.agreement(exits.adapters[k], h_dev, y_dev)
         report[f"dev_agree_{n}"] = round(best, 4)
         sys.stderr.write("\n")
         # the classifier: does this exit's full-head top token equal the full model's?
         with torch.no_grad():  # the exit's token: the subset head's top one
-            tops = [exits.subset[F.linear(norm(h + exits.adapters[k](h)), head_w).argmax(-1)]
+            tops = [exits.subset[head(h + exits.adapters[k](h)).argmax(-1)]
                     for h in data["states"][n].float().split(2048)]
             agree = torch.cat(tops) == data["top"]
         clf = exits.classifiers[k]
         copt = torch.optim.AdamW(clf.parameters(), lr=lr)
-        feats = norm(exits.state(n, data["states"][n].float())).detach()
+        feats = head.norm(exits.state(n, data["states"][n].float())).detach()
         for ep in range(epochs * 2):
             perm = torch.randperm(len(feats))
             for i in range(0, len(perm), bs):
@@ -279,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     layers = [int(x) for x in args.layers.split(",")]
     if any(not 0 < n < lm.model.args.n_layers for n in layers):
         raise SystemExit(f"--layers must lie in 1..{lm.model.args.n_layers - 1}")
+    if args.adapters and args.untrained:
+        raise SystemExit("--adapters and --untrained exclude each other (--untrained: no adapters at all)")
     trained = None
     if args.adapters:  # checked before the long collection
         from .exit_stream import load_adapters
