@@ -10,7 +10,9 @@ thresholds calibrated for that token-disagreement bound); ``lossless@LAYER``
 Speed: greedy decoding of ``--tokens`` tokens (EOS ignored) from HumanEval-Infilling
 prompts, at batch 1 (two prompts a round) and at the ``--batches`` sizes (16 by default; one
 batch every third round), through the engine's own decode functions (``step``, ``exit_step``,
-``self_spec_step``).  The batch rows force the exits (the daemon's ``max_batch`` = 1 decodes a
+``self_spec_step``).  ``--stop``: as served instead, each request ends at end-of-text or its
+stop rules (mode auto, at most ``--tokens`` tokens; eight prompts a round), so the tokens timed
+are the ones a user would get, not the ones past a completion's natural end.  The batch rows force the exits (the daemon's ``max_batch`` = 1 decodes a
 larger batch without them; lossless mode's batches take plain steps); decode
 tokens/s, per-token latency, mean layers run per token, the exit rate per layer and how
 often the last layer's check skipped the full vocabulary head.
@@ -82,11 +84,12 @@ def speed_prompts(seed: int) -> list[tuple[str, str]]:
 
 
 def decode(lm, rt: ExitRuntime | None, prompts: list[tuple[str, str]], tokens: int, batch: int,
-           outputs: dict | None = None) -> dict:
+           outputs: dict | None = None, stop: bool = False) -> dict:
     """Time decoding only (prefill excluded); layers per token and exit layers.  ``outputs``:
-    filled with (prefix, suffix) -> the generated token ids."""
+    filled with (prefix, suffix) -> the generated token ids.  ``stop``: requests end as served
+    (end-of-text, stop rules) instead of after exactly ``tokens`` tokens."""
     settings = EngineSettings(token_healing=False)
-    done, secs, layers, passes, accepted = 0, 0.0, 0, 0, 0
+    decoded, secs, layers, passes, accepted = 0, 0.0, 0, 0, 0
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     ran_hist: dict[int, int] = {}
     if rt is not None:
@@ -95,8 +98,9 @@ def decode(lm, rt: ExitRuntime | None, prompts: list[tuple[str, str]], tokens: i
         for group in groups:
             lives = []
             for prefix, suffix in group:
-                req = CompletionRequest(prefix, suffix, mode="multi", max_tokens=tokens, max_lines=1000,
-                                        ignore_eos=True, time_budget_ms=10**9)
+                req = (CompletionRequest(prefix, suffix, mode="auto", max_tokens=tokens, time_budget_ms=10**9)
+                       if stop else CompletionRequest(prefix, suffix, mode="multi", max_tokens=tokens, max_lines=1000,
+                                                      ignore_eos=True, time_budget_ms=10**9))
                 lives.append(start(lm, req, plan_prompt(lm, req, settings, None, None), None))
             t0 = time.perf_counter()
             going = [lv for lv in lives if advance(lm, lv, None)]
@@ -110,12 +114,15 @@ def decode(lm, rt: ExitRuntime | None, prompts: list[tuple[str, str]], tokens: i
             secs += time.perf_counter() - t0
             if outputs is not None:
                 outputs.update({(lv.request.prefix, lv.request.suffix): list(lv.generated) for lv in lives})
-            done += sum(len(lv.generated) for lv in lives)
+            # the tokens the decode passes made: the first comes from the prefill; an
+            # end-of-text token ends a request without joining ``generated``
+            decoded += sum(max(0, len(lv.generated) - 1 + (lv.result.stop_reason == "eos"))
+                           for lv in lives if lv.generated)
             layers += sum(lv.layers for lv in lives)
             passes += sum(lv.passes for lv in lives)
             accepted += sum(lv.accepted for lv in lives)
     steps = sum(ran_hist.values())
-    decoded = done - len(prompts)  # each request's first token comes from the prefill
+    decoded = max(1, decoded)
     return {"tokens": decoded, "seconds": round(secs, 3), "tokens_per_s": round(decoded / secs, 2),
             "layers": layers, "passes": passes, "accepted": accepted,
             "ms_per_token": round(1000 * secs / decoded * min(batch, len(prompts)), 2),
@@ -155,6 +162,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=12, help="speed rounds (paired with the full model's)")
     ap.add_argument("--batches", default="16", help="batch sizes measured besides 1 (every third round)")
     ap.add_argument("--no-quality", action="store_true", help="speed only")
+    ap.add_argument("--stop", action="store_true", help="speed runs end as served: end-of-text and stop rules "
+                    "(mode auto), eight prompts a round at batch 1")
     ap.add_argument("--out", default=str(RESULTS / "early_exit"))
     args = ap.parse_args()
     lm, path, exits = load_with_exits(args.model, args.dtype, args.exits)
@@ -184,19 +193,21 @@ def main() -> None:
     # minutes, which paired rounds cancel
     runs: dict[str, list[dict]] = {}
     for name, (es, rt, rt_all) in runtimes.items():
-        decode(lm, rt, prompts[:2], 8, 1)  # warm-up: otherwise the first timed config pays for it
-        decode(lm, rt, prompts, 8, 16)
+        decode(lm, rt, prompts[:2], 8, 1, stop=args.stop)  # warm-up: otherwise the first timed config pays for it
+        decode(lm, rt, prompts, 8, 16, stop=args.stop)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     for r in range(args.repeats):
-        pair = [prompts[(2 * r) % len(prompts)], prompts[(2 * r + 1) % len(prompts)]]
+        per = 8 if args.stop else 2
+        pair = [prompts[(per * r + i) % len(prompts)] for i in range(per)]
         for name, (es, rt, rt_all) in runtimes.items():
-            runs.setdefault(f"{name}/b1", []).append(decode(lm, rt, pair, args.tokens, 1))
+            runs.setdefault(f"{name}/b1", []).append(decode(lm, rt, pair, args.tokens, 1, stop=args.stop))
             if r % 3 == 0 and (rt is None or not rt.lossless or r == 0):  # lossless: plain batched steps
                 for b in batches:
                     group = [prompts[(r * b + i) % len(prompts)] for i in range(b)]
-                    runs.setdefault(f"{name}/b{b}", []).append(decode(lm, rt, group, args.tokens, b))
+                    runs.setdefault(f"{name}/b{b}", []).append(decode(lm, rt, group, args.tokens, b, stop=args.stop))
                     if rt_all is not None:
-                        runs.setdefault(f"{name}/b{b}-all", []).append(decode(lm, rt_all, group, args.tokens, b))
+                        runs.setdefault(f"{name}/b{b}-all", []).append(decode(lm, rt_all, group, args.tokens, b,
+                                                                               stop=args.stop))
         print(f"round {r + 1}/{args.repeats}", {k: v[-1]["tokens_per_s"] for k, v in runs.items()}, file=sys.stderr)
     for key, rs in runs.items():
         b = key.rsplit("/", 1)[1]
@@ -231,6 +242,8 @@ def main() -> None:
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"model": lm.name, "exits": str(path), "speed": speed,
                                                     "quality": qual, "exits_meta": meta}, indent=1))
+    ends = (f"as served: end-of-text and stop rules, at most {args.tokens} tokens" if args.stop
+            else f"EOS ignored, {args.tokens} tokens")
     lines = [header("Early exit"),
              f"Model: {lm.name} ({str(lm.dtype).removeprefix('torch.')}), {lm.model.args.n_layers} layers; "
              f"exits at layers {exits.layers} ({'trained adapters + classifiers' if exits.trained else 'untrained: logit lens'})"
@@ -238,7 +251,8 @@ def main() -> None:
              f"vocabulary subset {len(exits.subset)}; thresholds calibrated for token disagreement bounds "
              f"{meta.get('bounds', '?')} on {meta.get('positions_val', '?')} validation positions "
              f"(`{meta.get('command', '')}`).",
-             "", f"## Decode speed (EOS ignored, prefill excluded; {args.repeats} interleaved rounds, speed-up = median of per-round ratios to full)", "",
+             "", f"## Decode speed ({ends}; prefill excluded; {args.repeats} interleaved rounds, "
+             "speed-up = median of per-round ratios to full)", "",
              "| config | batch | tokens/s | ms/token (per sequence) | speed-up (range) | layers/pass | tokens/pass | layers run (share of steps) | full head skipped after the last layer |",
              "|---|---|---|---|---|---|---|---|---|"]
     for key, r in speed.items():
