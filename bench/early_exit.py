@@ -271,7 +271,10 @@ def main() -> None:
     bounds = meta.get("bounds", [])
     lines += ["", "Calibration on validation positions: per exit, how often its top token is the full "
               "model's, and per bound the threshold and the share of tokens that would exit there "
-              "(exits taking less than min_rate are not used):", "",
+              "(exits taking less than min_rate are not used"
+              + ("; with --policy joint these are not the thresholds served, see below" if meta.get("joint") else "")
+              + "):",
+              "",
               "| measure/exit | agree | " + " | ".join(f"threshold, exit rate @{b:g}" for b in bounds) + " |",
               "|---|---|" + "---|" * len(bounds)]
     for k, v in meta.get("calibration", {}).items():
@@ -280,6 +283,17 @@ def main() -> None:
             c = v.get(f"@{b:g}", {})
             cells.append(f"{c.get('threshold')}, {c.get('exit_rate')}{'' if c.get('used') else ' (unused)'}")
         lines.append(f"| {k} | {v['agree']} | " + " | ".join(cells) + " |")
+    if meta.get("joint"):
+        lines += ["", f"Thresholds served (`--policy joint`, cost model {meta.get('cost')}): per bound, the exits and "
+                  "thresholds chosen together so that, over all validation tokens, the share leaving with another "
+                  "token stays within the bound, and their projection; then the per-exit thresholds' projection "
+                  "(not served):", "",
+                  "| measure@bound | thresholds | tokens left with another token | mean layers run | projected "
+                  "speed-up | per-exit: exits, wrong share, projected speed-up |", "|---|---|---|---|---|---|"]
+        for key, j in meta["joint"].items():
+            pe = j["per_exit"]
+            lines.append(f"| {key} | {j['thresholds'] or 'none'} | {j['wrong']} | {j['mean_layers']} | "
+                         f"{j['projected_speedup']}x | {pe['exits']}, {pe['wrong']}, {pe['projected_speedup']}x |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

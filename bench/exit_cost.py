@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, write_results  # noqa: E402
 
 from codecomplete.model.early_exit import load_exits  # noqa: E402
-from codecomplete.model.exit_train import collect  # noqa: E402
+from codecomplete.model.exit_train import ExitCost, collect, replay  # noqa: E402
 from codecomplete.model.loader import load_model  # noqa: E402
 
 
@@ -56,32 +56,6 @@ def margins(lm, folder: Path, batches: int) -> tuple[dict, dict, object]:
     return conf, agree, ex
 
 
-def replay(conf, agree, thresholds: dict[int, float], subset: tuple[int, ...], n_layers: int, final: int,
-           check: float, head: float, fill: tuple[float, float]) -> tuple[float, float, float]:
-    """(mean cost in layers, share of tokens that left early with another token, mean layers run)."""
-    n_pos = len(next(iter(conf.values())))
-    left = torch.zeros(n_pos, dtype=torch.bool)
-    cost = torch.zeros(n_pos)
-    wrong = torch.zeros(n_pos, dtype=torch.bool)
-    depth = torch.full((n_pos,), float(n_layers))
-    for n in subset:
-        here = ~left
-        cost[here] += check
-        go = here & (conf[n] >= thresholds[n])
-        cost[go] += n + fill[0] + fill[1] * (n_layers - n)
-        wrong |= go & ~agree[n]
-        depth[go] = n
-        left |= go
-    rest = ~left
-    cost[rest] += n_layers + head
-    if final and final in thresholds:
-        cost[rest] += check
-        skip = rest & (conf[final] >= thresholds[final])
-        cost[skip] -= head
-        wrong |= skip & ~agree[final]
-    return float(cost.mean()), float(wrong.float().mean()), float(depth.mean())
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("exits", type=Path, nargs="+")
@@ -93,6 +67,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(RESULTS / "exit_cost"))
     args = ap.parse_args()
     fill = tuple(float(x) for x in args.fill.split(","))
+    cost = ExitCost(args.check, args.head, *fill)
     lm = load_model("default", device="cpu", dtype="float32")
     n_layers = lm.model.args.n_layers
     full = n_layers + args.head
@@ -115,7 +90,7 @@ def main() -> int:
                 for sub in itertools.combinations(exits, k):
                     for fin in ((final, 0) if final else (0,)):
                         t = {n: thr[n] for n in sub} | ({fin: thr[fin]} if fin else {})
-                        rows[(sub, fin)] = replay(conf, agree, t, sub, n_layers, fin, args.check, args.head, fill)
+                        rows[(sub, fin)] = replay(conf, agree, t, n_layers, fin, cost)
             calibrated = rows[(exits, final)]
             best_key = min(rows, key=lambda k: rows[k][0])
             data[str(folder)]["bounds"][bound] = {"calibrated": [list(exits), final, *calibrated],

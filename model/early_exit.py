@@ -62,6 +62,9 @@ class Exits(nn.Module):
             nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, 1)) for _ in self.layers)
         self.register_buffer("subset", subset if subset is not None else torch.zeros(0, dtype=torch.long))
         self.thresholds: dict[str, dict[int, float]] = {}  # "measure@bound" -> exit layer -> threshold
+        # each exit's own thresholds where ``thresholds`` were chosen jointly (exit_train --policy
+        # joint): lossless mode's drafts are gated on an exit's own confidence; {}: ``thresholds``
+        self.draft_thresholds: dict[str, dict[int, float]] = {}
         self.trained = False  # adapters and classifiers learned (not the zero "logit lens")
         self._subset_w: torch.Tensor | None = None  # the head's rows of the subset
         self._packed: dict[str, tuple] = {}  # name -> (weight's address and version, weight in native.linear's layout)
@@ -166,6 +169,8 @@ class Exits(nn.Module):
     def to_json(self) -> dict:
         return {"format": FORMAT, "layers": self.layers, "final_layer": self.final, "trained": self.trained,
                 "thresholds": {m: {str(k): v for k, v in t.items()} for m, t in self.thresholds.items()},
+                **({"draft_thresholds": {m: {str(k): v for k, v in t.items()}
+                                         for m, t in self.draft_thresholds.items()}} if self.draft_thresholds else {}),
                 "subset_size": int(len(self.subset)), **self.meta}
 
     def save(self, folder: Path) -> None:
@@ -212,9 +217,15 @@ def load_exits(folder: str | Path, model: Transformer, model_id: str = "") -> Ex
     ex.final = int(meta.get("final_layer") or 0)
     if ex.final not in (0, model.args.n_layers):
         raise ExitsError(f"{folder}: calibrated for a final layer {ex.final}, the model has {model.args.n_layers}")
-    ex.thresholds = {m: {int(k): float(v) for k, v in t.items()} for m, t in meta.get("thresholds", {}).items()}
+    try:
+        ex.thresholds, ex.draft_thresholds = ({m: {int(k): float(v) for k, v in t.items()}
+                                               for m, t in meta.get(name, {}).items()}
+                                              for name in ("thresholds", "draft_thresholds"))
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ExitsError(f"{folder}: malformed thresholds: {exc}") from exc
     ex.meta = {k: v for k, v in meta.items()
-               if k not in ("format", "layers", "final_layer", "trained", "thresholds", "subset_size")}
+               if k not in ("format", "layers", "final_layer", "trained", "thresholds", "draft_thresholds",
+                            "subset_size")}
     return ex.to(device=model.device, dtype=model.dtype).eval()
 
 

@@ -329,10 +329,12 @@ class ExitRuntime:
             else:
                 # the calibrated bound nearest draft_bound (exits are calibrated for a few bounds; none:
                 # always draft); an exit left out at that bound is too rarely confident: it never drafts
-                bounds = [float(k.split("@")[1]) for k in exits.thresholds if k.startswith("softmax@")]
+                # (each exit's own thresholds: jointly chosen ones may leave the drafting exit out)
+                table = exits.draft_thresholds or exits.thresholds
+                bounds = [float(k.split("@")[1]) for k in table if k.startswith("softmax@")]
                 if bounds:
                     near = min(bounds, key=lambda b: (abs(b - s.draft_bound), b))
-                    margin = exits.thresholds[f"softmax@{near:g}"].get(draft, math.inf)
+                    margin = table[f"softmax@{near:g}"].get(draft, math.inf)
         return cls(exits, ExitPolicy(s.measure, thresholds, s.batch_rule, s.decay), s.lossless, draft,
                    max(1, s.draft_tokens), margin, max(1, s.max_batch))
 

@@ -28,7 +28,9 @@ lens) and only calibrates: the untrained baseline of the early-exit benchmark.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import itertools
 import json
 import random
 import sys
@@ -187,21 +189,139 @@ def train_exits(lm, exits: Exits, data: dict, epochs: int, lr: float = 1e-3, bs:
     return report
 
 
+@dataclasses.dataclass(frozen=True)
+class ExitCost:
+    """A token's cost in layers under the lossy policy: every exit it reaches costs a check;
+    leaving early costs the KV filling of the skipped layers (``fill_a + fill_b`` x skipped);
+    staying costs the full head unless the last layer's check skips it.  The defaults are
+    the AVX2 EPYC's measurements (docs/decisions.md, fifth session: a check 0.48 ms, a layer
+    ~0.31 ms, the head ~8 layers of products, a token leaving at 8 / 16 / 24 costing
+    0.39 / 0.58 / 0.78 of a step)."""
+
+    check: float = 1.55
+    head: float = 8.0
+    fill_a: float = 3.5
+    fill_b: float = 0.08
+
+    @classmethod
+    def parse(cls, text: str) -> "ExitCost":
+        """``CHECK,HEAD,FILL_A,FILL_B`` (layers)."""
+        try:
+            vals = [float(x) for x in text.split(",")]
+            return cls(*vals) if len(vals) == 4 and min(vals) >= 0 else cls(-1)
+        except ValueError:
+            return cls(-1)
+
+
+def replay(conf: dict, agree: dict, thresholds: dict[int, float], n_layers: int, final: int,
+           cost: ExitCost) -> tuple[float, float, float]:
+    """The engine's lossy policy on calibration positions: a token leaves at the first exit in
+    ``thresholds`` (in layer order, ``final`` aside) whose confidence reaches its threshold;
+    after the last layer a confident check (``final`` in ``thresholds``) skips the full head.
+    ``conf[n]``/``agree[n]``: per position, the confidence at exit ``n`` and whether its token
+    is the full model's.  Returns (mean cost in layers, share of tokens that left early or
+    skipped the head with another token than the full model's, mean layers run)."""
+    n_pos = len(next(iter(conf.values())))
+    left = torch.zeros(n_pos, dtype=torch.bool)
+    cost_ = torch.zeros(n_pos)
+    wrong = torch.zeros(n_pos, dtype=torch.bool)
+    depth = torch.full((n_pos,), float(n_layers))
+    for n in sorted(k for k in thresholds if k != final):
+        here = ~left
+        cost_[here] += cost.check
+        go = here & (conf[n] >= thresholds[n])
+        cost_[go] += n + cost.fill_a + cost.fill_b * (n_layers - n)
+        wrong |= go & ~agree[n]
+        depth[go] = n
+        left |= go
+    rest = ~left
+    cost_[rest] += n_layers + cost.head
+    if final and final in thresholds:
+        cost_[rest] += cost.check
+        skip = rest & (conf[final] >= thresholds[final])
+        cost_[skip] -= cost.head
+        wrong |= skip & ~agree[final]
+    return float(cost_.mean()), float(wrong.float().mean()), float(depth.mean())
+
+
+def joint_thresholds(conf: dict, agree: dict, n_layers: int, final: int, bound: float, cost: ExitCost,
+                     start: dict[int, float] | None = None, grid: int = 40, sweeps: int = 6) -> dict[int, float]:
+    """Thresholds for all exits together: the cheapest policy (``replay``'s cost) whose tokens
+    leave with another token than the full model's at most ``bound`` of the time, over all
+    tokens.  Per-exit calibration bounds each exit's own exited tokens, so the cascade's total
+    can exceed the bound (the shipped exits at 0.05: 8 %, bench/results/exit_cost_avx2.md) and
+    it keeps every exit that takes ``min_rate``, checks that cost more than they save
+    included.
+
+    Each exit's threshold is one of ``grid`` values (the confidences at which 0.1 % .. 100 %
+    of its tokens would leave, spaced geometrically) or none (the exit unchecked).  Coordinate
+    descent (each exit in turn takes its best value, the others fixed) on cost + lambda x
+    wrong for a range of lambdas, and from ``start`` restricted to each subset of its exits,
+    gives candidate policies; the cheapest within the bound is refined by coordinate descent
+    on cost under the bound.  Budgeted descent alone stalls: the first exit it opens spends
+    the whole budget."""
+    exits = sorted(conf)
+    rates = torch.logspace(-3, 0, grid)
+    cands = {n: sorted(set(torch.quantile(conf[n].float(), (1 - rates).clamp(0, 1)).tolist())) for n in exits}
+    memo: dict = {}
+
+    def run(thr: dict[int, float]) -> tuple[float, float]:
+        key = tuple(sorted(thr.items()))
+        if key not in memo:
+            memo[key] = replay(conf, agree, thr, n_layers, final, cost)[:2]
+        return memo[key]
+
+    def descend(thr: dict[int, float], lam: float | None) -> dict[int, float]:
+        def score(t):
+            c, w = run(t)
+            if lam is None:
+                return c if w <= bound + 1e-12 else float("inf")
+            return c + lam * w
+        best = score(thr)
+        for _ in range(sweeps):
+            changed = False
+            for n in exits:
+                for c in [None] + cands[n]:
+                    trial = {k: v for k, v in thr.items() if k != n} | ({} if c is None else {n: c})
+                    sc = score(trial)
+                    if sc < best - 1e-9:
+                        best, thr, changed = sc, trial, True
+            if not changed:
+                break
+        return thr
+
+    found = [{}]
+    for lam in torch.logspace(1, 4, 13).tolist():  # a wrong token "costs" 10 .. 10,000 layers
+        found.append(descend({}, lam))
+    for k in range(1, len(start or {}) + 1):
+        for sub in itertools.combinations(sorted(start), k):
+            found.append({n: start[n] for n in sub})
+    feasible = [t for t in found if run(t)[1] <= bound + 1e-12]
+    best = min(feasible, key=lambda t: run(t)[0])
+    return descend(best, None)
+
+
 @torch.no_grad()
-def calibrate(lm, exits: Exits, data: dict, bounds: list[float], measures=MEASURES, min_rate: float = 0.0) -> dict:
+def calibrate(lm, exits: Exits, data: dict, bounds: list[float], measures=MEASURES, min_rate: float = 0.0,
+              policy: str = "each", cost: ExitCost = ExitCost()) -> dict:
     """Per measure, bound and exit: the lowest threshold whose exited tokens disagree
     with the full model at most ``bound`` of the time; the exit's agreement and the
     share of tokens that would exit.  Stored as ``thresholds["measure@bound"]``.  An exit
     that would take fewer than ``min_rate`` of the tokens gets no threshold: its check
     would cost more than it saves.  With ``exits.final`` set, the last layer gets a
-    softmax threshold too: its subset-head margin decides when the full head is skipped."""
+    softmax threshold too: its subset-head margin decides when the full head is skipped.
+    ``policy="joint"``: the stored thresholds are ``joint_thresholds`` instead (the bound on
+    all tokens together, the exits worth their checks under ``cost``); the per-exit ones
+    stay in the report, and ``report["joint"]`` has each bound's projected cost and share."""
     model = lm.model
     report: dict = {}
-    exits.thresholds = {}
+    exits.thresholds, exits.draft_thresholds = {}, {}
+    n_layers = model.args.n_layers
     for measure in measures:
         if measure == "classifier" and not exits.trained:
             continue
         final = [exits.final] if exits.final and measure == "softmax" and len(exits.subset) else []
+        confs, agrees = {}, {}
         for n in exits.layers + final:
             h = data["states"][n]
             before = data["states"].get(n - 1, h)  # only the cosine measure reads it (not after the last layer)
@@ -214,6 +334,7 @@ def calibrate(lm, exits: Exits, data: dict, bounds: list[float], measures=MEASUR
                 agree.append(exits.tokens(logits.float(), subset=True).cpu() == tp)
                 conf.append(c.float().cpu())
             conf, agree = torch.cat(conf), torch.cat(agree)
+            confs[n], agrees[n] = conf, agree
             order = conf.argsort(descending=True)
             wrong = (~agree[order]).float().cumsum(0)
             count = torch.arange(1, len(order) + 1).float()
@@ -232,6 +353,23 @@ def calibrate(lm, exits: Exits, data: dict, bounds: list[float], measures=MEASUR
                 row[f"@{bound:g}"] = {"threshold": None if thr is None else round(thr, 5),
                                       "exit_rate": round(rate, 4), "used": n in exits.thresholds[key]}
             report[f"{measure}/{n}"] = row
+        if policy == "joint":
+            fin = final[0] if final else 0
+            for bound in bounds:
+                key = f"{measure}@{bound:g}"
+                each = exits.thresholds.get(key, {})
+                thr = joint_thresholds(confs, agrees, n_layers, fin, bound, cost, start=each)
+                c, w, d = replay(confs, agrees, thr, n_layers, fin, cost)
+                c0, w0, d0 = replay(confs, agrees, each, n_layers, fin, cost)
+                exits.draft_thresholds[key] = each  # lossless mode gates drafts on an exit's own confidence
+                exits.thresholds[key] = thr
+                report.setdefault("joint", {})[key] = {
+                    "thresholds": {str(n): round(v, 5) for n, v in sorted(thr.items())},
+                    "cost": round(c, 3), "wrong": round(w, 4), "mean_layers": round(d, 2),
+                    "projected_speedup": round((n_layers + cost.head) / c, 3),
+                    "per_exit": {"exits": sorted(each), "cost": round(c0, 3), "wrong": round(w0, 4),
+                                 "mean_layers": round(d0, 2),
+                                 "projected_speedup": round((n_layers + cost.head) / c0, 3)}}
     return report
 
 
@@ -248,6 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bounds", default="0.02,0.05,0.1",
                     help="token disagreement bounds to calibrate for (engine setting early_exit.bound picks one)")
     ap.add_argument("--min-rate", type=float, default=0.03, help="exits taking fewer tokens get no threshold")
+    ap.add_argument("--policy", choices=("each", "joint"), default="each",
+                    help="thresholds per exit (each exit's own exited tokens within the bound), or jointly: the "
+                         "cheapest thresholds under --cost whose tokens, all exits together, stay within the bound")
+    ap.add_argument("--cost", default="1.55,8,3.5,0.08", metavar="CHECK,HEAD,FILL_A,FILL_B",
+                    help="--policy joint's cost model in layers: a check, the full head, leaving early "
+                         "(FILL_A + FILL_B x skipped layers); the defaults are the AVX2 EPYC's")
     ap.add_argument("--positions", choices=("all", "outputs"), default="all",
                     help="train the exits at every position of the samples, or only where the model's output is "
                          "predicted (FIM middles; calibration always uses those)")
@@ -265,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args(argv)
+    args.cost = ExitCost.parse(args.cost)
+    if args.cost.check < 0:
+        raise SystemExit("--cost takes four non-negative numbers: CHECK,HEAD,FILL_A,FILL_B")
     torch.manual_seed(args.seed)
     lm = load_model(args.model, device="cpu", dtype=args.dtype)
     if args.recalibrate:
@@ -311,8 +458,11 @@ def main(argv: list[str] | None = None) -> int:
         del train
     exits.to(dtype=lm.model.dtype).eval()
     bounds = [float(b) for b in args.bounds.split(",")]
-    report["calibration"] = calibrate(lm, exits, val, bounds, min_rate=args.min_rate)
-    report.update(bounds=bounds, min_rate=args.min_rate, seconds=round(time.perf_counter() - t0, 1),
+    report["calibration"] = calibrate(lm, exits, val, bounds, min_rate=args.min_rate, policy=args.policy,
+                                      cost=args.cost)
+    report["joint"] = report["calibration"].pop("joint", None)
+    report.update(bounds=bounds, min_rate=args.min_rate, policy=args.policy, cost=dataclasses.asdict(args.cost),
+                  seconds=round(time.perf_counter() - t0, 1),
                   command="python -m codecomplete.model.exit_train " + " ".join(argv or sys.argv[1:]))
     exits.meta = report
     exits.save(args.out)
@@ -331,9 +481,12 @@ def recalibrate(lm, args, argv) -> int:
     bounds = [float(b) for b in args.bounds.split(",")]
     old = dict(exits.meta)
     report = {k: v for k, v in old.items() if k not in ("calibration", "bounds", "min_rate", "seconds", "command")}
-    report.update(positions_val=len(val["top"]), recalibrated_from=str(args.recalibrate), trained_by=old.get("command"),
-                  calibration=calibrate(lm, exits, val, bounds, min_rate=args.min_rate), bounds=bounds,
-                  min_rate=args.min_rate, dtype=str(lm.model.dtype).removeprefix("torch."),
+    calibration = calibrate(lm, exits, val, bounds, min_rate=args.min_rate, policy=args.policy, cost=args.cost)
+    report.update(positions_val=len(val["top"]), recalibrated_from=str(args.recalibrate),
+                  trained_by=old.get("trained_by") or old.get("command"),
+                  calibration=calibration, joint=calibration.pop("joint", None), bounds=bounds,
+                  min_rate=args.min_rate, policy=args.policy, cost=dataclasses.asdict(args.cost),
+                  dtype=str(lm.model.dtype).removeprefix("torch."),
                   seconds=round(time.perf_counter() - t0, 1),
                   command="python -m codecomplete.model.exit_train " + " ".join(argv or sys.argv[1:]))
     exits.meta = report

@@ -557,3 +557,105 @@ def test_retrieved_drafts_are_verified_and_early_exit_takes_the_steps_without(lm
         else:
             assert got.layers_run < lm.model.args.n_layers * got.forward_passes  # some steps left early
     assert calls["retrieved"] > 0 and calls["early"] > 0
+
+
+def test_replay_costs_the_engine_policy_by_hand():
+    """``exit_train.replay``: the first confident exit takes the token (a check at every exit it
+    reaches, the KV filling of the layers it skips); the rest pay the full head unless the last
+    layer's check skips it.  Four positions, costs worked out by hand."""
+    from codecomplete.model.exit_train import ExitCost, replay
+
+    conf = {8: torch.tensor([0.9, 0.1, 0.1, 0.1]), 16: torch.tensor([0.0, 0.9, 0.1, 0.1]),
+            30: torch.tensor([0.0, 0.0, 0.9, 0.1])}
+    agree = {8: torch.tensor([True, False, False, False]), 16: torch.tensor([False, False, True, True]),
+             30: torch.tensor([True, True, False, True])}
+    cost = ExitCost(check=1.0, head=8.0, fill_a=2.0, fill_b=0.1)
+    thr = {8: 0.5, 16: 0.5, 30: 0.5}
+    c, wrong, depth = replay(conf, agree, thr, 30, 30, cost)
+    per = [1 + 8 + 2 + 0.1 * 22,        # leaves at 8
+           2 + 16 + 2 + 0.1 * 14,       # two checks, leaves at 16 with another token
+           2 + 30 + 1,                  # the last check skips the head, with another token
+           2 + 30 + 1 + 8]              # the last check not confident: the full head
+    assert c == pytest.approx(sum(per) / 4)
+    assert wrong == pytest.approx(2 / 4) and depth == pytest.approx((8 + 16 + 30 + 30) / 4)
+    # no thresholds: the full model (its head included) and nothing wrong
+    assert replay(conf, agree, {}, 30, 30, cost) == (pytest.approx(38.0), 0.0, 30.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_joint_thresholds_stay_within_the_bound_on_all_tokens_and_cost_no_more(seed):
+    """``--policy joint``: over all tokens, the share that leaves with another token than the full
+    model's stays within the bound (per-exit calibration bounds each exit's own tokens only); the
+    policy costs no more than no exits or a feasible start; an exit that is never right is left
+    unchecked while the bound is too small to pay for its checks, and an exit that is always right where it is confident is used."""
+    from codecomplete.model.exit_train import ExitCost, joint_thresholds, replay
+
+    g = torch.Generator().manual_seed(seed)
+    n = 3000
+    conf, agree = {}, {}
+    for layer, skill in ((8, 0.3), (16, 0.6), (24, 0.85), (30, 0.95)):
+        conf[layer] = torch.rand(n, generator=g)
+        # confident positions agree more often: agreement probability rises with confidence
+        agree[layer] = torch.rand(n, generator=g) < skill * (0.5 + conf[layer]) / 1.5 + (1 - skill) * 0.1
+    agree[8] = torch.zeros(n, dtype=torch.bool)  # never right: its checks only cost
+    cost = ExitCost()
+    for bound in (0.01, 0.05, 0.2):
+        start = {24: float(conf[24].quantile(0.99)), 30: float(conf[30].quantile(0.99))}
+        thr = joint_thresholds(conf, agree, 30, 30, bound, cost, start=start)
+        c, wrong, _ = replay(conf, agree, thr, 30, 30, cost)
+        assert wrong <= bound + 1e-9
+        assert c <= replay(conf, agree, {}, 30, 30, cost)[0] + 1e-9
+        if replay(conf, agree, start, 30, 30, cost)[1] <= bound:
+            assert c <= replay(conf, agree, start, 30, 30, cost)[0] + 1e-9
+        if bound <= 0.05:  # its check costs 1.55 layers for every token, leaving saves ~25: worth it past ~6 %
+            assert 8 not in thr
+    # an exit right wherever it is confident takes every confident token
+    sure = {12: torch.cat([torch.ones(n // 2), torch.zeros(n - n // 2)]), 30: torch.zeros(n)}
+    right = {12: torch.cat([torch.ones(n // 2, dtype=torch.bool), torch.zeros(n - n // 2, dtype=torch.bool)]),
+             30: torch.ones(n, dtype=torch.bool)}
+    thr = joint_thresholds(sure, right, 30, 30, 0.0, cost)
+    c, wrong, depth = replay(sure, right, thr, 30, 30, cost)
+    assert wrong == 0.0 and 12 in thr and depth == pytest.approx((12 + 30) / 2)
+
+
+def test_recalibrate_with_the_joint_policy(tiny_model, trained, tmp_path):
+    """``exit_train --recalibrate DIR --policy joint``: the stored thresholds are the joint ones
+    (every exit of them within the report's), the report gives each bound's projected cost and
+    share of tokens leaving with another token (within the bound), and the engine serves them."""
+    from codecomplete.model import exit_train
+
+    out = tmp_path / "joint"
+    assert exit_train.main(["--model", str(tiny_model), "--out", str(out), "--recalibrate", str(trained),
+                            "--val-batches", "2", "--bounds", "0.5,0.02", "--dtype", "float32",
+                            "--policy", "joint", "--cost", "0.5,1,0.2,0.01"]) == 0
+    meta = json.loads((out / "exits.json").read_text())
+    assert meta["policy"] == "joint" and meta["cost"] == {"check": 0.5, "head": 1.0, "fill_a": 0.2, "fill_b": 0.01}
+    for key in ("softmax@0.5", "softmax@0.02", "classifier@0.5"):
+        j = meta["joint"][key]
+        assert j["wrong"] <= float(key.split("@")[1]) + 1e-9
+        assert {k: pytest.approx(v, abs=1e-5) for k, v in j["thresholds"].items()} == meta["thresholds"][key]
+        assert j["cost"] <= j["per_exit"]["cost"] + 1e-9 or j["per_exit"]["wrong"] > float(key.split("@")[1])
+    with pytest.raises(SystemExit, match="--cost takes four"):
+        exit_train.main(["--model", str(tiny_model), "--out", str(tmp_path / "x"), "--recalibrate", str(trained),
+                         "--cost", "1,2,3"])
+    lm_ = load_model(str(tiny_model), device="cpu", dtype="float32")
+    exits = load_exits(out, lm_.model)
+    rt = ExitRuntime.build(exits, ExitSettings(enabled=True, measure="softmax", bound=0.5))
+    assert rt.policy.thresholds == exits.thresholds["softmax@0.5"]
+    # lossless drafts stay gated on the drafting exit's own threshold (the per-exit one, kept
+    # beside the joint ones): the same as the per-exit folder's
+    each = load_exits(trained, lm_.model)
+    assert exits.draft_thresholds["softmax@0.5"].keys() == each.thresholds["softmax@0.5"].keys()
+    for bound in ("0.5", "0.02"):
+        per_exit = meta["calibration"]["softmax/1"][f"@{bound}"]
+        assert exits.draft_thresholds[f"softmax@{bound}"].get(1) == (
+            pytest.approx(per_exit["threshold"], abs=1e-5) if per_exit["used"] else None)
+    lossless = ExitRuntime.build(exits, ExitSettings(enabled=True, lossless=True, draft_layer=1, draft_bound=0.5))
+    assert lossless.draft_margin == exits.draft_thresholds["softmax@0.5"].get(1, float("inf"))
+    # a folder with malformed thresholds is refused with a clear error, not a crash
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    meta["thresholds"]["softmax@0.5"] = {"1": "high"}
+    (bad / "exits.json").write_text(json.dumps(meta))
+    with pytest.raises(ExitsError, match="malformed thresholds"):
+        load_exits(bad, lm_.model)
