@@ -116,16 +116,14 @@ def decode(lm, rt: ExitRuntime | None, prompts: list[tuple[str, str]], tokens: i
                 outputs.update({(lv.request.prefix, lv.request.suffix): list(lv.generated) for lv in lives})
             # the tokens the decode passes made: the first comes from the prefill; an
             # end-of-text token ends a request without joining ``generated``
-            decoded += sum(max(0, len(lv.generated) - 1 + (lv.result.stop_reason == "eos"))
-                           for lv in lives if lv.generated)
+            decoded += sum(len(lv.generated) - 1 + (lv.result.stop_reason == "eos") for lv in lives if lv.generated)
             layers += sum(lv.layers for lv in lives)
             passes += sum(lv.passes for lv in lives)
             accepted += sum(lv.accepted for lv in lives)
     steps = sum(ran_hist.values())
-    decoded = max(1, decoded)
-    return {"tokens": decoded, "seconds": round(secs, 3), "tokens_per_s": round(decoded / secs, 2),
+    return {"tokens": decoded, "seconds": round(secs, 3), "tokens_per_s": round(decoded / max(secs, 1e-9), 2),
             "layers": layers, "passes": passes, "accepted": accepted,
-            "ms_per_token": round(1000 * secs / decoded * min(batch, len(prompts)), 2),
+            "ms_per_token": round(1000 * secs / max(1, decoded) * min(batch, len(prompts)), 2),
             "mean_layers": round(layers / max(1, passes), 2), "tokens_per_pass": round(decoded / max(1, passes), 3),
             "exit_rate": {str(k): round(v / steps, 3) for k, v in sorted(ran_hist.items())} if steps else {},
             "head_skipped": round(rt.exits.head_skips / steps, 3) if steps else 0.0}

@@ -28,31 +28,24 @@ import itertools
 import sys
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, write_results  # noqa: E402
 
 from codecomplete.model.early_exit import load_exits  # noqa: E402
 from codecomplete.model.exit_train import ExitCost, collect, replay  # noqa: E402
+from codecomplete.model.exit_train import margins as exit_margins  # noqa: E402
 from codecomplete.model.loader import load_model  # noqa: E402
 
 
 def margins(lm, folder: Path, batches: int) -> tuple[dict, dict, object]:
     """Per exit (and the last layer's check): the softmax margin and whether the exit's token is
-    the full model's, at each validation position."""
+    the full model's, at each validation position (exit_train's ``margins`` on ``collect``'s
+    states, as calibration computes them)."""
     ex = load_exits(folder, lm.model)
     ex.to(dtype=lm.model.dtype).eval()
     val = collect(lm, batches, ex.layers, "validation", 1, final=bool(ex.final))
-    conf, agree = {}, {}
-    with torch.no_grad():
-        for n in ex.layers + ([ex.final] if ex.final else []):
-            h = val["states"][n]
-            c, logits = ex.confidence(lm.model, "softmax", n, h, h)
-            if logits is None:
-                logits = ex.logits(lm.model, n, h, subset=True)
-            conf[n] = c.float()
-            agree[n] = ex.tokens(logits.float(), subset=True) == val["top"]
+    conf, agree = exit_margins(lm.model, ex, val, "softmax", ex.layers + ([ex.final] if ex.final else []))
     return conf, agree, ex
 
 
@@ -67,7 +60,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(RESULTS / "exit_cost"))
     args = ap.parse_args()
     fill = tuple(float(x) for x in args.fill.split(","))
-    cost = ExitCost(args.check, args.head, *fill)
+    model_cost = ExitCost(args.check, args.head, *fill)
     lm = load_model("default", device="cpu", dtype="float32")
     n_layers = lm.model.args.n_layers
     full = n_layers + args.head
@@ -90,7 +83,7 @@ def main() -> int:
                 for sub in itertools.combinations(exits, k):
                     for fin in ((final, 0) if final else (0,)):
                         t = {n: thr[n] for n in sub} | ({fin: thr[fin]} if fin else {})
-                        rows[(sub, fin)] = replay(conf, agree, t, n_layers, fin, cost)
+                        rows[(sub, fin)] = replay(conf, agree, t, n_layers, fin, model_cost)
             calibrated = rows[(exits, final)]
             best_key = min(rows, key=lambda k: rows[k][0])
             data[str(folder)]["bounds"][bound] = {"calibrated": [list(exits), final, *calibrated],

@@ -205,12 +205,11 @@ class ExitCost:
 
     @classmethod
     def parse(cls, text: str) -> "ExitCost":
-        """``CHECK,HEAD,FILL_A,FILL_B`` (layers)."""
-        try:
-            vals = [float(x) for x in text.split(",")]
-            return cls(*vals) if len(vals) == 4 and min(vals) >= 0 else cls(-1)
-        except ValueError:
-            return cls(-1)
+        """``CHECK,HEAD,FILL_A,FILL_B`` (layers); ValueError unless four non-negative numbers."""
+        vals = [float(x) for x in text.split(",")]
+        if len(vals) != 4 or min(vals) < 0:
+            raise ValueError(text)
+        return cls(*vals)
 
 
 def replay(conf: dict, agree: dict, thresholds: dict[int, float], n_layers: int, final: int,
@@ -302,6 +301,27 @@ def joint_thresholds(conf: dict, agree: dict, n_layers: int, final: int, bound: 
 
 
 @torch.no_grad()
+def margins(model, exits: Exits, data: dict, measure: str, layers: list[int]) -> tuple[dict, dict]:
+    """Per exit in ``layers`` (the last layer's check included): the ``measure`` confidence
+    and whether the exit's token is the full model's, at each position of ``data``
+    (``collect``'s states and top tokens), in chunks of 2,048 positions."""
+    confs, agrees = {}, {}
+    for n in layers:
+        h = data["states"][n]
+        before = data["states"].get(n - 1, h)  # only the cosine measure reads it (not after the last layer)
+        conf, agree = [], []
+        for hp, bp, tp in zip(h.split(2048), before.split(2048), data["top"].split(2048)):
+            hp = hp.to(model.device, model.dtype)
+            c, logits = exits.confidence(model, measure, n, hp, bp.to(hp))
+            if logits is None:
+                logits = exits.logits(model, n, hp, subset=True)
+            agree.append(exits.tokens(logits.float(), subset=True).cpu() == tp)
+            conf.append(c.float().cpu())
+        confs[n], agrees[n] = torch.cat(conf), torch.cat(agree)
+    return confs, agrees
+
+
+@torch.no_grad()
 def calibrate(lm, exits: Exits, data: dict, bounds: list[float], measures=MEASURES, min_rate: float = 0.0,
               policy: str = "each", cost: ExitCost = ExitCost()) -> dict:
     """Per measure, bound and exit: the lowest threshold whose exited tokens disagree
@@ -321,20 +341,9 @@ def calibrate(lm, exits: Exits, data: dict, bounds: list[float], measures=MEASUR
         if measure == "classifier" and not exits.trained:
             continue
         final = [exits.final] if exits.final and measure == "softmax" and len(exits.subset) else []
-        confs, agrees = {}, {}
+        confs, agrees = margins(model, exits, data, measure, exits.layers + final)
         for n in exits.layers + final:
-            h = data["states"][n]
-            before = data["states"].get(n - 1, h)  # only the cosine measure reads it (not after the last layer)
-            conf, agree = [], []
-            for hp, bp, tp in zip(h.split(2048), before.split(2048), data["top"].split(2048)):
-                hp = hp.to(model.device, model.dtype)
-                c, logits = exits.confidence(model, measure, n, hp, bp.to(hp))
-                if logits is None:
-                    logits = exits.logits(model, n, hp, subset=True)
-                agree.append(exits.tokens(logits.float(), subset=True).cpu() == tp)
-                conf.append(c.float().cpu())
-            conf, agree = torch.cat(conf), torch.cat(agree)
-            confs[n], agrees[n] = conf, agree
+            conf, agree = confs[n], agrees[n]
             order = conf.argsort(descending=True)
             wrong = (~agree[order]).float().cumsum(0)
             count = torch.arange(1, len(order) + 1).float()
@@ -409,9 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args(argv)
-    args.cost = ExitCost.parse(args.cost)
-    if args.cost.check < 0:
-        raise SystemExit("--cost takes four non-negative numbers: CHECK,HEAD,FILL_A,FILL_B")
+    try:
+        args.cost = ExitCost.parse(args.cost)
+    except ValueError:
+        raise SystemExit("--cost takes four non-negative numbers: CHECK,HEAD,FILL_A,FILL_B") from None
     torch.manual_seed(args.seed)
     lm = load_model(args.model, device="cpu", dtype=args.dtype)
     if args.recalibrate:

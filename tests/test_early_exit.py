@@ -587,7 +587,8 @@ def test_joint_thresholds_stay_within_the_bound_on_all_tokens_and_cost_no_more(s
     """``--policy joint``: over all tokens, the share that leaves with another token than the full
     model's stays within the bound (per-exit calibration bounds each exit's own tokens only); the
     policy costs no more than no exits or a feasible start; an exit that is never right is left
-    unchecked while the bound is too small to pay for its checks, and an exit that is always right where it is confident is used."""
+    unchecked while the bound is too small to pay for its checks, and an exit that is always right
+    where it is confident is used."""
     from codecomplete.model.exit_train import ExitCost, joint_thresholds, replay
 
     g = torch.Generator().manual_seed(seed)
