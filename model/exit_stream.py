@@ -227,6 +227,29 @@ def load_adapters(folder: Path, kind: str = "linear") -> dict[str, torch.Tensor]
     return tensors
 
 
+def init_from(kinds: dict[str, torch.nn.ModuleList], exits: list[int], folder: Path) -> list[str]:
+    """Copy a run's saved adapters (``save``'s files in ``folder``) into ``kinds`` where that run
+    has the same kind at the same exit, shapes checked; returns which (``kind@exit``)."""
+    if not folder.is_dir():
+        raise SystemExit(f"--init: no such folder {folder}")
+    started = []
+    for name, mods in kinds.items():
+        saved = load_adapters(folder, name)
+        for e, m in zip(exits, mods):
+            own = {k[len(f"exit_{e}."):]: v for k, v in saved.items() if k.startswith(f"exit_{e}.")}
+            if not own:
+                continue
+            want = m.state_dict()
+            if set(own) != set(want) or any(own[k].shape != want[k].shape for k in want):
+                raise SystemExit(f"--init: {name} adapter at exit {e} in {folder} does not fit "
+                                 f"(saved {sorted(own)}, want {sorted(want)}; --mlp-hidden?)")
+            with torch.no_grad():
+                for k, v in want.items():
+                    v.copy_(own[k].to(v.dtype))
+            started.append(f"{name}@{e}")
+    return started
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m codecomplete.model.exit_stream", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -238,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exits", default="12,16,20,24,27")
     ap.add_argument("--kinds", default="linear,mlp,block")
     ap.add_argument("--mlp-hidden", type=int, default=1536)
+    ap.add_argument("--init", type=Path,
+                    help="a run's folder: start each kind's adapters from its saved ones (exits it lacks start fresh)")
     ap.add_argument("--minutes", type=float, default=5.0, help="training time (the schedule follows it)")
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: the time decides)")
     ap.add_argument("--lr", type=float, default=1e-3, help="the mlp adapters' learning rate")
@@ -274,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
                        read_subset(args.subset_from), model.config.vocab_size, device)
     kinds = {k: make_adapters(k, dim, len(exits), args.mlp_hidden, model, exits).to(device)
              for k in args.kinds.split(",")}
+    if args.init is not None:
+        started = init_from(kinds, exits, args.init)
+        log(f"started from {args.init}: {started}")
     lrs = {"linear": args.lr_linear, "mlp": args.lr, "block": args.lr_block}
     groups = [{"params": [p for p in mods.parameters() if p.requires_grad or k == "block"], "lr": lrs[k]}
               for k, mods in kinds.items()]

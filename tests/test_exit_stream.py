@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.test_layerskip import _texts
@@ -86,6 +87,19 @@ def test_a_short_run_trains_each_kind_and_exit_train_serves_its_linear_adapters(
     reloaded = load_exits(again, model)
     assert torch.equal(reloaded.adapters[0].weight, exits.adapters[0].weight)
     assert torch.equal(reloaded.classifiers[0][0].weight, exits.classifiers[0][0].weight)
+
+    # a run continued from this one (--init) starts where it ended: linear saved in fp32 exactly,
+    # the mlp (saved in bf16) to rounding; a saved adapter of another shape is refused
+    more = tmp_path / "more"
+    common = ["--model", str(tiny_model), "--texts", str(texts), "--exits", "1", "--subset-from", str(tiny_exits),
+              "--kinds", "linear,mlp", "--max-steps", "1", "--batch", "4", "--seq", "64", "--workers", "0",
+              "--eval-batches", "4", "--lr", "0", "--lr-linear", "0", "--device", "cpu"]
+    assert exit_stream.main(common + ["--out", str(more), "--init", str(out)]) == 0
+    resumed = json.loads((more / "history.json").read_text())["evals"][0]
+    assert resumed["linear_1_all"] == last["linear_1_all"]
+    assert abs(resumed["mlp_1_all"] - last["mlp_1_all"]) <= 0.02 and resumed["mlp_1_all"] > first["mlp_1_all"]
+    with pytest.raises(SystemExit, match="does not fit"):
+        exit_stream.main(common + ["--out", str(tmp_path / "odd"), "--init", str(out), "--mlp-hidden", "8"])
 
     # a layer the run did not train is refused (before any collection) rather than served untrained
     try:
