@@ -49,15 +49,42 @@ FORMAT = "codecomplete-exits/1"
 MEASURES = ("softmax", "cosine", "classifier")
 
 
-class Exits(nn.Module):
-    """Exit points of one model: adapters, classifiers, vocabulary subset, thresholds."""
+class MLPAdapter(nn.Module):
+    """An exit adapter of exit_stream's "mlp" kind: h -> W2 silu(W1 h) (the exit state is h
+    plus this); W2 starts at zero, so an untrained adapter is the plain logit lens."""
 
-    def __init__(self, dim: int, layers: list[int], subset: torch.Tensor | None = None, hidden: int = 64):
+    def __init__(self, dim: int, hidden: int):
         super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        nn.init.zeros_(self.w2.weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(h)))
+
+
+ADAPTER_KINDS = ("linear", "mlp")
+
+
+class Exits(nn.Module):
+    """Exit points of one model: adapters, classifiers, vocabulary subset, thresholds.
+    An adapter is ``linear`` (h + A h, A [D, D]) or ``mlp`` (h + W2 silu(W1 h), ``MLPAdapter``
+    with ``adapter_hidden`` units: more accurate exits for about a third of a layer more per check)."""
+
+    def __init__(self, dim: int, layers: list[int], subset: torch.Tensor | None = None, hidden: int = 64,
+                 adapter: str = "linear", adapter_hidden: int = 1536):
+        super().__init__()
+        if adapter not in ADAPTER_KINDS:
+            raise ValueError(f"unknown adapter kind {adapter!r} (one of {', '.join(ADAPTER_KINDS)})")
         self.layers = sorted(layers)
-        self.adapters = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in self.layers)
-        for a in self.adapters:
-            nn.init.zeros_(a.weight)
+        self.adapter_kind = adapter
+        self.adapter_hidden = adapter_hidden if adapter == "mlp" else 0
+        if adapter == "mlp":
+            self.adapters = nn.ModuleList(MLPAdapter(dim, adapter_hidden) for _ in self.layers)
+        else:
+            self.adapters = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in self.layers)
+            for a in self.adapters:
+                nn.init.zeros_(a.weight)
         self.classifiers = nn.ModuleList(
             nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, 1)) for _ in self.layers)
         self.register_buffer("subset", subset if subset is not None else torch.zeros(0, dtype=torch.long))
@@ -74,6 +101,7 @@ class Exits(nn.Module):
         self.final = 0
         self.head_skips = 0  # tokens the final check took (benchmarks read and reset it)
         self._kv: tuple | None = None  # (key, FoldedKV) for fill_kv (``folded_kv``)
+        self._checked: tuple | None = None  # (layer, h, exit state) of the last native check (``exit_state``)
 
     def index(self, layer: int) -> int:
         return self.layers.index(layer)
@@ -118,7 +146,19 @@ class Exits(nn.Module):
         if not self.trained:
             return h
         i = self.index(layer)
-        return h + self._linear(f"adapter{i}", h, self.adapters[i].weight)
+        a = self.adapters[i]
+        if self.adapter_kind == "mlp":
+            mid = F.silu(self._linear(f"adapter{i}.w1", h, a.w1.weight))
+            return h + self._linear(f"adapter{i}.w2", mid, a.w2.weight)
+        return h + self._linear(f"adapter{i}", h, a.weight)
+
+    def exit_state(self, layer: int, h: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``state`` of rows ``rows`` of h [B, D]; the state the native check just computed when h
+        is the one row it checked at this layer (the MLP adapter's products are not run twice)."""
+        c = self._checked
+        if c is not None and c[0] == layer and c[1] is h and rows == [0]:
+            return c[2].view(1, -1)
+        return self.state(layer, h[rows])
 
     def logits(self, model: Transformer, layer: int, h: torch.Tensor, subset: bool = False) -> torch.Tensor:
         """Exit logits [.., V] (or [.., |subset|] over the subset) of hidden states h [.., D]."""
@@ -150,11 +190,20 @@ class Exits(nn.Module):
                     and native.available()):
                 # one native call (native.exit_check): the same products and roundings, without the
                 # ~0.5 ms that the PyTorch calls' dispatch costs inside a decode step
-                adapter = (self._pack(f"adapter{self.index(layer)}", self.adapters[self.index(layer)].weight)
-                           if self.trained and layer < model.args.n_layers else None)
-                margin, logits, _ = native.exit_check(h, adapter, model.norm.weight, model.norm.eps,
-                                                      self._pack("subset", self._subset_weight(model, h)),
-                                                      len(self.subset))
+                adapted = self.trained and layer < model.args.n_layers
+                subset = self._pack("subset", self._subset_weight(model, h))
+                if adapted and self.adapter_kind == "mlp":
+                    i = self.index(layer)
+                    a = self.adapters[i]
+                    margin, logits, y = native.exit_check_mlp(
+                        h, self._pack(f"adapter{i}.w1", a.w1.weight), self._pack(f"adapter{i}.w2", a.w2.weight),
+                        self.adapter_hidden, model.norm.weight, model.norm.eps, subset, len(self.subset))
+                else:
+                    adapter = self._pack(f"adapter{self.index(layer)}", self.adapters[self.index(layer)].weight) \
+                        if adapted else None
+                    margin, logits, y = native.exit_check(h, adapter, model.norm.weight, model.norm.eps, subset,
+                                                          len(self.subset))
+                self._checked = (layer, h, y)
                 return torch.tensor([margin]), logits.float().view(1, -1)
             logits = self.logits(model, layer, h, subset=True).float()
             top2 = torch.softmax(logits, -1).topk(2, dim=-1).values
@@ -163,11 +212,17 @@ class Exits(nn.Module):
             return F.cosine_similarity(h.float(), before.float(), dim=-1), None
         if measure == "classifier":
             x = model.norm(self.state(layer, h))
-            return torch.sigmoid(self.classifiers[self.index(layer)](x.to(self.adapters[0].weight.dtype)).float()[:, 0]), None
+            return torch.sigmoid(self.classifiers[self.index(layer)](x.to(self.float_dtype())).float()[:, 0]), None
         raise ValueError(f"unknown confidence measure {measure!r} (one of {', '.join(MEASURES)})")
+
+    def float_dtype(self) -> torch.dtype:
+        """The exits' floating dtype (their classifiers')."""
+        return self.classifiers[0][0].weight.dtype
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "layers": self.layers, "final_layer": self.final, "trained": self.trained,
+                **({"adapter_kind": "mlp", "adapter_hidden": self.adapter_hidden}
+                   if self.adapter_kind == "mlp" else {}),
                 "thresholds": {m: {str(k): v for k, v in t.items()} for m, t in self.thresholds.items()},
                 **({"draft_thresholds": {m: {str(k): v for k, v in t.items()}
                                          for m, t in self.draft_thresholds.items()}} if self.draft_thresholds else {}),
@@ -208,7 +263,14 @@ def load_exits(folder: str | Path, model: Transformer, model_id: str = "") -> Ex
     bad = [n for n in meta["layers"] if not 0 < n < model.args.n_layers]
     if bad:
         raise ExitsError(f"{folder}: exit layers {bad} outside 1..{model.args.n_layers - 1}")
-    ex = Exits(model.args.dim, meta["layers"], tensors.get("subset"))
+    kind = meta.get("adapter_kind", "linear")
+    if kind not in ADAPTER_KINDS:
+        raise ExitsError(f"{folder}: adapter kind {kind!r} is not one this version serves ({', '.join(ADAPTER_KINDS)})")
+    try:
+        hidden = int(meta.get("adapter_hidden") or 1536)
+    except (TypeError, ValueError) as exc:
+        raise ExitsError(f"{folder}: malformed adapter_hidden: {exc}") from exc
+    ex = Exits(model.args.dim, meta["layers"], tensors.get("subset"), adapter=kind, adapter_hidden=hidden)
     try:
         ex.load_state_dict(tensors)
     except RuntimeError as exc:
@@ -225,7 +287,7 @@ def load_exits(folder: str | Path, model: Transformer, model_id: str = "") -> Ex
         raise ExitsError(f"{folder}: malformed thresholds: {exc}") from exc
     ex.meta = {k: v for k, v in meta.items()
                if k not in ("format", "layers", "final_layer", "trained", "thresholds", "draft_thresholds",
-                            "subset_size")}
+                            "subset_size", "adapter_kind", "adapter_hidden")}
     return ex.to(device=model.device, dtype=model.dtype).eval()
 
 
@@ -381,7 +443,7 @@ def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: l
         rows = [r for r, o in enumerate(ok) if o]
         picked = logits[rows] if logits is not None else exits.logits(model, n, h[rows], subset=True).float()
         full = exits.in_vocab(picked, model.args.vocab_size)
-        state = exits.state(n, h[rows])
+        state = exits.exit_state(n, h, rows)
         folded = exits.folded_kv(model)
         for j, r in enumerate(rows):
             b = active[r]

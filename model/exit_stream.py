@@ -45,20 +45,10 @@ import torch
 import torch.nn.functional as F
 
 from . import train as tr
+from .early_exit import MLPAdapter
 from .layerskip import Batches, load_texts, valid_positions
 
 SHIPPED_EXITS = Path(__file__).resolve().parent / "data" / "efim-smollm2" / "exits"
-
-
-class MLPAdapter(torch.nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = torch.nn.Linear(dim, hidden, bias=False)
-        self.w2 = torch.nn.Linear(hidden, dim, bias=False)
-        torch.nn.init.zeros_(self.w2.weight)
-
-    def forward(self, h):
-        return self.w2(F.silu(self.w1(h)))
 
 
 class BlockAdapter(torch.nn.Module):

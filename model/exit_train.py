@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fimdata as fd
-from .early_exit import MEASURES, Exits
+from .early_exit import ADAPTER_KINDS, MEASURES, Exits
 from .loader import load_model, model_identity
 
 
@@ -408,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--adapters", type=Path, metavar="RUN_DIR",
                     help="take the linear adapters trained by exit_stream in RUN_DIR (on the vocabulary subset of "
                          "--subset-from) instead of fitting them here; the classifiers and thresholds are fitted here")
+    ap.add_argument("--adapter-kind", choices=ADAPTER_KINDS, default="linear",
+                    help="with --adapters: which of the run's adapter kinds to serve "
+                         "(mlp: more accurate, a costlier check)")
     ap.add_argument("--recalibrate", type=Path, metavar="EXITS_DIR",
                     help="only calibrate the exits in EXITS_DIR again (their adapters and classifiers kept), on this "
                          "--dtype: thresholds found on another dtype's states need not hold on the one served")
@@ -435,10 +438,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.adapters:  # checked before the long collection
         from .exit_stream import load_adapters
 
-        trained = load_adapters(args.adapters, "linear")
-        missing = [n for n in layers if f"exit_{n}.weight" not in trained]
+        trained = load_adapters(args.adapters, args.adapter_kind)
+        key = "weight" if args.adapter_kind == "linear" else "w1.weight"
+        missing = [n for n in layers if f"exit_{n}.{key}" not in trained]
         if missing:
-            raise SystemExit(f"{args.adapters} has no linear adapter at layer(s) {missing}")
+            raise SystemExit(f"{args.adapters} has no {args.adapter_kind} adapter at layer(s) {missing}")
+    elif args.adapter_kind != "linear":
+        raise SystemExit("--adapter-kind mlp needs --adapters (this command fits only linear adapters)")
     t0 = time.perf_counter()
     final = not args.no_final and args.subset > 0
     train = None if args.untrained else collect(lm, args.batches, layers, "train", args.seed,
@@ -450,11 +456,15 @@ def main(argv: list[str] | None = None) -> int:
         from .exit_stream import SHIPPED_EXITS, read_subset
 
         subset = read_subset(args.subset_from or SHIPPED_EXITS)
-    exits = Exits(lm.model.args.dim, layers, subset)
+    hidden = trained[f"exit_{layers[0]}.w1.weight"].shape[0] if args.adapter_kind == "mlp" else 0
+    exits = Exits(lm.model.args.dim, layers, subset, adapter=args.adapter_kind, adapter_hidden=hidden)
     if trained is not None:
-        with torch.no_grad():
-            for k, n in enumerate(exits.layers):
-                exits.adapters[k].weight.copy_(trained[f"exit_{n}.weight"])
+        for k, n in enumerate(exits.layers):
+            own = {name[len(f"exit_{n}."):]: t.float() for name, t in trained.items() if name.startswith(f"exit_{n}.")}
+            try:
+                exits.adapters[k].load_state_dict(own)
+            except RuntimeError as exc:
+                raise SystemExit(f"{args.adapters}: the {args.adapter_kind} adapter at layer {n} does not fit: {exc}")
     exits.final = lm.model.args.n_layers if final else 0
     report: dict = {"model": lm.name, "model_id": model_identity(lm.home),
                     "positions_train": 0 if train is None else len(train["top"]),

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from codecomplete.model import native
 from codecomplete.model.api import CompletionRequest, EngineSettings, ExitSettings, SpecSettings
@@ -135,7 +136,93 @@ def test_native_softmax_check_is_the_pytorch_check(tiny_model, trained):
                 top2 = torch.softmax(want, -1).topk(2, dim=-1).values
                 assert torch.equal(logits, want)
                 assert abs(float(margin[0]) - float(top2[0, 0] - top2[0, 1])) < 1e-4
+                if layer < model.args.n_layers:  # the check's exit state is reused, bit for bit
+                    assert exits._checked[1] is h
+                    assert torch.equal(exits.exit_state(layer, h, [0]), exits.state(layer, h))
+                    assert torch.equal(exits.exit_state(layer, h.clone(), [0]), exits.state(layer, h))
     assert len(calls) == 6  # every check took the native call
+
+
+def _mlp_exits(model, layers, hidden=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ex = Exits(model.args.dim, layers, torch.arange(0, model.args.vocab_size, 3), adapter="mlp", adapter_hidden=hidden)
+    with torch.no_grad():
+        for a in ex.adapters:
+            a.w1.weight.copy_(torch.randn(a.w1.weight.shape, generator=g) / model.args.dim ** 0.5)
+            a.w2.weight.copy_(torch.randn(a.w2.weight.shape, generator=g) / hidden ** 0.5)
+    ex.trained = True
+    return ex
+
+
+def test_mlp_adapters_save_load_and_serve_natively(tiny_model, tmp_path):
+    """Exits with MLP adapters (exit_stream's "mlp" kind): the exit state is h + W2 silu(W1 h);
+    they round-trip through save / load_exits; the native check (``native.exit_check_mlp``)
+    gives the PyTorch path's logits and margin within bf16 rounding; an unknown kind is refused."""
+    lm16 = load_model(str(tiny_model), device="cpu", dtype="bfloat16")
+    model = lm16.model
+    ex = _mlp_exits(model, [1])
+    ex.thresholds = {"softmax@0.1": {1: 0.5}}
+    ex.save(tmp_path / "mlp")
+    meta = json.loads((tmp_path / "mlp" / "exits.json").read_text())
+    assert meta["adapter_kind"] == "mlp" and meta["adapter_hidden"] == 96
+    got = load_exits(tmp_path / "mlp", model)
+    assert got.adapter_kind == "mlp" and got.adapter_hidden == 96 and "adapter_kind" not in got.meta
+    assert torch.equal(got.adapters[0].w1.weight, ex.adapters[0].w1.weight.to(torch.bfloat16))
+    h = torch.randn(3, model.args.dim)
+    a = ex.adapters[0]
+    want = h + a.w2(F.silu(a.w1(h)))
+    torch.testing.assert_close(ex.float().state(1, h), want)  # fp32: PyTorch's ops
+
+    calls = []
+    if native.available():
+        real = native.exit_check_mlp
+        native.exit_check_mlp = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        with torch.inference_mode():
+            for scale in (0.5, 2.0, 8.0):
+                h = (torch.randn(1, model.args.dim) * scale).to(torch.bfloat16)
+                margin, logits = got.confidence(model, "softmax", 1, h, None)
+                x = model.norm(h.float() + a.w2(F.silu(a.w1(h.float())))).float()  # fp32 reference
+                ref = F.linear(x, model.head.weight.float()[got.subset])
+                torch.testing.assert_close(logits, ref, rtol=5e-2, atol=5e-2 * float(ref.abs().max()))
+                top2 = torch.softmax(logits, -1).topk(2, dim=-1).values
+                assert abs(float(margin[0]) - float(top2[0, 0] - top2[0, 1])) < 1e-4
+    finally:
+        if native.available():
+            native.exit_check_mlp = real
+    assert len(calls) == (3 if native.available() else 0)
+
+    meta["adapter_kind"] = "conv"
+    (tmp_path / "mlp" / "exits.json").write_text(json.dumps(meta))
+    with pytest.raises(ExitsError, match="adapter kind 'conv'"):
+        load_exits(tmp_path / "mlp", model)
+
+
+def test_native_mlp_check_is_the_bf16_pytorch_path(tiny_model):
+    """``native.exit_check_mlp`` against the same bf16 products through PyTorch: the exit
+    state to one bf16 step (PyTorch's exp and the kernel's may round a silu differently), the
+    logits and the margin within the rounding that follows."""
+    if not native.available():
+        pytest.skip(f"native kernels unavailable: {native.error()}")
+    lm16 = load_model(str(tiny_model), device="cpu", dtype="bfloat16")
+    model = lm16.model
+    ex = _mlp_exits(model, [1], hidden=160, seed=1).to(torch.bfloat16)
+    a = ex.adapters[0]
+    sub = model.head.weight[ex.subset].contiguous()
+    torch.manual_seed(1)
+    with torch.inference_mode():
+        for scale in (0.5, 2.0, 8.0):
+            h = (torch.randn(1, model.args.dim) * scale).to(torch.bfloat16)
+            margin, logits, y = native.exit_check_mlp(h, native.pack_linear(a.w1.weight),
+                                                      native.pack_linear(a.w2.weight), 160, model.norm.weight,
+                                                      model.norm.eps, native.pack_linear(sub), len(ex.subset))
+            mid = F.silu(F.linear(h, a.w1.weight))
+            want_y = (h + F.linear(mid, a.w2.weight))[0]
+            torch.testing.assert_close(y.float(), want_y.float(), rtol=1.6e-2, atol=1e-2 * float(want_y.abs().max()))
+            want = F.linear(model.norm(y.view(1, -1)), sub).float()[0]
+            torch.testing.assert_close(logits.float(), want, rtol=1.6e-2, atol=1e-2 * float(want.abs().max()))
+            top2 = torch.softmax(logits.float(), -1).topk(2).values
+            assert abs(margin - float(top2[0] - top2[1])) < 1e-4
 
 
 def test_never_confident_is_the_full_model(lm):

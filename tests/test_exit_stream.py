@@ -88,6 +88,23 @@ def test_a_short_run_trains_each_kind_and_exit_train_serves_its_linear_adapters(
     assert torch.equal(reloaded.adapters[0].weight, exits.adapters[0].weight)
     assert torch.equal(reloaded.classifiers[0][0].weight, exits.classifiers[0][0].weight)
 
+    # its MLP adapters served instead (--adapter-kind mlp): stored as trained (bf16), the kind recorded
+    mlp_dir = tmp_path / "mlp_exits"
+    assert exit_train.main(["--model", str(tiny_model), "--out", str(mlp_dir), "--layers", "1", "--batches", "2",
+                            "--val-batches", "2", "--adapters", str(out), "--adapter-kind", "mlp",
+                            "--subset-from", str(tiny_exits), "--dtype", "float32", "--bounds", "0.5",
+                            "--min-rate", "0"]) == 0
+    mlp = exit_stream.load_adapters(out, "mlp")
+    served = load_exits(mlp_dir, model)
+    assert served.adapter_kind == "mlp" and served.adapter_hidden == mlp["exit_1.w1.weight"].shape[0]
+    assert json.loads((mlp_dir / "exits.json").read_text())["adapter_kind"] == "mlp"
+    for name in ("w1", "w2"):
+        torch.testing.assert_close(getattr(served.adapters[0], name).weight.float(),
+                                   mlp[f"exit_1.{name}.weight"].float())
+    with pytest.raises(SystemExit, match="needs --adapters"):
+        exit_train.main(["--model", str(tiny_model), "--out", str(tmp_path / "x"), "--layers", "1",
+                         "--adapter-kind", "mlp"])
+
     # a run continued from this one (--init) starts where it ended: linear saved in fp32 exactly,
     # the mlp (saved in bf16) to rounding; a saved adapter of another shape is refused
     more = tmp_path / "more"

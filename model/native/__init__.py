@@ -125,6 +125,9 @@ def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(lib, "exit_check"):  # a build of an older revision (bench/common.build_revision) may lack it
         lib.exit_check.restype = ctypes.c_float
         lib.exit_check.argtypes = [i32] * 2 + [ptr] * 3 + [ctypes.c_float] + [ptr] * 5
+    if hasattr(lib, "exit_check_mlp"):
+        lib.exit_check_mlp.restype = ctypes.c_float
+        lib.exit_check_mlp.argtypes = [i32] * 3 + [ptr] * 4 + [ctypes.c_float] + [ptr] * 5
     return lib
 
 
@@ -439,6 +442,26 @@ def exit_check(h: torch.Tensor, adapter: torch.Tensor | None, norm_w: torch.Tens
     margin = _lib.exit_check(d, n, h.data_ptr(), adapter.data_ptr() if adapter is not None else None,
                              norm_w.data_ptr(), eps, subset.data_ptr(), y.data_ptr(), hn.data_ptr(),
                              logits.data_ptr(), tmp.data_ptr())
+    return float(margin), logits, y
+
+
+def exit_check_mlp(h: torch.Tensor, a1: torch.Tensor, a2: torch.Tensor, hidden: int, norm_w: torch.Tensor,
+                   eps: float, subset: torch.Tensor, n: int) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """``exit_check`` with an MLP adapter (step_ops.c's exit_check_mlp): the exit state
+    h + silu(h A1^T) A2^T (A1 [hidden, D] and A2 [D, hidden] packed by ``pack_linear``).
+    Returns (margin, logits [n] bf16, state [D] bf16)."""
+    if not available():
+        raise RuntimeError(f"native kernels unavailable: {_error}")
+    for w in (a1, a2, subset):
+        if amx_layout(w) or panel_layout(w) != (linear_bf16_path() == 1):
+            raise ValueError("weight packed for another linear kernel (pack_linear's path, no AMX)")
+    d = h.shape[-1]
+    h = h.reshape(d).contiguous()
+    norm_w = norm_w.to(torch.bfloat16).contiguous()
+    buf = torch.empty(3 * d + hidden + n, dtype=torch.bfloat16)
+    y, hn, tmp, logits = buf[:d], buf[d:2 * d], buf[2 * d:3 * d + hidden], buf[3 * d + hidden:]
+    margin = _lib.exit_check_mlp(d, n, hidden, h.data_ptr(), a1.data_ptr(), a2.data_ptr(), norm_w.data_ptr(), eps,
+                                 subset.data_ptr(), y.data_ptr(), hn.data_ptr(), logits.data_ptr(), tmp.data_ptr())
     return float(margin), logits, y
 
 

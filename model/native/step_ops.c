@@ -475,6 +475,24 @@ void argmax_bf16(int64_t rows, int64_t n, const uint16_t *x, int64_t *out) {
  * logits [N] (bf16) are written for the caller; tmp [D] is scratch.  The same products, roundings
  * and order as Exits.confidence's PyTorch path, whose dispatch cost ~0.55 ms a check inside a decode
  * step on the AVX2 EPYC (its caches cold from the layers' weights) beside the products' ~0.35. */
+/* top-1 minus top-2 softmax probability over n bf16 logits (0 where none is finite) */
+static float softmax_margin(int N, const uint16_t *logits) {
+    float m1 = -INFINITY, m2 = -INFINITY;
+    for (int i = 0; i < N; i++) {
+        const float v = bf16_to_f32(logits[i]);
+        if (v > m1) {
+            m2 = m1;
+            m1 = v;
+        } else if (v > m2) {
+            m2 = v;
+        }
+    }
+    if (!(m1 > -INFINITY) || m1 != m1) return 0.0f;
+    float s = 0.0f;
+    for (int i = 0; i < N; i++) s += expf(bf16_to_f32(logits[i]) - m1);
+    return (1.0f - expf(m2 - m1)) / s;
+}
+
 float exit_check(int D, int N, const uint16_t *h, const uint16_t *adapter, const uint16_t *w, float eps,
                  const uint16_t *subset, uint16_t *y, uint16_t *hn, uint16_t *logits, uint16_t *tmp) {
 #pragma omp parallel
@@ -490,18 +508,35 @@ float exit_check(int D, int N, const uint16_t *h, const uint16_t *adapter, const
         }
         linear_team(1, N, D, hn, subset, NULL, logits);
     }
-    float m1 = -INFINITY, m2 = -INFINITY;
-    for (int i = 0; i < N; i++) {
-        const float v = bf16_to_f32(logits[i]);
-        if (v > m1) {
-            m2 = m1;
-            m1 = v;
-        } else if (v > m2) {
-            m2 = v;
+    return softmax_margin(N, logits);
+}
+
+/* exit_check with an MLP adapter (exit_stream's "mlp" kind): the exit state y = h + silu(h A1^T) A2^T
+ * (A1 [H, D] and A2 [D, H] packed by pack_linear), each product and the silu rounded to bf16 as
+ * PyTorch's bf16 ops round (the silu from exp_neg's sigmoid, as the MLP's gate: PyTorch's own exp may
+ * differ in the last fp32 bit, so a rare silu value one bf16 step apart); then as exit_check.
+ * tmp [H + D] is scratch. */
+float exit_check_mlp(int D, int N, int H, const uint16_t *h, const uint16_t *a1, const uint16_t *a2,
+                     const uint16_t *w, float eps, const uint16_t *subset, uint16_t *y, uint16_t *hn,
+                     uint16_t *logits, uint16_t *tmp) {
+    uint16_t *mid = tmp, *delta = tmp + H;
+#pragma omp parallel
+    {
+        linear_team(1, H, D, h, a1, NULL, mid);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int j = 0; j < H; j++) {
+            const float g = bf16_to_f32(mid[j]);
+            mid[j] = f32_to_bf16(g * sigmoid(g));
         }
+        linear_team(1, D, H, mid, a2, NULL, delta);
+#pragma omp barrier
+#pragma omp single
+        {
+            for (int d = 0; d < D; d++) y[d] = f32_to_bf16(bf16_to_f32(h[d]) + bf16_to_f32(delta[d]));
+            rms_norm(1, D, 2, y, NULL, NULL, w, eps, hn);
+        }
+        linear_team(1, N, D, hn, subset, NULL, logits);
     }
-    if (!(m1 > -INFINITY) || m1 != m1) return 0.0f;
-    float s = 0.0f;
-    for (int i = 0; i < N; i++) s += expf(bf16_to_f32(logits[i]) - m1);
-    return (1.0f - expf(m2 - m1)) / s;
+    return softmax_margin(N, logits);
 }
