@@ -5,7 +5,8 @@
 
 Configs: ``full``; ``MEASURE@BOUND`` (softmax, cosine or classifier confidence with the
 thresholds calibrated for that token-disagreement bound); ``lossless@LAYER``
-(self-speculation drafting from that exit).
+(self-speculation drafting from that exit); ``CONFIG~DIR``: that config on the exits in DIR
+instead of ``--exits``, timed in the same rounds (two exit folders compared paired).
 
 Speed: greedy decoding of ``--tokens`` tokens (EOS ignored) from HumanEval-Infilling
 prompts, at batch 1 (two prompts a round) and at the ``--batches`` sizes (16 by default; one
@@ -172,17 +173,21 @@ def main() -> None:
     speed, qual = {}, {}
     full_outs: list[str] = []
     runtimes: dict[str, tuple] = {}
+    folders = {str(path): exits}
     for name in configs:
-        es = settings_for(name, str(path))
+        base, _, other = name.partition("~")  # CONFIG~DIR: that config on another exits folder, in the same rounds
         try:
-            rt = None if es is None else ExitRuntime.build(exits, es)
+            if other and other not in folders:
+                folders[other] = load_exits(other, lm.model)
+            es = settings_for(base, other or str(path))
+            rt = None if es is None else ExitRuntime.build(folders[other or str(path)], es)
         except ExitsError as exc:
             print(f"{name}: {exc}; skipped", file=sys.stderr)
             continue
         if rt is not None and not rt.lossless and not rt.policy.thresholds:
             print(f"{name}: no calibrated threshold at any exit; skipped", file=sys.stderr)
             continue
-        rt_all = (ExitRuntime.build(exits, dataclasses.replace(es, batch_rule="all"))
+        rt_all = (ExitRuntime.build(folders[other or str(path)], dataclasses.replace(es, batch_rule="all"))
                   if rt is not None and not rt.lossless else None)
         runtimes[name] = (es, rt, rt_all)
     # speed: the configs take turns in short rounds (2 prompts at batch 1; one batch of 16
