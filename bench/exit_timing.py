@@ -9,7 +9,8 @@ does besides the layers), and leaving early (FILL_A + FILL_B x the layers skippe
 search is only as good as those numbers, and they were last measured several engine changes ago.
 This measures them on the engine as it stands, by timing forced policies through the engine's
 own decode path (``decode_step`` at batch 1, ``--tokens`` tokens, end-of-text ignored, prefill
-excluded), interleaved in rounds (this machine's speed drifts; medians over rounds):
+excluded), interleaved in rounds (this machine's speed drifts: each config is taken against the
+full model's step of the same round, in that round's layer time, and the median over rounds kept):
 
 - ``full``: every layer and the full head;
 - ``check@E``: the exit at E checked and never confident (threshold 2), so full + one check;
@@ -115,17 +116,23 @@ def main() -> None:
     _, stack_ms = layer_ms(lm)
     ms = {k: statistics.median(v) for k, v in per_token.items()}
     full = ms["full"]
-    head = full / lay - n_layers
+    head = statistics.median(f / lr - n_layers for f, lr in zip(per_token["full"], layer_runs))
+
+    def layers_over_full(name: str) -> float:
+        """The config's extra time over the full step of the same round, in that round's layers
+        (paired: the machine's drift between rounds cancels), median over rounds."""
+        return statistics.median((c - f) / lr for c, f, lr in zip(per_token[name], per_token["full"], layer_runs))
+
     rows, data = [], {"layer_ms": round(lay, 4), "stack_ms": stack_ms, "full_ms": round(full, 3),
                       "head_layers": round(head, 2), "per_token_ms": {k: round(v, 3) for k, v in ms.items()},
                       "rounds": args.rounds, "tokens": args.tokens, "folders": {}}
     for name, ex in exits.items():
         use = [e for e in layers if f"{name}|check@{e}" in ms]
-        checks = [ms[f"{name}|check@{e}"] / lay - full / lay for e in use]
+        checks = [layers_over_full(f"{name}|check@{e}") for e in use]
         check = statistics.mean(checks)
         # leave@E in layers = E + check + fill_a + fill_b (n - E): fit (leave - E - check) on (n - E)
         xs = [n_layers - e for e in use]
-        ys = [ms[f"{name}|leave@{e}"] / lay - e - check for e in use]
+        ys = [layers_over_full(f"{name}|leave@{e}") + n_layers + head - e - check for e in use]
         fill_b, fill_a = fit_line(xs, ys)
         skip = ms.get(f"{name}|skip")
         rec = {"adapter": ex.adapter_kind, "check_layers": round(check, 2),

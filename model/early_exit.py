@@ -17,9 +17,10 @@ every sequence a confidence:
 
 A sequence exits when its confidence reaches the layer's threshold (optionally CALM's
 schedule, which starts strict and relaxes along the output).  Its token comes from the
-exit head (over the subset, which the adapters are trained on); the KV of the layers it skipped is filled from the exit hidden state (CALM's
-state propagation: each skipped layer's K and V projections of that state), so every
-layer's cache keeps the same length and positions.  ``batch_rule="all"`` exits an
+exit head (over the subset, which the adapters are trained on); the KV of the layers it skipped
+is filled from the exit layer's hidden state (CALM's state propagation: each skipped layer's K
+and V projections of that state; the state before the adapter, which serves only the head), so
+every layer's cache keeps the same length and positions.  ``batch_rule="all"`` exits an
 iteration only when every sequence is confident (CALM's rule); ``"each"`` lets each
 sequence leave on its own and continues with the rest.
 
@@ -101,7 +102,6 @@ class Exits(nn.Module):
         self.final = 0
         self.head_skips = 0  # tokens the final check took (benchmarks read and reset it)
         self._kv: tuple | None = None  # (key, FoldedKV) for fill_kv (``folded_kv``)
-        self._checked: tuple | None = None  # (layer, h, exit state) of the last native check (``exit_state``)
 
     def index(self, layer: int) -> int:
         return self.layers.index(layer)
@@ -152,14 +152,6 @@ class Exits(nn.Module):
             return h + self._linear(f"adapter{i}.w2", mid, a.w2.weight)
         return h + self._linear(f"adapter{i}", h, a.weight)
 
-    def exit_state(self, layer: int, h: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """``state`` of rows ``rows`` of h [B, D]; the state the native check just computed when h
-        is the one row it checked at this layer (the MLP adapter's products are not run twice)."""
-        c = self._checked
-        if c is not None and c[0] == layer and c[1] is h and rows == [0]:
-            return c[2].view(1, -1)
-        return self.state(layer, h[rows])
-
     def logits(self, model: Transformer, layer: int, h: torch.Tensor, subset: bool = False) -> torch.Tensor:
         """Exit logits [.., V] (or [.., |subset|] over the subset) of hidden states h [.., D]."""
         x = model.norm(self.state(layer, h) if layer < model.args.n_layers else h)
@@ -195,15 +187,14 @@ class Exits(nn.Module):
                 if adapted and self.adapter_kind == "mlp":
                     i = self.index(layer)
                     a = self.adapters[i]
-                    margin, logits, y = native.exit_check_mlp(
+                    margin, logits, _ = native.exit_check_mlp(
                         h, self._pack(f"adapter{i}.w1", a.w1.weight), self._pack(f"adapter{i}.w2", a.w2.weight),
                         self.adapter_hidden, model.norm.weight, model.norm.eps, subset, len(self.subset))
                 else:
                     adapter = self._pack(f"adapter{self.index(layer)}", self.adapters[self.index(layer)].weight) \
                         if adapted else None
-                    margin, logits, y = native.exit_check(h, adapter, model.norm.weight, model.norm.eps, subset,
+                    margin, logits, _ = native.exit_check(h, adapter, model.norm.weight, model.norm.eps, subset,
                                                           len(self.subset))
-                self._checked = (layer, h, y)
                 return torch.tensor([margin]), logits.float().view(1, -1)
             logits = self.logits(model, layer, h, subset=True).float()
             top2 = torch.softmax(logits, -1).topk(2, dim=-1).values
@@ -443,13 +434,15 @@ def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: l
         rows = [r for r, o in enumerate(ok) if o]
         picked = logits[rows] if logits is not None else exits.logits(model, n, h[rows], subset=True).float()
         full = exits.in_vocab(picked, model.args.vocab_size)
-        state = exits.exit_state(n, h, rows)
+        # the skipped layers' KV comes from the exit layer's own hidden state, not the adapted one:
+        # the adapter is trained for the head, and filling from its state lost 1-2.6 ES points
+        # (docs/decisions.md, ninth session)
         folded = exits.folded_kv(model)
         for j, r in enumerate(rows):
             b = active[r]
             out[b] = full[j]
             ran[b] = n
-            fill_kv(model, state[j], caches[b], n, caches[b].length, cos_all[b:b + 1], sin_all[b:b + 1], folded)
+            fill_kv(model, h[r], caches[b], n, caches[b].length, cos_all[b:b + 1], sin_all[b:b + 1], folded)
         keep = [r for r, o in enumerate(ok) if not o]
         if not keep:
             active = []

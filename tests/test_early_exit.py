@@ -74,6 +74,39 @@ def test_kv_filling_keeps_every_layer_aligned(lm):
     assert ran == [2] and cache.length == pos + 2 and torch.isfinite(out).all()
 
 
+def test_kv_filling_takes_the_exit_layers_state_not_the_adapted_one(lm):
+    """With a trained adapter the exit's token comes from the adapted state (h + A h), but the
+    skipped layers' KV is filled from the exit layer's own hidden state h: the adapter serves
+    the head (filling from its state lost 1-2.6 ES points as served, docs/decisions.md)."""
+    model = lm.model
+    exits = Exits(model.args.dim, [1]).to(model.dtype)
+    with torch.no_grad():
+        exits.adapters[0].weight.copy_(torch.randn(model.args.dim, model.args.dim,
+                                                   generator=torch.Generator().manual_seed(3)) * 0.2)
+    exits.trained = True
+    ids, cache = prefill(lm, PROMPTS[1][0])
+    pos = cache.length
+    captured = {}
+    hook = model.layers[0].register_forward_hook(lambda m, i, o: captured.update(h=o[0, -1].clone()))
+    with torch.inference_mode():
+        logits, ran = exit_forward(model, exits, ExitPolicy("softmax", {1: 0.0}), [ids[-1]], [cache], [0])
+    hook.remove()
+    assert ran == [1] and cache.length == pos + 1
+    h = captured["h"]
+    a = model.args
+    x = model.layers[1].attn_norm(h.view(1, -1))
+    k, v = model.layers[1].attn.wqkv(x)[:, a.n_heads * a.head_dim:].split(a.n_kv_heads * a.head_dim, -1)
+    cos, sin = model.rope(torch.tensor([[pos]]))
+    k = apply_rope(k.view(1, 1, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)[0, :, 0]
+    torch.testing.assert_close(cache.k[1, :, pos], k)
+    torch.testing.assert_close(cache.v[1, :, pos], v.view(a.n_kv_heads, a.head_dim))
+    with torch.inference_mode():
+        adapted = exits.state(1, h.view(1, -1))
+        want = model.head(model.norm(adapted))[0].float()
+    assert not torch.allclose(adapted, h.view(1, -1))
+    torch.testing.assert_close(logits[0], want)
+
+
 def test_folded_kv_filling_matches_the_layer_by_layer_filling(tiny_model):
     """``FoldedKV`` (bf16 on a CPU with the native kernels): the skipped layers' K and V from one
     product with the norms' weights folded in equal, within bf16 rounding, what the layer-by-layer
@@ -136,10 +169,6 @@ def test_native_softmax_check_is_the_pytorch_check(tiny_model, trained):
                 top2 = torch.softmax(want, -1).topk(2, dim=-1).values
                 assert torch.equal(logits, want)
                 assert abs(float(margin[0]) - float(top2[0, 0] - top2[0, 1])) < 1e-4
-                if layer < model.args.n_layers:  # the check's exit state is reused, bit for bit
-                    assert exits._checked[1] is h
-                    assert torch.equal(exits.exit_state(layer, h, [0]), exits.state(layer, h))
-                    assert torch.equal(exits.exit_state(layer, h.clone(), [0]), exits.state(layer, h))
     assert len(calls) == 6  # every check took the native call
 
 
