@@ -44,6 +44,17 @@ def prefill(lm, text: str):
     return ids, cache
 
 
+def assert_filled_from(model, cache, pos: int, h: torch.Tensor) -> None:
+    """Layer 1's K and V at ``pos`` are its projections of the state h (RoPE at that position)."""
+    a = model.args
+    x = model.layers[1].attn_norm(h.view(1, -1))
+    k, v = model.layers[1].attn.wqkv(x)[:, a.n_heads * a.head_dim:].split(a.n_kv_heads * a.head_dim, -1)
+    cos, sin = model.rope(torch.tensor([[pos]]))
+    k = apply_rope(k.view(1, 1, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)[0, :, 0]
+    torch.testing.assert_close(cache.k[1, :, pos], k)
+    torch.testing.assert_close(cache.v[1, :, pos], v.view(a.n_kv_heads, a.head_dim))
+
+
 def test_kv_filling_keeps_every_layer_aligned(lm):
     """Guards KV filling: a token that exits after layer 1 leaves the same cache length in
     every layer, and the skipped layer's K, V at its position are that layer's
@@ -59,13 +70,7 @@ def test_kv_filling_keeps_every_layer_aligned(lm):
     hook.remove()
     assert ran == [1] and cache.length == pos + 1
     h = captured["h"]
-    a = model.args
-    x = model.layers[1].attn_norm(h.view(1, -1))
-    k, v = model.layers[1].attn.wqkv(x)[:, a.n_heads * a.head_dim:].split(a.n_kv_heads * a.head_dim, -1)
-    cos, sin = model.rope(torch.tensor([[pos]]))
-    k = apply_rope(k.view(1, 1, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)[0, :, 0]
-    torch.testing.assert_close(cache.k[1, :, pos], k)
-    torch.testing.assert_close(cache.v[1, :, pos], v.view(a.n_kv_heads, a.head_dim))
+    assert_filled_from(model, cache, pos, h)
     # the exit's logits are the shared head on the exit state
     torch.testing.assert_close(logits[0], model.head(model.norm(h)).float())
     # the next token attends to both layers' caches at the same length: decoding goes on
@@ -93,13 +98,7 @@ def test_kv_filling_takes_the_exit_layers_state_not_the_adapted_one(lm):
     hook.remove()
     assert ran == [1] and cache.length == pos + 1
     h = captured["h"]
-    a = model.args
-    x = model.layers[1].attn_norm(h.view(1, -1))
-    k, v = model.layers[1].attn.wqkv(x)[:, a.n_heads * a.head_dim:].split(a.n_kv_heads * a.head_dim, -1)
-    cos, sin = model.rope(torch.tensor([[pos]]))
-    k = apply_rope(k.view(1, 1, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)[0, :, 0]
-    torch.testing.assert_close(cache.k[1, :, pos], k)
-    torch.testing.assert_close(cache.v[1, :, pos], v.view(a.n_kv_heads, a.head_dim))
+    assert_filled_from(model, cache, pos, h)
     with torch.inference_mode():
         adapted = exits.state(1, h.view(1, -1))
         want = model.head(model.norm(adapted))[0].float()
