@@ -179,15 +179,16 @@ def main() -> None:
         try:
             if other and other not in folders:
                 folders[other] = load_exits(other, lm.model)
+            folder = folders[other or str(path)]
             es = settings_for(base, other or str(path))
-            rt = None if es is None else ExitRuntime.build(folders[other or str(path)], es)
+            rt = None if es is None else ExitRuntime.build(folder, es)
         except ExitsError as exc:
             print(f"{name}: {exc}; skipped", file=sys.stderr)
             continue
         if rt is not None and not rt.lossless and not rt.policy.thresholds:
             print(f"{name}: no calibrated threshold at any exit; skipped", file=sys.stderr)
             continue
-        rt_all = (ExitRuntime.build(folders[other or str(path)], dataclasses.replace(es, batch_rule="all"))
+        rt_all = (ExitRuntime.build(folder, dataclasses.replace(es, batch_rule="all"))
                   if rt is not None and not rt.lossless else None)
         runtimes[name] = (es, rt, rt_all)
     # speed: the configs take turns in short rounds (2 prompts at batch 1; one batch of 16

@@ -103,17 +103,19 @@ def main() -> None:
         if ex.final == n_layers:
             configs[f"{name}|skip"] = ExitRuntime(ex, ExitPolicy("softmax", {n_layers: 0.0}))
     per_token: dict[str, list[float]] = {}
-    layer_runs = []
+    layer_runs, stack_runs = [], []
     for r in range(args.rounds):
         group = [prompts[(args.prompts * r + i) % len(prompts)] for i in range(args.prompts)]
         for name, rt in configs.items():
             got = decode(lm, rt, group, args.tokens, 1)
             per_token.setdefault(name, []).append(1000 * got["seconds"] / got["tokens"])
-        layer_runs.append(layer_ms(lm)[0])
+        slope, stack = layer_ms(lm)
+        layer_runs.append(slope)
+        stack_runs.append(stack)
         print(f"round {r + 1}/{args.rounds}: layer {layer_runs[-1]:.3f} ms, full {per_token['full'][-1]:.2f} ms/token",
               file=sys.stderr)
     lay = statistics.median(layer_runs)
-    _, stack_ms = layer_ms(lm)
+    stack_ms = {n: round(statistics.median(r[n] for r in stack_runs), 4) for n in stack_runs[0]}
     ms = {k: statistics.median(v) for k, v in per_token.items()}
     full = ms["full"]
     head = statistics.median(f / lr - n_layers for f, lr in zip(per_token["full"], layer_runs))

@@ -182,19 +182,18 @@ class Exits(nn.Module):
                     and native.available()):
                 # one native call (native.exit_check): the same products and roundings, without the
                 # ~0.5 ms that the PyTorch calls' dispatch costs inside a decode step
-                adapted = self.trained and layer < model.args.n_layers
-                subset = self._pack("subset", self._subset_weight(model, h))
-                if adapted and self.adapter_kind == "mlp":
+                adapter = None
+                if self.trained and layer < model.args.n_layers:
                     i = self.index(layer)
                     a = self.adapters[i]
-                    margin, logits, _ = native.exit_check_mlp(
-                        h, self._pack(f"adapter{i}.w1", a.w1.weight), self._pack(f"adapter{i}.w2", a.w2.weight),
-                        self.adapter_hidden, model.norm.weight, model.norm.eps, subset, len(self.subset))
-                else:
-                    adapter = self._pack(f"adapter{self.index(layer)}", self.adapters[self.index(layer)].weight) \
-                        if adapted else None
-                    margin, logits, _ = native.exit_check(h, adapter, model.norm.weight, model.norm.eps, subset,
-                                                          len(self.subset))
+                    if self.adapter_kind == "mlp":
+                        adapter = (self._pack(f"adapter{i}.w1", a.w1.weight),
+                                   self._pack(f"adapter{i}.w2", a.w2.weight), self.adapter_hidden)
+                    else:
+                        adapter = self._pack(f"adapter{i}", a.weight)
+                margin, logits, _ = native.exit_check(h, adapter, model.norm.weight, model.norm.eps,
+                                                      self._pack("subset", self._subset_weight(model, h)),
+                                                      len(self.subset))
                 return torch.tensor([margin]), logits.float().view(1, -1)
             logits = self.logits(model, layer, h, subset=True).float()
             top2 = torch.softmax(logits, -1).topk(2, dim=-1).values

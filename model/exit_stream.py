@@ -217,25 +217,29 @@ def load_adapters(folder: Path, kind: str = "linear") -> dict[str, torch.Tensor]
     return tensors
 
 
+def saved_at(saved: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+    """One exit's adapter state dict from ``load_adapters``' tensors (keys ``exit_<layer>.<name>``)."""
+    prefix = f"exit_{layer}."
+    return {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
+
+
 def init_from(kinds: dict[str, torch.nn.ModuleList], exits: list[int], folder: Path) -> list[str]:
     """Copy a run's saved adapters (``save``'s files in ``folder``) into ``kinds`` where that run
-    has the same kind at the same exit, shapes checked; returns which (``kind@exit``)."""
+    has the same kind at the same exit, keys and shapes checked; returns which (``kind@exit``)."""
     if not folder.is_dir():
         raise SystemExit(f"--init: no such folder {folder}")
     started = []
     for name, mods in kinds.items():
         saved = load_adapters(folder, name)
         for e, m in zip(exits, mods):
-            own = {k[len(f"exit_{e}."):]: v for k, v in saved.items() if k.startswith(f"exit_{e}.")}
+            own = saved_at(saved, e)
             if not own:
                 continue
-            want = m.state_dict()
-            if set(own) != set(want) or any(own[k].shape != want[k].shape for k in want):
+            try:
+                m.load_state_dict(own)
+            except RuntimeError as exc:
                 raise SystemExit(f"--init: {name} adapter at exit {e} in {folder} does not fit "
-                                 f"(saved {sorted(own)}, want {sorted(want)}; --mlp-hidden?)")
-            with torch.no_grad():
-                for k, v in want.items():
-                    v.copy_(own[k].to(v.dtype))
+                                 f"(--mlp-hidden?): {exc}") from None
             started.append(f"{name}@{e}")
     return started
 

@@ -459,10 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     hidden = trained[f"exit_{layers[0]}.w1.weight"].shape[0] if args.adapter_kind == "mlp" else 0
     exits = Exits(lm.model.args.dim, layers, subset, adapter=args.adapter_kind, adapter_hidden=hidden)
     if trained is not None:
+        from .exit_stream import saved_at
+
         for k, n in enumerate(exits.layers):
-            own = {name[len(f"exit_{n}."):]: t.float() for name, t in trained.items() if name.startswith(f"exit_{n}.")}
             try:
-                exits.adapters[k].load_state_dict(own)
+                exits.adapters[k].load_state_dict(saved_at(trained, n))
             except RuntimeError as exc:
                 raise SystemExit(f"{args.adapters}: the {args.adapter_kind} adapter at layer {n} does not fit: {exc}")
     exits.final = lm.model.args.n_layers if final else 0

@@ -184,7 +184,7 @@ def _mlp_exits(model, layers, hidden=96, seed=0):
 
 def test_mlp_adapters_save_load_and_serve_natively(tiny_model, tmp_path):
     """Exits with MLP adapters (exit_stream's "mlp" kind): the exit state is h + W2 silu(W1 h);
-    they round-trip through save / load_exits; the native check (``native.exit_check_mlp``)
+    they round-trip through save / load_exits; the native check (``native.exit_check`` with the MLP's weights)
     gives the PyTorch path's logits and margin within bf16 rounding; an unknown kind is refused."""
     lm16 = load_model(str(tiny_model), device="cpu", dtype="bfloat16")
     model = lm16.model
@@ -203,8 +203,9 @@ def test_mlp_adapters_save_load_and_serve_natively(tiny_model, tmp_path):
 
     calls = []
     if native.available():
-        real = native.exit_check_mlp
-        native.exit_check_mlp = lambda *a, **k: calls.append(1) or real(*a, **k)
+        real = native.exit_check
+        native.exit_check = lambda h, adapter, *rest: calls.append(isinstance(adapter, tuple)) or real(h, adapter,
+                                                                                                       *rest)
     try:
         with torch.inference_mode():
             for scale in (0.5, 2.0, 8.0):
@@ -217,8 +218,8 @@ def test_mlp_adapters_save_load_and_serve_natively(tiny_model, tmp_path):
                 assert abs(float(margin[0]) - float(top2[0, 0] - top2[0, 1])) < 1e-4
     finally:
         if native.available():
-            native.exit_check_mlp = real
-    assert len(calls) == (3 if native.available() else 0)
+            native.exit_check = real
+    assert calls == ([True] * 3 if native.available() else [])  # the MLP's weights went to the native check
 
     meta["adapter_kind"] = "conv"
     (tmp_path / "mlp" / "exits.json").write_text(json.dumps(meta))
@@ -227,7 +228,8 @@ def test_mlp_adapters_save_load_and_serve_natively(tiny_model, tmp_path):
 
 
 def test_native_mlp_check_is_the_bf16_pytorch_path(tiny_model):
-    """``native.exit_check_mlp`` against the same bf16 products through PyTorch: the exit
+    """``native.exit_check`` with an MLP adapter (step_ops.c's exit_check_mlp) against the same
+    bf16 products through PyTorch: the exit
     state to one bf16 step (PyTorch's exp and the kernel's may round a silu differently), the
     logits and the margin within the rounding that follows."""
     if not native.available():
@@ -241,9 +243,9 @@ def test_native_mlp_check_is_the_bf16_pytorch_path(tiny_model):
     with torch.inference_mode():
         for scale in (0.5, 2.0, 8.0):
             h = (torch.randn(1, model.args.dim) * scale).to(torch.bfloat16)
-            margin, logits, y = native.exit_check_mlp(h, native.pack_linear(a.w1.weight),
-                                                      native.pack_linear(a.w2.weight), 160, model.norm.weight,
-                                                      model.norm.eps, native.pack_linear(sub), len(ex.subset))
+            mlp = (native.pack_linear(a.w1.weight), native.pack_linear(a.w2.weight), 160)
+            margin, logits, y = native.exit_check(h, mlp, model.norm.weight, model.norm.eps, native.pack_linear(sub),
+                                                  len(ex.subset))
             mid = F.silu(F.linear(h, a.w1.weight))
             want_y = (h + F.linear(mid, a.w2.weight))[0]
             torch.testing.assert_close(y.float(), want_y.float(), rtol=1.6e-2, atol=1e-2 * float(want_y.abs().max()))

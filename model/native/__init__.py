@@ -423,45 +423,32 @@ def packed_rows(packed: torch.Tensor, start: int) -> torch.Tensor | None:
     return None if start % align else packed[start // group:]
 
 
-def exit_check(h: torch.Tensor, adapter: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+def exit_check(h: torch.Tensor, adapter: "torch.Tensor | tuple | None", norm_w: torch.Tensor, eps: float,
                subset: torch.Tensor, n: int) -> tuple[float, torch.Tensor, torch.Tensor]:
     """An early exit's softmax check of one row h [D] bf16 in one native call (step_ops.c's
-    exit_check): the exit state h + h A^T (``adapter`` packed by ``pack_linear``, or None),
-    its norm (weight ``norm_w``), the subset head's logits (``subset`` packed, ``n`` rows) and
-    the softmax margin over them.  Returns (margin, logits [n] bf16, state [D] bf16)."""
+    exit_check, or exit_check_mlp): the exit state h + h A^T (``adapter`` packed by
+    ``pack_linear``), or h + silu(h A1^T) A2^T (``adapter`` = (A1, A2, hidden), A1 [hidden, D]
+    and A2 [D, hidden] packed), or h (None); its norm (weight ``norm_w``), the subset head's
+    logits (``subset`` packed, ``n`` rows) and the softmax margin over them.  Returns (margin,
+    logits [n] bf16, state [D] bf16)."""
     if not available():
         raise RuntimeError(f"native kernels unavailable: {_error}")
-    for w in (adapter, subset):
+    mlp = isinstance(adapter, tuple)
+    weights = [*adapter[:2]] if mlp else [adapter]
+    for w in (*weights, subset):
         if w is not None and (amx_layout(w) or panel_layout(w) != (linear_bf16_path() == 1)):
             raise ValueError("weight packed for another linear kernel (pack_linear's path, no AMX)")
-    d = h.shape[-1]
-    h = h.reshape(d).contiguous()
-    norm_w = norm_w.to(torch.bfloat16).contiguous()
-    buf = torch.empty(3 * d + n, dtype=torch.bfloat16)
-    y, hn, tmp, logits = buf[:d], buf[d:2 * d], buf[2 * d:3 * d], buf[3 * d:]
-    margin = _lib.exit_check(d, n, h.data_ptr(), adapter.data_ptr() if adapter is not None else None,
-                             norm_w.data_ptr(), eps, subset.data_ptr(), y.data_ptr(), hn.data_ptr(),
-                             logits.data_ptr(), tmp.data_ptr())
-    return float(margin), logits, y
-
-
-def exit_check_mlp(h: torch.Tensor, a1: torch.Tensor, a2: torch.Tensor, hidden: int, norm_w: torch.Tensor,
-                   eps: float, subset: torch.Tensor, n: int) -> tuple[float, torch.Tensor, torch.Tensor]:
-    """``exit_check`` with an MLP adapter (step_ops.c's exit_check_mlp): the exit state
-    h + silu(h A1^T) A2^T (A1 [hidden, D] and A2 [D, hidden] packed by ``pack_linear``).
-    Returns (margin, logits [n] bf16, state [D] bf16)."""
-    if not available():
-        raise RuntimeError(f"native kernels unavailable: {_error}")
-    for w in (a1, a2, subset):
-        if amx_layout(w) or panel_layout(w) != (linear_bf16_path() == 1):
-            raise ValueError("weight packed for another linear kernel (pack_linear's path, no AMX)")
+    hidden = adapter[2] if mlp else 0
     d = h.shape[-1]
     h = h.reshape(d).contiguous()
     norm_w = norm_w.to(torch.bfloat16).contiguous()
     buf = torch.empty(3 * d + hidden + n, dtype=torch.bfloat16)
     y, hn, tmp, logits = buf[:d], buf[d:2 * d], buf[2 * d:3 * d + hidden], buf[3 * d + hidden:]
-    margin = _lib.exit_check_mlp(d, n, hidden, h.data_ptr(), a1.data_ptr(), a2.data_ptr(), norm_w.data_ptr(), eps,
-                                 subset.data_ptr(), y.data_ptr(), hn.data_ptr(), logits.data_ptr(), tmp.data_ptr())
+    tail = (norm_w.data_ptr(), eps, subset.data_ptr(), y.data_ptr(), hn.data_ptr(), logits.data_ptr(), tmp.data_ptr())
+    if mlp:
+        margin = _lib.exit_check_mlp(d, n, hidden, h.data_ptr(), adapter[0].data_ptr(), adapter[1].data_ptr(), *tail)
+    else:
+        margin = _lib.exit_check(d, n, h.data_ptr(), adapter.data_ptr() if adapter is not None else None, *tail)
     return float(margin), logits, y
 
 

@@ -467,14 +467,6 @@ void argmax_bf16(int64_t rows, int64_t n, const uint16_t *x, int64_t *out) {
     }
 }
 
-/* An early exit's softmax check of one row (issue #9) in one call and one parallel region: the exit
- * state y = h + h A^T (A: the exit's adapter packed for linear_bf16; NULL: y = h), its norm
- * hn = norm(y) (weight w, HF Llama's order as rms_norm), the exit head over the vocabulary subset
- * logits = hn S^T (S packed for linear_bf16, N rows), and the softmax margin over the subset (top-1
- * minus top-2 probability: (1 - exp(l2 - l1)) / sum exp(l - l1)), returned.  y [D], hn [D] and
- * logits [N] (bf16) are written for the caller; tmp [D] is scratch.  The same products, roundings
- * and order as Exits.confidence's PyTorch path, whose dispatch cost ~0.55 ms a check inside a decode
- * step on the AVX2 EPYC (its caches cold from the layers' weights) beside the products' ~0.35. */
 /* top-1 minus top-2 softmax probability over n bf16 logits (0 where none is finite) */
 static float softmax_margin(int N, const uint16_t *logits) {
     float m1 = -INFINITY, m2 = -INFINITY;
@@ -493,6 +485,26 @@ static float softmax_margin(int N, const uint16_t *logits) {
     return (1.0f - expf(m2 - m1)) / s;
 }
 
+/* Both checks' tail, inside their parallel region: y = h + delta (delta NULL: y = h), hn = norm(y),
+ * logits = hn S^T. */
+static void exit_head_team(int D, int N, const uint16_t *h, const uint16_t *delta, const uint16_t *w, float eps,
+                           const uint16_t *subset, uint16_t *y, uint16_t *hn, uint16_t *logits) {
+#pragma omp single
+    {
+        for (int d = 0; d < D; d++) y[d] = delta ? f32_to_bf16(bf16_to_f32(h[d]) + bf16_to_f32(delta[d])) : h[d];
+        rms_norm(1, D, 2, y, NULL, NULL, w, eps, hn);
+    }
+    linear_team(1, N, D, hn, subset, NULL, logits);
+}
+
+/* An early exit's softmax check of one row (issue #9) in one call and one parallel region: the exit
+ * state y = h + h A^T (A: the exit's adapter packed for linear_bf16; NULL: y = h), its norm
+ * hn = norm(y) (weight w, HF Llama's order as rms_norm), the exit head over the vocabulary subset
+ * logits = hn S^T (S packed for linear_bf16, N rows), and the softmax margin over the subset (top-1
+ * minus top-2 probability: (1 - exp(l2 - l1)) / sum exp(l - l1)), returned.  y [D], hn [D] and
+ * logits [N] (bf16) are written for the caller; tmp [D] is scratch.  The same products, roundings
+ * and order as Exits.confidence's PyTorch path, whose dispatch cost ~0.55 ms a check inside a decode
+ * step on the AVX2 EPYC (its caches cold from the layers' weights) beside the products' ~0.35. */
 float exit_check(int D, int N, const uint16_t *h, const uint16_t *adapter, const uint16_t *w, float eps,
                  const uint16_t *subset, uint16_t *y, uint16_t *hn, uint16_t *logits, uint16_t *tmp) {
 #pragma omp parallel
@@ -501,12 +513,7 @@ float exit_check(int D, int N, const uint16_t *h, const uint16_t *adapter, const
             linear_team(1, D, D, h, adapter, NULL, tmp);
 #pragma omp barrier
         }
-#pragma omp single
-        {
-            for (int d = 0; d < D; d++) y[d] = adapter ? f32_to_bf16(bf16_to_f32(h[d]) + bf16_to_f32(tmp[d])) : h[d];
-            rms_norm(1, D, 2, y, NULL, NULL, w, eps, hn);
-        }
-        linear_team(1, N, D, hn, subset, NULL, logits);
+        exit_head_team(D, N, h, adapter ? tmp : NULL, w, eps, subset, y, hn, logits);
     }
     return softmax_margin(N, logits);
 }
@@ -531,12 +538,7 @@ float exit_check_mlp(int D, int N, int H, const uint16_t *h, const uint16_t *a1,
         }
         linear_team(1, D, H, mid, a2, NULL, delta);
 #pragma omp barrier
-#pragma omp single
-        {
-            for (int d = 0; d < D; d++) y[d] = f32_to_bf16(bf16_to_f32(h[d]) + bf16_to_f32(delta[d]));
-            rms_norm(1, D, 2, y, NULL, NULL, w, eps, hn);
-        }
-        linear_team(1, N, D, hn, subset, NULL, logits);
+        exit_head_team(D, N, h, delta, w, eps, subset, y, hn, logits);
     }
     return softmax_margin(N, logits);
 }
