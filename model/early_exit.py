@@ -96,15 +96,33 @@ class Exits(nn.Module):
         self.trained = False  # adapters and classifiers learned (not the zero "logit lens")
         self._subset_w: torch.Tensor | None = None  # the head's rows of the subset
         self._packed: dict[str, tuple] = {}  # name -> (weight's address and version, weight in native.linear's layout)
+        self._checks: dict[int, tuple] = {}  # layer -> (weights read with their versions, native.ExitCheck)
         self.meta: dict = {}
         # the model's layer count when its last layer has a calibrated check too: a token
         # whose subset-head margin there is confident skips the full vocabulary head
         self.final = 0
         self.head_skips = 0  # tokens the final check took (benchmarks read and reset it)
         self._kv: tuple | None = None  # (key, FoldedKV) for fill_kv (``folded_kv``)
+        self._fast: FastPath | None = None  # exit_forward's one-sequence path (``fast_path``)
 
     def index(self, layer: int) -> int:
         return self.layers.index(layer)
+
+    def fast_path(self, model: Transformer) -> "FastPath | None":
+        """``FastPath`` for ``_exit_one`` (built once; again when the model or its first layer's
+        weights changed), or None where it does not apply: not a bf16 CPU model running through
+        the native stack, gradients on, no vocabulary subset."""
+        got = self._fast
+        if (got is not None and got.model is model and got.stack is model.native_stack
+                and got.watch._version == got.version):
+            return got
+        stack = model.native_stack
+        if stack is None or torch.is_grad_enabled() or not len(self.subset) or self.folded_kv(model) is None:
+            return None
+        w0 = model.layers[0].attn.wqkv.weight
+        self._fast = FastPath(model, stack, self.folded_kv(model), w0, w0._version, model.args.n_layers,
+                              model.args.vocab_size, torch.full((model.args.vocab_size,), float("-inf")))
+        return self._fast
 
     def folded_kv(self, model: Transformer) -> "FoldedKV | None":
         """The K and V rows of every layer with its input norm's weight folded in, stacked and
@@ -134,6 +152,28 @@ class Exits(nn.Module):
         if got is None or got[0] != key:
             got = self._packed[name] = (key, native.pack_linear(w))
         return got[1]
+
+    def _check(self, model: Transformer, layer: int, dtype: torch.dtype) -> "native.ExitCheck":
+        """The native check of an exit (or of the last layer), bound once; bound again when a
+        weight it reads changed in place (its version) or was replaced (its address)."""
+        got = self._checks.get(layer)
+        if got is not None and all(w._version == v and w.data_ptr() == p for w, v, p in got[0]):
+            return got[1]
+        adapter, watch = None, [model.norm.weight]
+        if self.trained and layer < model.args.n_layers:
+            i = self.index(layer)
+            a = self.adapters[i]
+            if self.adapter_kind == "mlp":
+                adapter = (self._pack(f"adapter{i}.w1", a.w1.weight), self._pack(f"adapter{i}.w2", a.w2.weight),
+                           self.adapter_hidden)
+                watch += [a.w1.weight, a.w2.weight]
+            else:
+                adapter = self._pack(f"adapter{i}", a.weight)
+                watch.append(a.weight)
+        subset = self._pack("subset", self._subset_weight(model, torch.empty(0, dtype=dtype)))
+        check = native.ExitCheck(adapter, model.norm.weight, model.norm.eps, subset, len(self.subset), model.args.dim)
+        self._checks[layer] = ([(w, w._version, w.data_ptr()) for w in watch], check)
+        return check
 
     def _subset_weight(self, model: Transformer, x: torch.Tensor) -> torch.Tensor:
         w = self._subset_w
@@ -180,20 +220,9 @@ class Exits(nn.Module):
             if (h.shape[0] == 1 and h.dtype == torch.bfloat16 and h.device.type == "cpu" and len(self.subset)
                     and not torch.is_grad_enabled() and model.norm.weight.dtype == torch.bfloat16
                     and native.available()):
-                # one native call (native.exit_check): the same products and roundings, without the
-                # ~0.5 ms that the PyTorch calls' dispatch costs inside a decode step
-                adapter = None
-                if self.trained and layer < model.args.n_layers:
-                    i = self.index(layer)
-                    a = self.adapters[i]
-                    if self.adapter_kind == "mlp":
-                        adapter = (self._pack(f"adapter{i}.w1", a.w1.weight),
-                                   self._pack(f"adapter{i}.w2", a.w2.weight), self.adapter_hidden)
-                    else:
-                        adapter = self._pack(f"adapter{i}", a.weight)
-                margin, logits, _ = native.exit_check(h, adapter, model.norm.weight, model.norm.eps,
-                                                      self._pack("subset", self._subset_weight(model, h)),
-                                                      len(self.subset))
+                # one native call (native.ExitCheck, bound once per exit): the same products and
+                # roundings, without the ~0.5 ms that the PyTorch calls' dispatch costs inside a step
+                margin, logits, _ = self._check(model, layer, h.dtype)(h)
                 return torch.tensor([margin]), logits.float().view(1, -1)
             logits = self.logits(model, layer, h, subset=True).float()
             top2 = torch.softmax(logits, -1).topk(2, dim=-1).values
@@ -331,6 +360,17 @@ class FoldedKV:
         bias = None if any(b is None for b in bs) else torch.cat(bs).contiguous()
         return cls(native.pack_linear(torch.cat(ws)), bias, ws[0].shape[0], model.layers[0].attn_norm.eps)
 
+    def fill(self, h: torch.Tensor, first: int, n_layers: int, cos: torch.Tensor, sin: torch.Tensor, cache: SeqKV,
+             pos: int) -> bool:
+        """``fill_kv`` in one native call (``native.fill_kv_folded``: the norm, the product, RoPE
+        and the cache writes; measured on the AVX2 EPYC inside a decode step: 0.39 ms through
+        ``project`` and PyTorch's ops); False where that call does not apply."""
+        rows = native.packed_rows(self.packed, first * self.rows)
+        if rows is None:
+            return False
+        b = self.bias[first * self.rows:] if self.bias is not None else None
+        return native.fill_kv_folded(h, rows, b, first, n_layers - first, self.eps, cos, sin, cache.k, cache.v, pos)
+
     def project(self, h: torch.Tensor, first: int, n_layers: int) -> torch.Tensor | None:
         """K and V of layers ``first``.. for the state h [D] ([n_layers - first, 2 kd] bf16),
         or None where the packed layout cannot start at that layer."""
@@ -350,6 +390,9 @@ def fill_kv(model: Transformer, h: torch.Tensor, cache: SeqKV, first: int, pos: 
     layers in one product, ``FoldedKV``)."""
     a = model.args
     qd, kd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    if folded is not None and h.dtype == torch.bfloat16 and first < a.n_layers \
+            and folded.fill(h, first, a.n_layers, cos, sin, cache, pos):
+        return
     kvp = folded.project(h, first, a.n_layers) if folded is not None and h.dtype == torch.bfloat16 else None
     if kvp is not None:
         n = a.n_layers - first
@@ -395,6 +438,12 @@ def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: l
     Returns next-token logits [B, V] (exit or full head; over the full vocabulary, with
     the subset's logits scattered in and -inf elsewhere when a subset head decided) and
     the number of layers each token ran."""
+    if len(tokens) == 1 and FAST_ONE and policy.measure == "softmax":
+        fast = exits.fast_path(model)
+        if fast is not None:
+            row, ran = _exit_one(model, exits, fast, policy, tokens[0], caches[0], steps[0],
+                                 allow is None or allow[0], greedy)
+            return row.view(1, -1), [ran]
     n_layers = model.args.n_layers
     dev = model.device
     bsz = len(tokens)
@@ -409,6 +458,7 @@ def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: l
     ran = [n_layers] * bsz
     exit_at = {n for n in exits.layers if n in policy.thresholds and 0 < n < n_layers}
     stack = model.native_stack if len(active) <= native.STACK_ROWS and not torch.is_grad_enabled() else None
+    final_check = n_layers in policy.thresholds and policy.measure == "softmax" and len(exits.subset)
     n = 0
     while n < n_layers:
         # the layers up to the next exit point in one native call where the model has one (the
@@ -416,6 +466,16 @@ def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: l
         end = min([e for e in exit_at if e > n] or [n_layers])
         group = [caches[b] for b in active]
         if stack is not None and end - n > 1 and policy.measure != "cosine":
+            if end == n_layers and not final_check:
+                # the last layers and the head in the same native call (the greedy head where only
+                # greedy choices are read): one call fewer for every token that goes the whole way
+                g = greedy and model.use_greedy_head(len(active)) and (allow is None or all(allow[b] for b in active))
+                x, logits = native.decode_stack(stack, x, cos, sin, native.StepCaches(group), None, logits="last",
+                                                layers=(n, end), greedy=g)
+                for r, b in enumerate(active):
+                    out[b] = logits[r].float()
+                active, n = [], end
+                break
             x = native.decode_stack(stack, x, cos, sin, native.StepCaches(group), None, logits=None,
                                     layers=(n, end))[0]
             before, n = None, end
@@ -449,7 +509,7 @@ def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: l
         x = x[keep]
         cos, sin = cos[keep], sin[keep]
         active = [active[r] for r in keep]
-    if active and n_layers in policy.thresholds and policy.measure == "softmax" and len(exits.subset):
+    if active and final_check:
         # the last layer's cheap check: a confident subset-head margin skips the full head
         h = x[:, -1]
         conf, logits = exits.confidence(model, "softmax", n_layers, h, h)
@@ -474,6 +534,73 @@ def exit_forward(model: Transformer, exits: Exits, policy: ExitPolicy, tokens: l
     for c in caches:
         c.length += 1
     return torch.stack(out), ran
+
+
+FAST_ONE = True  # exit_forward of one sequence through _exit_one where it applies (tests compare both paths)
+
+
+@dataclass
+class FastPath:
+    """What ``_exit_one`` needs, resolved once per model (``Exits.fast_path``): inside a decode
+    step every Python lookup runs with the caches cold from the layers' weights (measured on the
+    AVX2 EPYC: ~50-150 us for an nn.Module attribute chain or a small tensor op), so the step
+    touches as little Python as it can."""
+
+    model: Transformer
+    stack: object  # native.Stack
+    folded: FoldedKV | None
+    watch: torch.Tensor  # the first layer's qkv weight: a change in place (its version) rebuilds the path
+    version: int
+    n_layers: int
+    vocab: int
+    neg: torch.Tensor  # [V] fp32 -inf: a subset head's row in the full vocabulary starts as its copy
+
+
+def _exit_one(model: Transformer, exits: "Exits", fast: FastPath, policy: ExitPolicy, token: int, cache: SeqKV,
+              step: int, allow: bool, greedy: bool) -> tuple[torch.Tensor, int]:
+    """``exit_forward`` of one sequence through the native kernels with as little Python between
+    the native calls as it can (bf16 CPU model, softmax measure): the same calls and results as
+    the general path (tests/test_early_exit.py compares them) - the layers up to each exit in one
+    ``decode_stack`` call, the bound ``ExitCheck``, the one-call KV filling, and the last layers
+    and the head in one call.  Returns the next-token logits [V] (fp32) and the layers run."""
+    n_layers = fast.n_layers
+    cache.reserve(1)
+    pos = cache.length
+    cos, sin = model.rope(torch.tensor([[pos]]))
+    x = F.embedding(torch.tensor([[token]]), model.embed.weight)
+    caches = native.StepCaches([cache])
+    n = 0
+    if allow:
+        for e in exits.layers:
+            if e <= n or e >= n_layers or e not in policy.thresholds:
+                continue
+            x = native.decode_stack(fast.stack, x, cos, sin, caches, None, logits=None, layers=(n, e))[0]
+            n = e
+            margin, logits, _ = exits._check(model, e, torch.bfloat16)(x)
+            if margin >= policy.threshold(e, step):
+                row = fast.neg.clone().index_copy_(0, exits.subset, logits.float())
+                h = x.view(-1)
+                if fast.folded is None or not fast.folded.fill(h, e, n_layers, cos, sin, cache, pos):
+                    fill_kv(model, h, cache, e, pos, cos, sin, fast.folded)
+                cache.length += 1
+                return row, e
+    final = allow and n_layers in policy.thresholds and len(exits.subset) > 0
+    g = greedy and allow and model.use_greedy_head(1)
+    if final:
+        if n < n_layers:
+            x = native.decode_stack(fast.stack, x, cos, sin, caches, None, logits=None, layers=(n, n_layers))[0]
+        margin, logits, _ = exits._check(model, n_layers, torch.bfloat16)(x)
+        if margin >= policy.threshold(n_layers, step):
+            exits.head_skips += 1
+            cache.length += 1
+            return fast.neg.clone().index_copy_(0, exits.subset, logits.float()), n_layers
+        out = native.decode_stack(fast.stack, x, cos, sin, caches, None, logits="last", layers=(n_layers, n_layers),
+                                  greedy=g)[1]
+    else:
+        out = native.decode_stack(fast.stack, x, cos, sin, caches, None, logits="last", layers=(n, n_layers),
+                                  greedy=g)[1]
+    cache.length += 1
+    return out[0].float(), n_layers
 
 
 def _run_layers(model: Transformer, x: torch.Tensor, cos, sin, first: int, end: int, cache: SeqKV,

@@ -142,6 +142,48 @@ def test_folded_kv_filling_matches_the_layer_by_layer_filling(tiny_model):
         assert not torch.equal(got[1, :, pos], old[1, :, pos])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+def test_native_kv_filling_writes_what_the_pytorch_ops_write(tiny_model, kv_dtype):
+    """``native.fill_kv_folded`` (``FoldedKV.fill``: the norm, the folded product, RoPE and the
+    cache writes in one call) writes what ``FoldedKV.project`` and PyTorch's RoPE and indexing
+    write, within one bf16 rounding (the norm's fp32 sum may round differently), into a bf16 or an
+    fp32 cache; only the skipped layers at that position change."""
+    if not native.available():
+        pytest.skip(f"native kernels unavailable: {native.error()}")
+    lm16 = load_model(str(tiny_model), device="cpu", dtype="bfloat16")
+    model = lm16.model
+    a = model.args
+    kd = a.n_kv_heads * a.head_dim
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn_norm.weight.copy_(torch.linspace(0.5, 1.5, layer.attn_norm.weight.numel()))
+    exits = untrained_exits(model, [1])
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        folded = exits.folded_kv(model)
+        first = next(f for f in range(1, a.n_layers) if native.packed_rows(folded.packed, f * folded.rows) is not None)
+        cache = model.new_cache(8)
+        cache.k = torch.randn(cache.k.shape).to(kv_dtype)
+        cache.v = torch.randn(cache.v.shape).to(kv_dtype)
+        pos = 5
+        cos, sin = model.rope(torch.tensor([[pos]]))
+        h = torch.randn(a.dim).to(torch.bfloat16) * 3
+        before = cache.k.clone(), cache.v.clone()
+        assert folded.fill(h, first, a.n_layers, cos, sin, cache, pos)
+        kvp = folded.project(h, first, a.n_layers)
+        n = a.n_layers - first
+        want_k = apply_rope(kvp[:, :kd].reshape(n, 1, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)[:, :, 0]
+        want_v = kvp[:, kd:].reshape(n, a.n_kv_heads, a.head_dim)
+    for got, want, old in ((cache.k, want_k, before[0]), (cache.v, want_v, before[1])):
+        torch.testing.assert_close(got[first:, :, pos].float(), want.float(), rtol=1e-2,
+                                   atol=1e-2 * float(want.abs().max()))
+        assert (got[first:, :, pos].float() == want.float()).float().mean() > 0.9  # mostly to the bit
+        assert torch.equal(got[:first], old[:first])
+        assert torch.equal(got[:, :, :pos], old[:, :, :pos]) and torch.equal(got[:, :, pos + 1:], old[:, :, pos + 1:])
+    with pytest.raises(ValueError, match="out of the cache"):
+        folded.fill(h, first, a.n_layers, cos, sin, cache, cache.k.shape[2])
+
+
 def test_native_softmax_check_is_the_pytorch_check(tiny_model, trained):
     """``native.exit_check`` (one bf16 row on a CPU with the native kernels) computes what
     ``Exits.confidence``'s PyTorch path does: the same subset logits to the bit and the same
@@ -154,21 +196,38 @@ def test_native_softmax_check_is_the_pytorch_check(tiny_model, trained):
     assert exits.trained and len(exits.subset)
     torch.manual_seed(0)
     calls = []
-    real = native.exit_check
+    real = native.ExitCheck.__call__
     with torch.inference_mode():
         for scale in (0.5, 2.0, 8.0):
             h = (torch.randn(1, model.args.dim) * scale).to(torch.bfloat16)
             for layer in (exits.layers[0], model.args.n_layers):
-                native.exit_check = lambda *a, **k: calls.append(1) or real(*a, **k)
+                native.ExitCheck.__call__ = lambda self, *a: calls.append(1) or real(self, *a)
                 try:
                     margin, logits = exits.confidence(model, "softmax", layer, h, None)
                 finally:
-                    native.exit_check = real
+                    native.ExitCheck.__call__ = real
                 want = exits.logits(model, layer, h, subset=True).float()
                 top2 = torch.softmax(want, -1).topk(2, dim=-1).values
                 assert torch.equal(logits, want)
                 assert abs(float(margin[0]) - float(top2[0, 0] - top2[0, 1])) < 1e-4
     assert len(calls) == 6  # every check took the native call
+    # the bound check follows its weights: an adapter changed in place is read again
+    with torch.inference_mode():
+        h = (torch.randn(1, model.args.dim) * 2).to(torch.bfloat16)
+        layer = exits.layers[0]
+        before = exits.confidence(model, "softmax", layer, h, None)[1]
+        with torch.no_grad():
+            exits.adapters[exits.index(layer)].weight.mul_(3)
+        after = exits.confidence(model, "softmax", layer, h, None)[1]
+        assert not torch.equal(before, after)
+        assert torch.equal(after, exits.logits(model, layer, h, subset=True).float())
+    # the one-call form gives copies, not the bound buffer
+    check = exits._check(model, layer, torch.bfloat16)
+    m1, l1, y1 = native.exit_check(h, None, model.norm.weight, model.norm.eps,
+                                   exits._pack("subset", exits._subset_weight(model, h)), len(exits.subset))
+    assert l1.data_ptr() != check.logits.data_ptr()
+    with pytest.raises(ValueError, match="one bf16 row"):
+        check(h.float())
 
 
 def _mlp_exits(model, layers, hidden=96, seed=0):
@@ -203,9 +262,9 @@ def test_mlp_adapters_save_load_and_serve_natively(tiny_model, tmp_path):
 
     calls = []
     if native.available():
-        real = native.exit_check
-        native.exit_check = lambda h, adapter, *rest: calls.append(isinstance(adapter, tuple)) or real(h, adapter,
-                                                                                                       *rest)
+        real = native.ExitCheck.__call__
+        mlp_fn = native._lib.exit_check_mlp
+        native.ExitCheck.__call__ = lambda self, h: calls.append(self._fn is mlp_fn) or real(self, h)
     try:
         with torch.inference_mode():
             for scale in (0.5, 2.0, 8.0):
@@ -218,7 +277,7 @@ def test_mlp_adapters_save_load_and_serve_natively(tiny_model, tmp_path):
                 assert abs(float(margin[0]) - float(top2[0, 0] - top2[0, 1])) < 1e-4
     finally:
         if native.available():
-            native.exit_check = real
+            native.ExitCheck.__call__ = real
     assert calls == ([True] * 3 if native.available() else [])  # the MLP's weights went to the native check
 
     meta["adapter_kind"] = "conv"
@@ -777,3 +836,58 @@ def test_recalibrate_with_the_joint_policy(tiny_model, trained, tmp_path):
     (bad / "exits.json").write_text(json.dumps(meta))
     with pytest.raises(ExitsError, match="malformed thresholds"):
         load_exits(bad, lm_.model)
+
+
+def test_one_sequence_fast_path_is_the_general_path(monkeypatch):
+    """``exit_forward`` of one sequence on a bf16 model with the native stack takes ``_exit_one``
+    (fewer Python ops between the native calls); it gives what the general path gives, to the bit:
+    logits, layers run, caches and filled KV, with exits, with the last layer's check, with none,
+    and with ``allow`` False (no exit; the native head, within bf16 rounding of PyTorch's)."""
+    from codecomplete.model import early_exit
+    from tests.test_native import random_bf16_model
+
+    model = random_bf16_model(11, 0.1, tie=True, unit_norms=True, vocab_size=200, dim=64, n_layers=6, n_heads=4,
+                              n_kv_heads=2, head_dim=16, hidden_dim=128)
+    assert model.native_decode(True) and model.native_stack is not None
+    exits = untrained_exits(model, [2, 4])
+    exits.subset = torch.arange(0, 200, 2)
+    prompt = torch.randint(0, 200, (1, 30), generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = early_exit._exit_one
+    monkeypatch.setattr(early_exit, "_exit_one", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run(fast: bool, thresholds: dict, allow: bool = True, greedy: bool = False):
+        monkeypatch.setattr(early_exit, "FAST_ONE", fast)
+        cache = model.new_cache(64)
+        out = []
+        with torch.inference_mode():
+            model(prompt, [cache])
+            tok = 3
+            for step in range(8):
+                logits, ran = exit_forward(model, exits, ExitPolicy("softmax", thresholds), [tok], [cache], [step],
+                                           allow=[allow], greedy=greedy)
+                out.append((logits, ran))
+                tok = int(logits.argmax(-1)[0])
+        return out, cache
+
+    seen = set()
+    for thresholds in ({2: 0.05, 4: 0.02}, {4: 0.03, 6: 0.005}, {}, {2: 0.0}):
+        for greedy in (False, True):
+            calls.clear()
+            exits.head_skips = 0
+            a, ca = run(True, thresholds, greedy=greedy)
+            skips, exits.head_skips = exits.head_skips, 0
+            b, cb = run(False, thresholds, greedy=greedy)
+            assert len(calls) == 8  # every step took the fast path, and only when asked to
+            assert skips == exits.head_skips and (skips > 0) == (6 in thresholds)  # the last layer's check too
+            for (la, ra), (lb, rb) in zip(a, b):
+                assert ra == rb and torch.equal(la, lb)
+                seen.update(ra)
+            n = ca.length
+            assert n == cb.length == 38
+            assert torch.equal(ca.k[:, :, :n], cb.k[:, :, :n]) and torch.equal(ca.v[:, :, :n], cb.v[:, :, :n])
+    assert {2, 4, 6} <= seen  # tokens left at each exit and went the whole way
+    (a, _), (b, _) = run(True, {2: 0.0}, allow=False), run(False, {2: 0.0}, allow=False)
+    for (la, ra), (lb, rb) in zip(a, b):
+        assert ra == rb == [6] and torch.equal(la.argmax(-1), lb.argmax(-1))
+        torch.testing.assert_close(la, lb, rtol=2e-2, atol=2e-2)

@@ -542,3 +542,41 @@ float exit_check_mlp(int D, int N, int H, const uint16_t *h, const uint16_t *a1,
     }
     return softmax_margin(N, logits);
 }
+
+/* Early exit's KV filling of one token (issue #9; early_exit.fill_kv with FoldedKV) in one call, instead
+ * of ~12 PyTorch ops: the exit layer's state h [D] (bf16) normalised without a weight, u = h / rms(h)
+ * computed in fp32 and rounded to bf16 once (F.rms_norm of the fp32 row; FoldedKV's rows carry each
+ * layer's norm weight); kv = u W^T (+ bias) over the n skipped layers' K and V rows (``rows``: their
+ * [n * 2 K E, D] rows packed by pack_linear, the AMX layout when ``amx``; bias [n * 2 K E] bf16 or NULL);
+ * then for layer first + l the keys' rotary embedding at the token's position (cs, sn [E] bf16 from
+ * Transformer.rope, rounded as apply_rope rounds) and keys and values written at position ``pos`` of
+ * the caches kbase, vbase ([L, K, cap, E], dtype el_kv).  u [D] and kv [n * 2 K E] are scratch. */
+void fill_kv_folded(int D, int K, int E, int first, int n, const uint16_t *h, float eps, const uint16_t *rows,
+                    const uint16_t *bias, int amx, const uint16_t *cs, const uint16_t *sn, int el_kv, void *kbase,
+                    void *vbase, int64_t cap, int64_t pos, uint16_t *u, uint16_t *kv) {
+    float ss = 0.0f;
+    for (int d = 0; d < D; d++) {
+        const float v = bf16_to_f32(h[d]);
+        ss += v * v;
+    }
+    const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+    for (int d = 0; d < D; d++) u[d] = f32_to_bf16(bf16_to_f32(h[d]) * inv);
+    const int W = 2 * K * E; /* one layer's K and V rows */
+#pragma omp parallel
+    {
+        if (amx)
+            linear_team_amx(1, n * W, D, u, rows, bias, kv);
+        else
+            linear_team(1, n * W, D, u, rows, bias, kv);
+    }
+    for (int l = 0; l < n; l++) {
+        for (int hh = 0; hh < K; hh++) {
+            const size_t d = (((size_t)(first + l) * K + hh) * (size_t)cap + (size_t)pos) * E;
+            const size_t ko = (size_t)l * W + (size_t)hh * E, vo = (size_t)l * W + (size_t)(K + hh) * E;
+            for (int e = 0; e < E; e++) {
+                st(kbase, d + e, rope_at(kv, ko, cs, sn, 0, e, E, 2), el_kv);
+                st(vbase, d + e, bf16_to_f32(kv[vo + e]), el_kv);
+            }
+        }
+    }
+}
