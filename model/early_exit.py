@@ -121,7 +121,8 @@ class Exits(nn.Module):
             return None
         w0 = model.layers[0].attn.wqkv.weight
         self._fast = FastPath(model, stack, self.folded_kv(model), w0, w0._version, model.args.n_layers,
-                              model.args.vocab_size, torch.full((model.args.vocab_size,), float("-inf")))
+                              model.args.vocab_size, torch.full((model.args.vocab_size,), float("-inf")),
+                              model.embed.weight.detach())
         return self._fast
 
     def folded_kv(self, model: Transformer) -> "FoldedKV | None":
@@ -346,6 +347,7 @@ class FoldedKV:
     bias: torch.Tensor | None  # [n_layers * 2 kd] or None
     rows: int  # 2 kd: one layer's rows
     eps: float
+    _fills: dict = field(default_factory=dict)  # first layer -> native.KVFill, or False where it cannot run
 
     @classmethod
     def build(cls, model: Transformer) -> "FoldedKV":
@@ -362,14 +364,21 @@ class FoldedKV:
 
     def fill(self, h: torch.Tensor, first: int, n_layers: int, cos: torch.Tensor, sin: torch.Tensor, cache: SeqKV,
              pos: int) -> bool:
-        """``fill_kv`` in one native call (``native.fill_kv_folded``: the norm, the product, RoPE
-        and the cache writes; measured on the AVX2 EPYC inside a decode step: 0.39 ms through
-        ``project`` and PyTorch's ops); False where that call does not apply."""
-        rows = native.packed_rows(self.packed, first * self.rows)
-        if rows is None:
-            return False
-        b = self.bias[first * self.rows:] if self.bias is not None else None
-        return native.fill_kv_folded(h, rows, b, first, n_layers - first, self.eps, cos, sin, cache.k, cache.v, pos)
+        """``fill_kv`` in one native call (``native.KVFill``, bound once per exit layer: the norm,
+        the product, RoPE and the cache writes; measured on the AVX2 EPYC inside a decode step:
+        0.39 ms through ``project`` and PyTorch's ops, 0.2 ms so); False where it does not apply."""
+        fill = self._fills.get(first)
+        if fill is None:
+            rows = native.packed_rows(self.packed, first * self.rows)
+            b = self.bias[first * self.rows:] if self.bias is not None else None
+            e = cache.k.shape[-1]
+            try:
+                fill = native.KVFill(rows, b, first, n_layers - first, self.eps, h.numel(), self.rows // 2 // e, e) \
+                    if rows is not None else False
+            except (RuntimeError, ValueError):
+                fill = False
+            self._fills[first] = fill
+        return bool(fill) and fill(h, cos, sin, cache.k, cache.v, pos)
 
     def project(self, h: torch.Tensor, first: int, n_layers: int) -> torch.Tensor | None:
         """K and V of layers ``first``.. for the state h [D] ([n_layers - first, 2 kd] bf16),
@@ -554,6 +563,7 @@ class FastPath:
     n_layers: int
     vocab: int
     neg: torch.Tensor  # [V] fp32 -inf: a subset head's row in the full vocabulary starts as its copy
+    embed: torch.Tensor  # the embedding's weight [V, D]
 
 
 def _exit_one(model: Transformer, exits: "Exits", fast: FastPath, policy: ExitPolicy, token: int, cache: SeqKV,
@@ -566,8 +576,12 @@ def _exit_one(model: Transformer, exits: "Exits", fast: FastPath, policy: ExitPo
     n_layers = fast.n_layers
     cache.reserve(1)
     pos = cache.length
-    cos, sin = model.rope(torch.tensor([[pos]]))
-    x = F.embedding(torch.tensor([[token]]), model.embed.weight)
+    table = model._rope_table  # Transformer.rope's table, read directly: no op beyond two views
+    if table is None or table[1].shape[0] <= pos or table[1].dtype != torch.bfloat16:
+        model.rope(torch.tensor([[pos]]), end=pos + 1)
+        table = model._rope_table
+    cos, sin = table[1][pos].view(1, 1, 1, -1), table[2][pos].view(1, 1, 1, -1)
+    x = fast.embed[token].view(1, 1, -1)
     caches = native.StepCaches([cache])
     n = 0
     if allow:

@@ -476,35 +476,49 @@ def exit_check(h: torch.Tensor, adapter: "torch.Tensor | tuple | None", norm_w: 
     return margin, logits.clone(), y.clone()
 
 
-def fill_kv_folded(h: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor | None, first: int, n: int, eps: float,
-                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   pos: int) -> bool:
-    """Early exit's KV filling of one token in one native call (step_ops.c's fill_kv_folded): the
-    exit state h [D] bf16 normalised without a weight, times ``rows`` (the K and V rows of layers
-    ``first`` .. ``first + n - 1`` with their norm weights folded in, packed by ``pack_linear``:
-    ``early_exit.FoldedKV``) plus ``bias``; keys rotated by cos, sin ([E] at the token's position);
-    keys and values written at ``pos`` of those layers of k_cache, v_cache ([L, K, capacity, E],
-    contiguous, bf16 or fp32).  Returns False (nothing written) where this build lacks the kernel
-    or the inputs do not fit it; the caller then takes the PyTorch path."""
-    if not available() or not hasattr(_lib, "fill_kv_folded") or k_cache.dtype not in _ELSIZE \
-            or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return False
-    amx = amx_layout(rows)
-    if not amx and panel_layout(rows) != (linear_bf16_path() == 1):
-        return False
-    _, kvh, cap, e = k_cache.shape
-    d = h.shape[-1]
-    if not 0 <= pos < cap or first + n > k_cache.shape[0]:
-        raise ValueError(f"KV fill out of the cache: position {pos} of {cap}, layers {first}..{first + n - 1}")
-    h = h.reshape(d).to(torch.bfloat16).contiguous()
-    cs = cos.reshape(-1)[-e:].to(torch.bfloat16).contiguous()
-    sn = sin.reshape(-1)[-e:].to(torch.bfloat16).contiguous()
-    scratch = torch.empty(d + n * 2 * kvh * e, dtype=torch.bfloat16)
-    _lib.fill_kv_folded(d, kvh, e, first, n, h.data_ptr(), eps, rows.data_ptr(),
-                        bias.data_ptr() if bias is not None else None, int(amx), cs.data_ptr(), sn.data_ptr(),
-                        _ELSIZE[k_cache.dtype], k_cache.data_ptr(), v_cache.data_ptr(), cap, pos,
-                        scratch.data_ptr(), scratch[d:].data_ptr())
-    return True
+class KVFill:
+    """Early exit's KV filling of one token, its weights bound once (step_ops.c's fill_kv_folded):
+    the exit state h [D] bf16 normalised without a weight, times ``rows`` (the K and V rows of
+    layers ``first`` .. ``first + n - 1`` with their norm weights folded in, packed by
+    ``pack_linear``: ``early_exit.FoldedKV``) plus ``bias``; keys rotated by cos, sin (the token's
+    position's [E] angles, bf16); keys and values written at ``pos`` of those layers of the caches
+    ([L, K, capacity, E], contiguous, bf16 or fp32)."""
+
+    def __init__(self, rows: torch.Tensor, bias: torch.Tensor | None, first: int, n: int, eps: float, dim: int,
+                 kv_heads: int, head_dim: int):
+        if not available() or not hasattr(_lib, "fill_kv_folded"):
+            raise RuntimeError(f"native KV filling unavailable: {_error or 'an older build'}")
+        self.amx = amx_layout(rows)
+        if not self.amx and panel_layout(rows) != (linear_bf16_path() == 1):
+            raise ValueError("weight packed for another build's linear kernel (pack_linear's path)")
+        self.first, self.n, self.dim, self.e = first, n, dim, head_dim
+        self._keep = (rows, bias)
+        self._scratch = torch.empty(dim + n * 2 * kv_heads * head_dim, dtype=torch.bfloat16)
+        self._pre = (dim, kv_heads, head_dim, first, n)
+        self._mid = (eps, rows.data_ptr(), bias.data_ptr() if bias is not None else None, int(self.amx))
+        self._post = (self._scratch.data_ptr(), self._scratch[dim:].data_ptr())
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, pos: int) -> bool:
+        """Writes the token's K and V; False (nothing written) where the caches do not fit the
+        kernel (another dtype, not contiguous): the caller then takes the PyTorch path."""
+        el = _ELSIZE.get(k_cache.dtype)
+        if el is None or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return False
+        _, kv_heads, cap, e = k_cache.shape
+        if not 0 <= pos < cap or self.first + self.n > k_cache.shape[0] or e != self.e:
+            raise ValueError(f"KV fill out of the cache: position {pos} of {cap}, "
+                             f"layers {self.first}..{self.first + self.n - 1} of {k_cache.shape[0]}")
+        if h.dtype != torch.bfloat16 or h.numel() != self.dim:
+            raise ValueError(f"KV fill of one bf16 row of {self.dim}, not {h.dtype} {tuple(h.shape)}")
+        h = h if h.is_contiguous() else h.contiguous()
+        cs = cos if cos.dtype == torch.bfloat16 and cos.is_contiguous() else cos.to(torch.bfloat16).contiguous()
+        sn = sin if sin.dtype == torch.bfloat16 and sin.is_contiguous() else sin.to(torch.bfloat16).contiguous()
+        if cs.numel() != e or sn.numel() != e:
+            raise ValueError(f"KV fill needs one position's {e} angles, not {tuple(cos.shape)}")
+        _lib.fill_kv_folded(*self._pre, h.data_ptr(), *self._mid, cs.data_ptr(), sn.data_ptr(), el,
+                            k_cache.data_ptr(), v_cache.data_ptr(), cap, pos, *self._post)
+        return True
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
