@@ -67,6 +67,12 @@ class MLPAdapter(nn.Module):
 ADAPTER_KINDS = ("linear", "mlp")
 
 
+def _version(w: torch.Tensor) -> int:
+    """A weight's in-place version, 0 for an inference tensor (they track none; loaded for
+    serving, they are never trained)."""
+    return 0 if w.is_inference() else w._version
+
+
 class Exits(nn.Module):
     """Exit points of one model: adapters, classifiers, vocabulary subset, thresholds.
     An adapter is ``linear`` (h + A h, A [D, D]) or ``mlp`` (h + W2 silu(W1 h), ``MLPAdapter``
@@ -114,13 +120,13 @@ class Exits(nn.Module):
         the native stack, gradients on, no vocabulary subset."""
         got = self._fast
         if (got is not None and got.model is model and got.stack is model.native_stack
-                and got.watch._version == got.version):
+                and _version(got.watch) == got.version):
             return got
         stack = model.native_stack
         if stack is None or torch.is_grad_enabled() or not len(self.subset) or self.folded_kv(model) is None:
             return None
         w0 = model.layers[0].attn.wqkv.weight
-        self._fast = FastPath(model, stack, self.folded_kv(model), w0, w0._version, model.args.n_layers,
+        self._fast = FastPath(model, stack, self.folded_kv(model), w0, _version(w0), model.args.n_layers,
                               model.args.vocab_size, torch.full((model.args.vocab_size,), float("-inf")),
                               model.embed.weight.detach())
         return self._fast
@@ -148,7 +154,7 @@ class Exits(nn.Module):
         return F.linear(x, w)
 
     def _pack(self, name: str, w: torch.Tensor) -> torch.Tensor:
-        key = (w.data_ptr(), w._version if not w.is_inference() else 0)  # inference tensors are never trained
+        key = (w.data_ptr(), _version(w))
         got = self._packed.get(name)
         if got is None or got[0] != key:
             got = self._packed[name] = (key, native.pack_linear(w))
@@ -158,7 +164,7 @@ class Exits(nn.Module):
         """The native check of an exit (or of the last layer), bound once; bound again when a
         weight it reads changed in place (its version) or was replaced (its address)."""
         got = self._checks.get(layer)
-        if got is not None and all(w._version == v and w.data_ptr() == p for w, v, p in got[0]):
+        if got is not None and all(_version(w) == v and w.data_ptr() == p for w, v, p in got[0]):
             return got[1]
         adapter, watch = None, [model.norm.weight]
         if self.trained and layer < model.args.n_layers:
@@ -173,7 +179,7 @@ class Exits(nn.Module):
                 watch.append(a.weight)
         subset = self._pack("subset", self._subset_weight(model, torch.empty(0, dtype=dtype)))
         check = native.ExitCheck(adapter, model.norm.weight, model.norm.eps, subset, len(self.subset), model.args.dim)
-        self._checks[layer] = ([(w, w._version, w.data_ptr()) for w in watch], check)
+        self._checks[layer] = ([(w, _version(w), w.data_ptr()) for w in watch], check)
         return check
 
     def _subset_weight(self, model: Transformer, x: torch.Tensor) -> torch.Tensor:

@@ -887,6 +887,23 @@ def test_one_sequence_fast_path_is_the_general_path(monkeypatch):
             assert n == cb.length == 38
             assert torch.equal(ca.k[:, :, :n], cb.k[:, :, :n]) and torch.equal(ca.v[:, :, :n], cb.v[:, :, :n])
     assert {2, 4, 6} <= seen  # tokens left at each exit and went the whole way
+    # exits and a model made under inference mode (as served): their tensors track no versions
+    monkeypatch.setattr(early_exit, "FAST_ONE", True)
+    with torch.inference_mode():
+        served = random_bf16_model(11, 0.1, tie=True, unit_norms=True, vocab_size=200, dim=64, n_layers=6, n_heads=4,
+                                   n_kv_heads=2, head_dim=16, hidden_dim=128)
+        assert served.native_decode(True)
+        ex = untrained_exits(served, [2, 4])
+        ex.subset = torch.arange(0, 200, 2)
+        ex.trained = True  # the (zero) adapters are read by the check
+        assert ex.adapters[0].weight.is_inference()
+        cache = served.new_cache(64)
+        served(prompt, [cache])
+        calls.clear()
+        for step in range(4):
+            _, ran = exit_forward(served, ex, ExitPolicy("softmax", {2: 0.0}), [3], [cache], [step])
+            assert ran == [2]
+        assert len(calls) == 4 and cache.length == 34
     (a, _), (b, _) = run(True, {2: 0.0}, allow=False), run(False, {2: 0.0}, allow=False)
     for (la, ra), (lb, rb) in zip(a, b):
         assert ra == rb == [6] and torch.equal(la.argmax(-1), lb.argmax(-1))
