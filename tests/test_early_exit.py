@@ -908,3 +908,45 @@ def test_one_sequence_fast_path_is_the_general_path(monkeypatch):
     for (la, ra), (lb, rb) in zip(a, b):
         assert ra == rb == [6] and torch.equal(la.argmax(-1), lb.argmax(-1))
         torch.testing.assert_close(la, lb, rtol=2e-2, atol=2e-2)
+
+
+def test_self_speculation_on_the_native_stack_is_greedy_decoding(monkeypatch):
+    """Lossless mode on a bf16 model with the native stack (its drafts through the fast path's
+    direct calls): every round's accepted tokens and logits are what the PyTorch-op drafting
+    gives, and the tokens are greedy decoding's, to the bit."""
+    from codecomplete.model.early_exit import self_spec
+    from tests.test_native import random_bf16_model
+
+    model = random_bf16_model(5, 0.1, tie=True, unit_norms=True, vocab_size=200, dim=64, n_layers=6, n_heads=4,
+                              n_kv_heads=2, head_dim=16, hidden_dim=128)
+    assert model.native_decode(True)
+    exits = untrained_exits(model, [3])
+    exits.subset = torch.arange(0, 200)
+    prompt = torch.randint(0, 200, (1, 20), generator=torch.Generator().manual_seed(2))
+
+    def lossless(fast: bool) -> tuple[list[int], list[torch.Tensor], int]:
+        if not fast:
+            monkeypatch.setattr(Exits, "fast_path", lambda self, model: None)
+        try:
+            cache = model.new_cache(64)
+            with torch.inference_mode():
+                logits = model(prompt, [cache])[0]
+                out, rows, drafted, accepted = [int(logits.argmax())], [], 0, 0
+                while len(out) < 16:
+                    acc, lg, d = self_spec(model, exits, 3, out[-1], cache, 4)
+                    drafted, accepted = drafted + d, accepted + len(acc)
+                    rows.append(lg)
+                    out += acc + [int(lg[-1].argmax())]
+            return out[:16], rows, (drafted, accepted)
+        finally:
+            monkeypatch.undo()
+
+    fast, rows_fast, drafted = lossless(True)
+    slow, rows_slow, _ = lossless(False)
+    assert drafted[0] > drafted[1] > 0 and fast == slow and all(torch.equal(a, b) for a, b in zip(rows_fast, rows_slow))
+    cache = model.new_cache(64)
+    with torch.inference_mode():
+        greedy = [int(model(prompt, [cache])[0].argmax())]
+        while len(greedy) < 16:
+            greedy.append(int(model(torch.tensor([[greedy[-1]]]), [cache])[0].argmax()))
+    assert fast == greedy
