@@ -707,10 +707,9 @@ def self_spec(model: Transformer, exits: Exits, layer: int, root: int, cache: Se
     cos, sin = model.rope(torch.arange(base, base + s, device=dev).unsqueeze(0))
     cache.length = base
     _, logits = _run_layers(model, torch.cat(states, 1), cos, sin, layer, a.n_layers, cache, logits=True, greedy=True)
-    logits = logits.float()  # [s, V]
-    greedy = greedy_tokens(logits)
+    greedy = greedy_tokens(logits)  # [s, V] in the model's dtype (bf16: the native argmax, no fp32 copy)
     acc = 0
     while acc < len(drafts) and greedy[acc] == drafts[acc]:
         acc += 1
     cache.length = base + 1 + acc
-    return drafts[:acc], logits[: acc + 1], len(drafts)
+    return drafts[:acc], logits[: acc + 1].float(), len(drafts)
