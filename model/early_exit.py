@@ -123,12 +123,12 @@ class Exits(nn.Module):
                 and _version(got.watch) == got.version):
             return got
         stack = model.native_stack
-        if stack is None or torch.is_grad_enabled() or not len(self.subset) or self.folded_kv(model) is None:
+        folded = self.folded_kv(model) if stack is not None and len(self.subset) else None
+        if folded is None or torch.is_grad_enabled():
             return None
         w0 = model.layers[0].attn.wqkv.weight
-        self._fast = FastPath(model, stack, self.folded_kv(model), w0, _version(w0), model.args.n_layers,
-                              model.args.vocab_size, torch.full((model.args.vocab_size,), float("-inf")),
-                              model.embed.weight.detach())
+        self._fast = FastPath(model, stack, folded, w0, _version(w0), model.args.n_layers,
+                              torch.full((model.args.vocab_size,), float("-inf")), model.embed.weight.detach())
         return self._fast
 
     def folded_kv(self, model: Transformer) -> "FoldedKV | None":
@@ -177,15 +177,15 @@ class Exits(nn.Module):
             else:
                 adapter = self._pack(f"adapter{i}", a.weight)
                 watch.append(a.weight)
-        subset = self._pack("subset", self._subset_weight(model, torch.empty(0, dtype=dtype)))
+        subset = self._pack("subset", self._subset_weight(model, dtype, model.norm.weight.device))
         check = native.ExitCheck(adapter, model.norm.weight, model.norm.eps, subset, len(self.subset), model.args.dim)
         self._checks[layer] = ([(w, _version(w), w.data_ptr()) for w in watch], check)
         return check
 
-    def _subset_weight(self, model: Transformer, x: torch.Tensor) -> torch.Tensor:
+    def _subset_weight(self, model: Transformer, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         w = self._subset_w
-        if w is None or w.dtype != x.dtype or w.device != x.device:  # gathered once, not per token
-            w = self._subset_w = model.head.weight.detach()[self.subset].to(x.dtype)
+        if w is None or w.dtype != dtype or w.device != device:  # gathered once, not per token
+            w = self._subset_w = model.head.weight.detach()[self.subset].to(dtype)
         return w
 
     def state(self, layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -203,7 +203,7 @@ class Exits(nn.Module):
         """Exit logits [.., V] (or [.., |subset|] over the subset) of hidden states h [.., D]."""
         x = model.norm(self.state(layer, h) if layer < model.args.n_layers else h)
         if subset and len(self.subset):
-            return self._linear("subset", x, self._subset_weight(model, x))
+            return self._linear("subset", x, self._subset_weight(model, x.dtype, x.device))
         return model.head(x)
 
     def in_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -371,7 +371,7 @@ class FoldedKV:
     def fill(self, h: torch.Tensor, first: int, n_layers: int, cos: torch.Tensor, sin: torch.Tensor, cache: SeqKV,
              pos: int) -> bool:
         """``fill_kv`` in one native call (``native.KVFill``, bound once per exit layer: the norm,
-        the product, RoPE and the cache writes; measured on the AVX2 EPYC inside a decode step:
+        the product, RoPE and the cache writes; measured on the AVX-512 EPYC inside a decode step:
         0.39 ms through ``project`` and PyTorch's ops, 0.2 ms so); False where it does not apply."""
         fill = self._fills.get(first)
         if fill is None:
@@ -558,7 +558,7 @@ FAST_ONE = True  # exit_forward of one sequence through _exit_one where it appli
 class FastPath:
     """What ``_exit_one`` needs, resolved once per model (``Exits.fast_path``): inside a decode
     step every Python lookup runs with the caches cold from the layers' weights (measured on the
-    AVX2 EPYC: ~50-150 us for an nn.Module attribute chain or a small tensor op), so the step
+    AVX-512 EPYC: ~50-150 us for an nn.Module attribute chain or a small tensor op), so the step
     touches as little Python as it can."""
 
     model: Transformer
@@ -567,7 +567,6 @@ class FastPath:
     watch: torch.Tensor  # the first layer's qkv weight: a change in place (its version) rebuilds the path
     version: int
     n_layers: int
-    vocab: int
     neg: torch.Tensor  # [V] fp32 -inf: a subset head's row in the full vocabulary starts as its copy
     embed: torch.Tensor  # the embedding's weight [V, D]
 

@@ -223,8 +223,8 @@ def test_native_softmax_check_is_the_pytorch_check(tiny_model, trained):
         assert torch.equal(after, exits.logits(model, layer, h, subset=True).float())
     # the one-call form gives copies, not the bound buffer
     check = exits._check(model, layer, torch.bfloat16)
-    m1, l1, y1 = native.exit_check(h, None, model.norm.weight, model.norm.eps,
-                                   exits._pack("subset", exits._subset_weight(model, h)), len(exits.subset))
+    subset = exits._pack("subset", exits._subset_weight(model, h.dtype, h.device))
+    m1, l1, y1 = native.exit_check(h, None, model.norm.weight, model.norm.eps, subset, len(exits.subset))
     assert l1.data_ptr() != check.logits.data_ptr()
     with pytest.raises(ValueError, match="one bf16 row"):
         check(h.float())

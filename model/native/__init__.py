@@ -436,7 +436,7 @@ class ExitCheck:
     (margin, logits [n] bf16, state [D] bf16), both views of one buffer that the next call
     overwrites.  Binding once matters: inside a decode step, with the caches cold from the
     layers' weights, the per-call checks and allocations cost ~0.1 ms beside the kernel's ~0.3
-    (measured on the AVX2 EPYC)."""
+    (measured on the AVX-512 EPYC)."""
 
     def __init__(self, adapter: "torch.Tensor | tuple | None", norm_w: torch.Tensor, eps: float,
                  subset: torch.Tensor, n: int, dim: int):
