@@ -110,6 +110,7 @@ class Exits(nn.Module):
         self.head_skips = 0  # tokens the final check took (benchmarks read and reset it)
         self._kv: tuple | None = None  # (key, FoldedKV) for fill_kv (``folded_kv``)
         self._fast: FastPath | None = None  # exit_forward's one-sequence path (``fast_path``)
+        self._neg: torch.Tensor | None = None  # [V] fp32 -inf: ``in_vocab``'s rows start as its copies
 
     def index(self, layer: int) -> int:
         return self.layers.index(layer)
@@ -127,8 +128,8 @@ class Exits(nn.Module):
         if folded is None or torch.is_grad_enabled():
             return None
         w0 = model.layers[0].attn.wqkv.weight
-        self._fast = FastPath(model, stack, folded, w0, _version(w0), model.args.n_layers,
-                              torch.full((model.args.vocab_size,), float("-inf")), model.embed.weight.detach())
+        self._fast = FastPath(model, stack, folded, w0, _version(w0), model.args.n_layers, model.args.vocab_size,
+                              model.embed.weight.detach())
         return self._fast
 
     def folded_kv(self, model: Transformer) -> "FoldedKV | None":
@@ -211,9 +212,11 @@ class Exits(nn.Module):
         subset); as they are when there is no subset."""
         if len(self.subset) == 0:
             return logits
-        full = torch.full((logits.shape[0], vocab_size), float("-inf"), device=logits.device)
-        full[:, self.subset] = logits.float()
-        return full
+        neg = self._neg
+        if neg is None or neg.shape[0] != vocab_size or neg.device != logits.device:
+            neg = self._neg = torch.full((vocab_size,), float("-inf"), device=logits.device)
+        # a copy of a kept -inf row, not torch.full and an indexed write: fewer ops inside a step
+        return neg.expand(logits.shape[0], vocab_size).clone().index_copy_(1, self.subset, logits.float())
 
     def tokens(self, logits: torch.Tensor, subset: bool) -> torch.Tensor:
         top = logits.argmax(-1)
@@ -563,11 +566,11 @@ class FastPath:
 
     model: Transformer
     stack: object  # native.Stack
-    folded: FoldedKV | None
+    folded: FoldedKV
     watch: torch.Tensor  # the first layer's qkv weight: a change in place (its version) rebuilds the path
     version: int
     n_layers: int
-    neg: torch.Tensor  # [V] fp32 -inf: a subset head's row in the full vocabulary starts as its copy
+    vocab: int
     embed: torch.Tensor  # the embedding's weight [V, D]
 
 
@@ -602,12 +605,9 @@ def _exit_one(model: Transformer, exits: "Exits", fast: FastPath, policy: ExitPo
             n = e
             margin, logits, _ = exits._check(model, e, torch.bfloat16)(x)
             if margin >= policy.threshold(e, step):
-                row = fast.neg.clone().index_copy_(0, exits.subset, logits.float())
-                h = x.view(-1)
-                if fast.folded is None or not fast.folded.fill(h, e, n_layers, cos, sin, cache, pos):
-                    fill_kv(model, h, cache, e, pos, cos, sin, fast.folded)
+                fill_kv(model, x.view(-1), cache, e, pos, cos, sin, fast.folded)
                 cache.length += 1
-                return row, e
+                return exits.in_vocab(logits.view(1, -1), fast.vocab)[0], e
     final = allow and n_layers in policy.thresholds and len(exits.subset) > 0
     g = greedy and allow and model.use_greedy_head(1)
     if final:
@@ -617,7 +617,7 @@ def _exit_one(model: Transformer, exits: "Exits", fast: FastPath, policy: ExitPo
         if margin >= policy.threshold(n_layers, step):
             exits.head_skips += 1
             cache.length += 1
-            return fast.neg.clone().index_copy_(0, exits.subset, logits.float()), n_layers
+            return exits.in_vocab(logits.view(1, -1), fast.vocab)[0], n_layers
         out = native.decode_stack(fast.stack, x, cos, sin, caches, None, logits="last", layers=(n_layers, n_layers),
                                   greedy=g)[1]
     else:
