@@ -7,9 +7,10 @@ and the head for each, and times
 S input rows through all of them (what a forward of S rows costs the linear layers), both
 kernels alternating within each round (this machine's memory bandwidth drifts within minutes).
 Each cell: the median over rounds of the per-round median; the ratio is taken within a round.
-Also checks that both kernels' outputs agree within a bf16 rounding on every matrix.  Only
-meaningful where ``linear_bf16_path() == 1`` (AVX2 + FMA without AVX512-BF16).  Writes
-bench/results/linear_avx2.md (+ .json).
+Also checks that both kernels' outputs agree within a bf16 rounding on every matrix.  Meant for
+``linear_bf16_path() == 1`` (AVX2 + FMA without AVX512-BF16); on an AVX512-BF16 CPU without AMX
+(path 2) it compares the dot-product kernels of two revisions, whose layout is the same (``--old
+4b689b6``: before the multi-row prefetch into L2).  Writes bench/results/linear_avx2.md (+ .json).
 
     python bench/linear_avx2.py [--old 4a68aab] [--rows 1,2,3,4,5,6,8,9,12,16,17,32,64,256] [--rounds 5]
 """
@@ -48,12 +49,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default=str(RESULTS / "linear_avx2"))
     args = ap.parse_args()
-    if native.linear_bf16_path() != 1:
-        raise SystemExit(f"this build's bf16 linear path is {native.linear_bf16_path()}, not 1 (AVX2 + FMA)")
+    path = native.linear_bf16_path()
+    if path not in (1, 2) or native.amx():
+        raise SystemExit(f"this build's bf16 linear path is {path} (amx {native.amx()}), not AVX2 (1) or AVX512-BF16 (2)")
     tmp = tempfile.TemporaryDirectory()
     old, old_panels = build_old(args.old, Path(tmp.name))
-    if old.linear_bf16_path() != 1:
-        raise SystemExit("the old build does not run its AVX2 path here")
+    old_panels = old_panels and path == 1  # an AVX512-BF16 build never reads panels
+    if old.linear_bf16_path() != path:
+        raise SystemExit(f"the old build does not run path {path} here")
     lm = native_model(args.model)
     model = lm.model
     lins = [lin for b in model.layers for lin in (b.attn.wqkv, b.attn.wo, b.mlp.w13, b.mlp.w2)] + [model.head]
@@ -109,11 +112,13 @@ def main() -> None:
               "cells": {f"{name}/{s}": v for (name, s), v in cells.items()}}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    lines = [header("The AVX2 bf16 linear kernel against an earlier revision's"), "",
+    kind = "AVX2" if path == 1 else "AVX512-BF16"
+    layout = "panels [N/16][K][8][2]" if path == 1 else "dot products, [N/4][K/32][4][32]"
+    lines = [header(f"The {kind} bf16 linear kernel against an earlier revision's"), "",
              f"Model {lm.name}: every linear layer and the head ({weight_mb:.0f} MB of bf16 weights, "
              f"{macs / 1e6:.0f}M MACs per row), S input rows through all of them, from memory. Old: the kernel of "
              f"{args.old} ({'panels' if old_panels else 'dot products, [N/4][K/32][4][32]'}); new: this checkout's "
-             f"(linear.c, panels [N/16][K][8][2]). "
+             f"(linear.c, {layout}). "
              f"{args.rounds} rounds, both kernels alternating in each; medians; ratios within a round. Both within "
              f"{worst:.2g} of the largest output of an fp32 product on every matrix (8 rows).", "",
              "| S | old ms | new ms | speed-up | old / 1-row step | new / 1-row step | new GMAC/s |",
