@@ -1,13 +1,14 @@
 """Replay sessions made from real repositories' git history through the real daemon.
 
-    python bench/replay.py REPO_GIT_DIR [REPO_GIT_DIR ...] [--commits 4] [--max-requests 8]
+    python bench/replay.py REPO_GIT_DIR [REPO_GIT_DIR ...] [--commits 4] [--max-requests 8] [--out DIR]
 
 For each repository (a clone or bare mirror; its code is never committed here):
 ``codecomplete-daemon sessions from-git`` makes one typing session per recent commit,
 then ``codecomplete-daemon replay`` plays them through the daemon for each scheme,
 compressed (each request awaited), and once more in real time (speed 2, two users) for
 the first repository to show requests dropped while the user types on.  The per-run
-reports stay under ``bench/results/replay/``; ``bench/results/replay.md`` gathers them.
+reports stay under ``bench/results/replay/`` (``--out``); ``bench/results/replay.md`` (``--out`` + .md)
+gathers them.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ def main() -> None:
     ap.add_argument("--max-requests", type=int, default=8)
     ap.add_argument("--schemes", default="baseline,efim,efim-nospec,efim-through")
     ap.add_argument("--model", default="default")
+    ap.add_argument("--out", default=str(RESULTS / "replay"), help="the results: OUT.md, and the reports under OUT/")
     args = ap.parse_args()
-    out_root = RESULTS / "replay"
+    out_root = Path(args.out)
     out_root.mkdir(parents=True, exist_ok=True)
     exe = [sys.executable, "-m", "codecomplete.daemon"]
     sections, commands = [], []
@@ -80,7 +82,7 @@ def main() -> None:
                          f"{s.get('cached', 0)} |")
     lines += ["", "Per-run reports (JSON, Markdown, latency CDF and reuse-per-round plots): "
               + ", ".join(f"[`replay/{f}/`](replay/{f}/report.md)" for _, _, f, _ in sections)]
-    (RESULTS / "replay.md").write_text("\n".join(lines) + "\n")
+    out_root.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
