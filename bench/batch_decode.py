@@ -4,7 +4,8 @@ Builds the native library of ``--old`` beside this checkout's (``common.build_re
 times the default model's one-token decode step at each batch size (every sequence with its own
 cache of ``--context`` random prompt tokens), the two libraries taking turns within each round
 (this machine's memory bandwidth drifts within minutes).  The model and its packed weights are
-this checkout's; only the kernels differ, so the revisions must share the weights' layout.
+this checkout's; only the kernels differ, so the revisions must share the weights' layout and
+the structures model/native/__init__.py hands the library (``Stack``, ``StepCaches``).
 Writes bench/results/batch_decode.md (+ .json).
 
     python bench/batch_decode.py [--old 4b689b6] [--batches 1,4,8,16] [--context 512] [--rounds 5]
