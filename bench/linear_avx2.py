@@ -51,7 +51,8 @@ def main() -> None:
     args = ap.parse_args()
     path = native.linear_bf16_path()
     if path not in (1, 2) or native.amx():
-        raise SystemExit(f"this build's bf16 linear path is {path} (amx {native.amx()}), not AVX2 (1) or AVX512-BF16 (2)")
+        raise SystemExit(f"this build's bf16 linear path is {path} (amx {native.amx()}), "
+                         "not AVX2 (1) or AVX512-BF16 (2)")
     tmp = tempfile.TemporaryDirectory()
     old, old_panels = build_old(args.old, Path(tmp.name))
     old_panels = old_panels and path == 1  # an AVX512-BF16 build never reads panels
