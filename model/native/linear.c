@@ -132,9 +132,10 @@ static inline __attribute__((always_inline)) void group(int MR, int K, int Kb, c
  * prefetching the next matrix's first group before each barrier of decode_stack gained nothing).
  * From FAR_ROWS rows on, the first block prefetches FAR_GROUPS groups ahead into L2 instead: on
  * the AVX-512 EPYC (Zen 4, no AMX) the L1 prefetch of the next group left a pass's loads and dot
- * products almost serial (all of SmolLM2-135M's weights, interleaved variants: 12 rows 17.7 -> 11.7
- * ms, 16 rows 23.2 -> 15.5, 8 rows 13.3 -> 10.0, 6 rows 9.7 -> 7.6; 1-3 rows were as fast or
- * faster with the L1 prefetch; 2-8 groups ahead measured alike, 16 into L3 slower). */
+ * products almost serial (all of the default model's weights, old and new kernels interleaved,
+ * bench/results/linear_avx512_prefetch.md: 6 rows 12.96 -> 7.51 ms, 8 rows 17.09 -> 10.60, 16 rows
+ * 23.84 -> 15.34; 1-3 rows were as fast or faster with the L1 prefetch; 2-8 groups ahead measured
+ * alike, 16 into L3 slower). */
 #ifndef FAR_ROWS
 #define FAR_ROWS 4
 #endif
