@@ -81,6 +81,18 @@ def main() -> None:
     if worst > 2 ** -7:
         raise SystemExit(f"a kernel is off by {worst:.3g} of the largest output")
 
+    # the same layout (both dot-product builds): do the two kernels give the same bits at every S?
+    same_bits = None
+    if not old_panels and path == 2:
+        same_bits = True
+        for s in rows:
+            for (n, k, new_w, old_w) in mats:
+                x = torch.randn(s, k).to(torch.bfloat16)
+                y_old, y_new = torch.empty(s, n, dtype=torch.bfloat16), torch.empty(s, n, dtype=torch.bfloat16)
+                old.linear_bf16(s, n, k, x.data_ptr(), old_w.data_ptr(), None, y_old.data_ptr())
+                native._lib.linear_bf16(s, n, k, x.data_ptr(), new_w.data_ptr(), None, y_new.data_ptr())
+                same_bits = same_bits and torch.equal(y_old.view(torch.int16), y_new.view(torch.int16))
+
     def runner(lib, idx: int, s: int):
         xs = {k: torch.randn(s, k).to(torch.bfloat16) for k in {k for _, k, _, _ in mats}}
         ys = [torch.empty(s, n, dtype=torch.bfloat16) for n, _, _, _ in mats]
@@ -109,7 +121,7 @@ def main() -> None:
         return ratio_in_rounds(cells[(name, s)], cells[(name, 1)])
 
     result = {"model": lm.name, "old": args.old, "rounds": args.rounds, "weights_mb": round(weight_mb, 1),
-              "macs_per_row": macs, "worst_relative_error": worst,
+              "macs_per_row": macs, "worst_relative_error": worst, "same_bits": same_bits,
               "cells": {f"{name}/{s}": v for (name, s), v in cells.items()}}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
@@ -121,7 +133,9 @@ def main() -> None:
              f"{args.old} ({'panels' if old_panels else 'dot products, [N/4][K/32][4][32]'}); new: this checkout's "
              f"(linear.c, {layout}). "
              f"{args.rounds} rounds, both kernels alternating in each; medians; ratios within a round. Both within "
-             f"{worst:.2g} of the largest output of an fp32 product on every matrix (8 rows).", "",
+             f"{worst:.2g} of the largest output of an fp32 product on every matrix (8 rows)."
+             + ("" if same_bits is None else
+                f" Same bits as the old kernel on every matrix at every S: {'yes' if same_bits else 'NO'}."), "",
              "| S | old ms | new ms | speed-up | old / 1-row step | new / 1-row step | new GMAC/s |",
              "|---|---|---|---|---|---|---|"]
     for s in rows:

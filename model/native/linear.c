@@ -40,11 +40,17 @@ static inline void store4(const float *s, const uint16_t *bias, uint16_t *y, int
 }
 
 #ifdef __AVX512BF16__
-/* the four sums of a0..a3 as lanes 0..3 */
-static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+/* the first half of reduce4's tree: 128-bit block i of the result holds lanes j = 0..3 of a_i
+ * summed over its four blocks b as (b0 + b2) + (b1 + b3) */
+static inline __m512 fold4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
     __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
-    __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+/* the four sums of a0..a3 as lanes 0..3: fold4, then in each block (x0 + x2) + (x1 + x3) */
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m512 t = fold4(a0, a1, a2, a3);
     t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));
     t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
     return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t));
@@ -65,6 +71,43 @@ static inline void store4v(__m128 s, const uint16_t *bias, uint16_t *y, int N, i
     __m128i r = _mm_add_epi32(u, _mm_add_epi32(_mm_set1_epi32(0x7fff), _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1))));
     r = _mm_blendv_epi8(_mm_srli_epi32(r, 16), _mm_set1_epi32(0x7fc0), nan);
     _mm_storel_epi64((__m128i *)(y + (size_t)m * N + n0), _mm_packus_epi32(r, r));
+}
+
+/* The sums of four input rows' accumulators against a group of four weight rows, y[m0 + r, n0 + i]
+ * from a<r><i>, rounded and stored as reduce4 + store4v do for each row: the same additions in
+ * the same order, so the same bits, with the last half of the tree, the bias and the rounding done
+ * once for the 16 sums instead of once a row (the reductions were ~14 % of a 16-row product).
+ * fold4 over weight row i's accumulators puts input row r's lanes in block r of t_i; the
+ * unpacks then add lanes (0 + 2) and (1 + 3) of two t's at once, and the shuffles those two
+ * sums, so that lane i of block r ends as reduce4's lane i of row r. */
+static inline void store16(__m512 t0, __m512 t1, __m512 t2, __m512 t3, const uint16_t *bias, uint16_t *y, int N,
+                           int n0, int m0) {
+    const __m512 v01 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))),
+                                     _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))));
+    const __m512 v23 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t2), _mm512_castps_pd(t3))),
+                                     _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t2), _mm512_castps_pd(t3))));
+    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(v01, v23, 0x88), _mm512_shuffle_ps(v01, v23, 0xDD));
+    if (n0 + 4 > N) { /* the last group, padded: only its rows that exist */
+        float t[16];
+        _mm512_storeu_ps(t, z);
+        for (int r = 0; r < 4; r++) store4(t + 4 * r, bias, y, N, n0, m0 + r);
+        return;
+    }
+    if (bias)
+        z = _mm512_add_ps(z, _mm512_broadcast_f32x4(_mm_castsi128_ps(
+                                 _mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(bias + n0))), 16))));
+    const __m512i u = _mm512_castps_si512(z);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), nan, _mm512_set1_epi32(0x7fc0));
+    const __m256i h = _mm512_cvtepi32_epi16(r); /* row r's four bf16 in its 64 bits */
+    const __m128i lo = _mm256_castsi256_si128(h), hi = _mm256_extracti128_si256(h, 1);
+    _mm_storel_epi64((__m128i *)(y + (size_t)m0 * N + n0), lo);
+    _mm_storeh_pd((double *)(y + (size_t)(m0 + 1) * N + n0), _mm_castsi128_pd(lo));
+    _mm_storel_epi64((__m128i *)(y + (size_t)(m0 + 2) * N + n0), hi);
+    _mm_storeh_pd((double *)(y + (size_t)(m0 + 3) * N + n0), _mm_castsi128_pd(hi));
 }
 
 /* one group of four weight rows (packed, Kb blocks of 32) against input rows m0 .. m0+MR;
@@ -114,10 +157,15 @@ static inline __attribute__((always_inline)) void group(int MR, int K, int Kb, c
     for (; kb < full; kb++) BLOCK(0)
     if (kb < Kb) BLOCK(1)
 #undef BLOCK
-    STORE4(0)
-    STORE4(1)
-    STORE4(2)
-    STORE4(3)
+    if (MR >= 4) {
+        store16(fold4(a00, a10, a20, a30), fold4(a01, a11, a21, a31), fold4(a02, a12, a22, a32),
+                fold4(a03, a13, a23, a33), bias, y, N, n0, m0);
+    } else {
+        STORE4(0)
+        STORE4(1)
+        STORE4(2)
+        STORE4(3)
+    }
     STORE4(4)
     STORE4(5)
 }
