@@ -32,7 +32,7 @@ from pathlib import Path
 from . import snippets as snip
 from .files import SourceError, decode_source, language_of
 from .scan import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_FILES, Entry, Rules, walk
-from .store import CHUNK_BITS, Store, connect, open_store
+from .store import CHUNK_BITS, CorruptIndex, Store, connect, is_corrupt, open_store, rebuild_store
 from .store import counts as store_counts
 from .suffix import DraftIndex, Match, Segment, lookup, width_for
 from .tokens import TokenizerInfo, blob_to_ids, ids_to_blob
@@ -75,6 +75,7 @@ class IndexStats:
     scan_seconds: float = 0.0
     tokens_seconds: float = 0.0
     errors: int = 0
+    rebuilds: int = 0  # the database found damaged while running and built anew
     skipped: dict = field(default_factory=dict)  # reason -> count
 
 
@@ -141,6 +142,7 @@ class RepoIndex:
         self._observer = None
         self._stop = threading.Event()
         self._reader: sqlite3.Connection | None = None
+        self._reader_ino: int | None = None  # the inode of the file the reader opened
         self._reader_lock = threading.Lock()
         self._chunks_n, self._chunks_at = 0, -10.0
         self._idle = threading.Condition()
@@ -262,13 +264,71 @@ class RepoIndex:
                 break
             try:
                 self._apply(batch)
-            except Exception:
-                self.stats_.errors += 1
-                log.exception("index update failed")
+            except Exception as exc:
+                damage = self._damage(exc)
+                if damage is not None:
+                    self._recover(*damage)
+                else:
+                    self.stats_.errors += 1
+                    log.exception("index update failed")
             finally:
                 with self._idle:
                     self._busy -= len(batch)
                     self._idle.notify_all()
+
+    def _damage(self, exc: BaseException) -> tuple[str, int | None] | None:
+        """(why, the inode of the damaged file) when an update failed because the database is
+        damaged, else None (a busy database, a full disk, a bug: logged as an error)."""
+        if isinstance(exc, CorruptIndex) and exc.args and isinstance(exc.args[0], tuple):
+            ino, reason = exc.args[0]  # a reader's report
+            return reason, ino
+        if self.store is None:
+            return None
+        if is_corrupt(exc):
+            return str(exc), self.store.ino
+        try:
+            reason = self.store.damage()
+        except Exception:
+            return None
+        return (f"{reason} after: {exc}", self.store.ino) if reason else None
+
+    def _recover(self, reason: str, ino: int | None) -> None:
+        """The database was damaged under the running daemon (a disk error, another program
+        writing to it, a lost write-ahead log): move it aside and build a new one from the
+        files, as a start that finds it damaged does, instead of failing every later update.
+        The draft index and open buffers live in memory and keep serving meanwhile."""
+        if self.store is not None and ino != self.store.ino:
+            return  # a report about the file that an earlier rebuild replaced
+        self.stats_.errors += 1
+        log.error("index %s damaged while in use (%s); rebuilding it", self.db_path, reason)
+        old = self.store
+        try:
+            self.store = rebuild_store(self.db_path, reason, old.ino if old is not None else None)
+        except Exception:
+            log.exception("cannot rebuild the index %s", self.db_path)
+            return
+        finally:
+            if old is not None:
+                old.close()
+        with self._reader_lock:  # readers open the new file on their next query
+            if self._reader is not None:
+                self._reader.close()
+            self._reader, self._reader_ino = None, None
+        self.stats_.rebuilds += 1
+        try:
+            self.store.set_meta("repo", str(self.root))
+            self._full_scan()
+            if self.tokenizer is not None:
+                self._tokenize_missing()
+        except Exception:
+            self.stats_.errors += 1
+            log.exception("rebuilding the index %s failed", self.db_path)
+
+    def _reader_failed(self, exc: sqlite3.Error, what: str) -> None:
+        """A query of a reader failed: log it, and have the worker rebuild a damaged file."""
+        log.warning("%s failed: %s", what, exc)
+        if is_corrupt(exc) and self._reader_ino is not None:
+            self._put("corrupt", (self._reader_ino, str(exc)))
 
     def _drain_forever(self) -> None:
         while True:
@@ -320,6 +380,7 @@ class RepoIndex:
         paths: set[str] = set()
         rescan = False
         overlays = {value[0]: value for kind, value in batch if kind == "overlay"}
+        damaged = None
         for kind, value in batch:
             if kind == "path":
                 paths.add(value)
@@ -335,10 +396,14 @@ class RepoIndex:
             elif kind == "overlay":
                 if overlays[value[0]] is value:  # only the newest text of each buffer
                     self._overlay_now_or_later(value)
+            elif kind == "corrupt":  # a reader found the file damaged: after the rest of the batch
+                damaged = value
             elif kind == "unoverlay":
                 self._forget_deferred(value)
                 self._overlay_due.pop(value, None)
                 self._drop_overlay(value)
+        if damaged is not None:
+            raise CorruptIndex(damaged)  # _run rebuilds the file, and rescans
         if rescan:
             self.rules = Rules(self.root, self.rules.max_bytes)
             self._full_scan()
@@ -742,10 +807,14 @@ class RepoIndex:
         return out
 
     def _reader_conn(self) -> sqlite3.Connection | None:
+        """The shared read-only connection; call with ``_reader_lock`` held (the worker
+        replaces it after rebuilding a damaged file)."""
         if self._reader is None and self.db_path.exists():
             try:
+                ino = os.stat(self.db_path).st_ino
                 self._reader = connect(self.db_path, readonly=True)
-            except sqlite3.Error as exc:
+                self._reader_ino = ino
+            except (sqlite3.Error, OSError) as exc:
                 log.warning("cannot open index for reading: %s", exc)
         return self._reader
 
@@ -764,19 +833,19 @@ class RepoIndex:
         window = "\n".join(before + after)
         local = set(snip.identifiers(window))
         out: list[snip.Snippet] = []
-        conn = self._reader_conn()
-        if conn is None:
-            return []
         with self._reader_lock:
+            conn = self._reader_conn()
+            if conn is None:
+                return []
             conn.set_progress_handler(lambda: int(time.perf_counter() > deadline), 2000)
             try:
                 self._definition_snippets(conn, key, text, "\n".join(before[-8:]), local, out,
                                           limit, max_lines, max_similarity)
                 if len(out) < limit:
                     self._similar_snippets(conn, key, window, local, out, limit, max_lines, max_similarity)
-            except sqlite3.OperationalError as exc:
+            except sqlite3.Error as exc:
                 if "interrupted" not in str(exc):
-                    log.warning("snippet search failed: %s", exc)
+                    self._reader_failed(exc, "snippet search")
             finally:
                 conn.set_progress_handler(None, 0)
         return out[:limit]
@@ -785,15 +854,17 @@ class RepoIndex:
         """Which of ``names`` this repository defines (files or open buffers)."""
         names = list(dict.fromkeys(names))[:64]
         found = {n for ov in list(self.overlays.values()) for n in (d.name for d in ov.defs) if n in names}
-        conn = self._reader_conn() if self.ready.is_set() and not self.failed else None
-        if conn is None or not names:
+        if not names or not self.ready.is_set() or self.failed:
             return found
         marks = ",".join("?" * len(names))
         with self._reader_lock:
+            conn = self._reader_conn()
+            if conn is None:
+                return found
             try:
                 found |= {r[0] for r in conn.execute(f"SELECT DISTINCT name FROM defs WHERE name IN ({marks})", names)}
             except sqlite3.Error as exc:
-                log.warning("definition lookup failed: %s", exc)
+                self._reader_failed(exc, "definition lookup")
         return found
 
     def _definition_snippets(self, conn, key, text, near, local, out, limit, max_lines, max_sim):
@@ -894,7 +965,8 @@ class RepoIndex:
                "files_skipped": s.files_skipped, "skipped": dict(s.skipped), "reconciles": s.reconciles,
                "events": s.events, "client_events": s.client_events,
                "last_reconcile_ms": round(s.last_reconcile_ms, 2), "scan_seconds": round(s.scan_seconds, 3),
-               "tokens_seconds": round(s.tokens_seconds, 3), "errors": s.errors, "capped": self.capped,
+               "tokens_seconds": round(s.tokens_seconds, 3), "errors": s.errors, "rebuilds": s.rebuilds,
+               "capped": self.capped,
                "draft_tokens_left_out": self.draft_tokens_left_out,
                "rebuilt_from": self.store.rebuilt if self.store else None}
         if self.drafts is not None:

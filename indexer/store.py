@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -50,6 +51,20 @@ MIGRATIONS = [(1, _v1), (2, _v2)]  # (version it brings the schema to, function)
 
 class CorruptIndex(RuntimeError):
     pass
+
+
+def is_corrupt(exc: BaseException) -> bool:
+    """Whether an error says the database file is damaged or no longer a database (SQLite's
+    CORRUPT and NOTADB), as opposed to a busy database, a full disk or an I/O error."""
+    if isinstance(exc, CorruptIndex):
+        return True
+    if not isinstance(exc, sqlite3.DatabaseError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+
+    if code is not None:
+        return code & 0xFF in (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB
+    text = str(exc)
+    return not isinstance(exc, sqlite3.OperationalError) and ("malformed" in text or "not a database" in text)
 
 
 def connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
@@ -129,6 +144,7 @@ def _open_store(path: Path) -> "Store":
             conn.execute("PRAGMA journal_mode = WAL")
             store = Store(path, conn, version)
             store.rebuilt = rebuilt
+            store.ino = os.stat(path).st_ino
             return store
         except (CorruptIndex, sqlite3.DatabaseError) as exc:
             conn.close()
@@ -139,12 +155,30 @@ def _open_store(path: Path) -> "Store":
     raise AssertionError("unreachable")
 
 
+def rebuild_store(path: Path, reason: str, ino: int | None) -> "Store":
+    """A new, empty datastore in place of one found damaged while in use (``ino``: the inode of
+    the file the caller had open).  The damaged file is moved aside as at a start that finds it
+    so, unless another daemon sharing the index has already done that (the file at ``path`` is
+    then not the one the caller opened, and is opened as it is)."""
+    with _opening_lock(path):
+        try:
+            same = os.stat(path).st_ino == ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            _move_aside(path, reason)
+        store = _open_store(path)
+        store.rebuilt = store.rebuilt or reason
+        return store
+
+
 class Store:
     def __init__(self, path: Path, conn: sqlite3.Connection, version: int):
         self.path = path
         self.conn = conn
         self.db = sqlite_utils.Database(conn)
         self.rebuilt: str | None = None
+        self.ino: int | None = None  # the file's inode when opened (rebuild_store)
         conn.execute("PRAGMA synchronous = NORMAL")
         self._migrate(version)
 
@@ -256,6 +290,16 @@ class Store:
 
     def counts(self) -> dict:
         return counts(self.conn)
+
+    def damage(self) -> str | None:
+        """Why this open database is no longer a healthy index of ours, or None: for an error
+        path (it runs SQLite's quick_check).  A lost write-ahead log leaves a file without
+        tables, which is not corruption to SQLite but is to the index."""
+        try:
+            version = _check(self.conn)
+        except (CorruptIndex, sqlite3.DatabaseError) as exc:
+            return str(exc)
+        return None if version == SCHEMA_VERSION else f"its tables are gone (schema version {version})"
 
     def close(self) -> None:
         try:

@@ -156,6 +156,94 @@ def test_corrupt_and_foreign_databases_are_moved_aside_and_rebuilt(tmp_path: Pat
     store.close()
 
 
+def _damage_under_a_running_index(idx: RepoIndex, db: Path, how: str) -> None:
+    """Scribble over the open database as a failing disk or another program would: the pages
+    of a checkpointed file ("pages"), or its write-ahead log and its index ("wal")."""
+    if how == "pages":
+        conn = sqlite3.connect(db)
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        conn.close()
+        targets, start = [db], 4096
+    else:
+        targets, start = [Path(str(db) + "-wal"), Path(str(db) + "-shm")], 32
+    for p in targets:
+        data = bytearray(p.read_bytes())
+        assert len(data) > start
+        for off in range(start, len(data), 1024):
+            data[off:off + 200] = os.urandom(len(data[off:off + 200]))
+        p.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["pages", "wal"])
+def test_a_database_damaged_while_running_is_rebuilt_and_indexing_goes_on(tmp_path: Path, how: str):
+    root = tmp_path / "repo"
+    for i in range(60):
+        write(root, f"m{i}.py", f"def f{i}(x):\n    return x * {i}\n" * 20)
+    write(root, "shipping.py", "def compute_shipping_cost(order, region):\n    return order.weight * RATES[region]\n")
+    idx = RepoIndex(root, tmp_path / "idx", watch=False).start()
+    try:
+        assert idx.ready.wait(30) and not idx.failed
+        _damage_under_a_running_index(idx, tmp_path / "idx" / "index.sqlite", how)
+        write(root, "fresh.py", "def brand_new(a):\n    return a\n")
+        write(root, "m0.py", "VALUE = 1\n")
+        assert idx.notify(root / "fresh.py") and idx.notify(root / "m0.py")
+        assert idx.wait_idle()
+        stats = idx.stats()
+        assert stats["rebuilds"] == 1 and stats["rebuilt_from"]
+        assert len(list((tmp_path / "idx").glob("index.sqlite.corrupt-*"))) == 1
+        assert idx.counts()["files"] == 62  # every file again, from the disk
+        assert idx.defines(["brand_new", "f0", "f7", "nowhere"]) == {"brand_new", "f7"}
+        write(root, "later.py", "def later_one():\n    pass\n")  # later changes as before
+        assert idx.notify(root / "later.py") and idx.wait_idle()
+        assert "later_one" in idx.defines(["later_one"]) and idx.stats()["rebuilds"] == 1
+        here = "from shipping import compute_shipping_cost\n\ntotal = compute_shipping_cost("
+        got = idx.snippets(root / "m3.py", here, len(here))
+        assert got and got[0].path == "shipping.py" and "order.weight" in got[0].text
+    finally:
+        idx.close()
+
+
+def test_a_reader_that_finds_the_file_damaged_has_it_rebuilt_once(tmp_path: Path):
+    root = tmp_path / "repo"
+    for i in range(60):
+        write(root, f"m{i}.py", f"def f{i}(x):\n    return x * {i}\n" * 20)
+    idx = RepoIndex(root, tmp_path / "idx", watch=False).start()
+    try:
+        assert idx.ready.wait(30) and idx.wait_idle()
+        damaged = idx.store.ino
+        _damage_under_a_running_index(idx, tmp_path / "idx" / "index.sqlite", "pages")
+        # no file changes: only the completion path's queries see the damage; they answer
+        # without the index's help (no exception) and report it
+        for _ in range(3):
+            idx.defines(["f1", "f2"])
+        assert idx.wait_idle()
+        assert idx.stats()["rebuilds"] == 1 and idx.store.ino != damaged
+        assert idx.defines(["f1", "f2", "nowhere"]) == {"f1", "f2"}
+        idx._put("corrupt", (damaged, "a late report about the old file"))  # stale: ignored
+        assert idx.wait_idle() and idx.stats()["rebuilds"] == 1
+    finally:
+        idx.close()
+
+
+def test_damage_is_told_apart_from_a_healthy_store(tmp_path: Path):
+    store = open_store(tmp_path / "index.sqlite")
+    try:
+        assert store.damage() is None
+        store.conn.execute("PRAGMA application_id = 7")  # someone else's database now
+        assert "foreign" in store.damage()
+        store.conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        assert store.damage() is None
+        # what a lost write-ahead log leaves: a file with no tables, no application id, no version
+        for name in ("chunks_vocab", "chunks", "defs", "tokens", "files", "meta"):  # the FTS tables go with chunks
+            store.conn.execute(f"DROP TABLE [{name}]")
+        store.conn.execute("PRAGMA application_id = 0")
+        store.conn.execute("PRAGMA user_version = 0")
+        assert store.conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
+        assert "tables are gone" in store.damage()
+    finally:
+        store.close()
+
+
 def test_migrations_bring_an_old_schema_up_to_date(tmp_path: Path):
     import sqlite_utils
 
