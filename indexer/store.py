@@ -298,6 +298,9 @@ class Store:
         try:
             version = _check(self.conn)
         except (CorruptIndex, sqlite3.DatabaseError) as exc:
+            cause = exc.__cause__ if isinstance(exc, CorruptIndex) else exc
+            if isinstance(cause, sqlite3.OperationalError) and not is_corrupt(cause):
+                return None  # busy, locked, an I/O error: no verdict on the file
             return str(exc)
         return None if version == SCHEMA_VERSION else f"its tables are gone (schema version {version})"
 

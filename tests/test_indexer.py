@@ -244,6 +244,27 @@ def test_damage_is_told_apart_from_a_healthy_store(tmp_path: Path):
         store.close()
 
 
+def test_a_busy_database_is_not_taken_for_a_damaged_one(tmp_path: Path, monkeypatch):
+    from codecomplete.indexer import store as st
+
+    store = open_store(tmp_path / "index.sqlite")
+    try:
+        def locked(conn):  # what _check raises when the file cannot be read just now
+            raise st.CorruptIndex("not a database: database is locked") from sqlite3.OperationalError(
+                "database is locked")
+        monkeypatch.setattr(st, "_check", locked)
+        assert store.damage() is None
+        malformed = sqlite3.DatabaseError("database disk image is malformed")
+        malformed.sqlite_errorcode = 11  # SQLITE_CORRUPT
+
+        def corrupt(conn):
+            raise st.CorruptIndex("integrity check failed") from malformed
+        monkeypatch.setattr(st, "_check", corrupt)
+        assert store.damage() == "integrity check failed"
+    finally:
+        store.close()
+
+
 def test_migrations_bring_an_old_schema_up_to_date(tmp_path: Path):
     import sqlite_utils
 
