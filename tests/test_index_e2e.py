@@ -306,3 +306,35 @@ async def test_the_editor_watches_files_for_the_index(repo, tiny_model, tmp_path
 @ASYNC
 async def test_a_client_without_dynamic_watchers_is_not_asked(client):
     assert (await stats(client))["index"]["client_events"] == 0  # and no request it cannot answer
+
+
+@ASYNC
+async def test_an_index_damaged_under_the_daemon_is_rebuilt_and_keeps_following_files(client, repo, tmp_path):
+    """A disk error or another program scribbles over the index while the daemon runs: the
+    daemon keeps answering, moves the file aside, rebuilds it and follows saved files again."""
+    import os
+    import sqlite3
+
+    assert await until(lambda: _ready(client))
+    db = tmp_path / "index" / "index.sqlite"
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    data = bytearray(db.read_bytes())
+    for off in range(4096, len(data), 1024):
+        data[off:off + 200] = os.urandom(len(data[off:off + 200]))
+    db.write_bytes(bytes(data))
+
+    (repo / "shipping.py").write_text("def compute_shipping_cost(order, region):\n    return order.weight\n")
+    main = (repo / "main.py").as_uri()
+    text = "from shipping import compute_shipping_cost\n\ntotal = compute_shipping_cost("
+    open_doc(client, main, text)
+
+    async def found():
+        r = await retrieve(client, main, 2, len(text.splitlines()[-1]))
+        return r if any(s["path"] == "shipping.py" for s in r["snippets"]) else None
+
+    assert await until(found)
+    index = (await stats(client))["index"]
+    assert index["rebuilds"] == 1 and index["rebuilt_from"]
+    assert list((tmp_path / "index").glob("index.sqlite.corrupt-*"))
