@@ -43,7 +43,7 @@ from codecomplete.model.api import Completion, CompletionRequest
 from .cache import CompletionCache
 from .documents import PositionError, cursor_at, encoding_name, offset_at, position_at
 from .protocol import RobustProtocol
-from .workspace import lsp_workspace
+from .workspace import LspWorkspace, lsp_workspace
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class Counters:
     superseded: int = 0
     stale: int = 0
     errors: int = 0
+    server_errors: int = 0  # handlers that raised (pygls's report_server_error), invalid params included
     shown: int = 0
     accepted: int = 0
     accepted_alternatives: int = 0  # of them, an item after the first (an invoked request's others)
@@ -938,6 +939,7 @@ class CodecompleteServer(LanguageServer):
         if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):
             self.protocol.send_parse_error(str(error))
             return
+        self.counters.server_errors += 1
         log.error("server error (%s): %s", getattr(source, "__name__", source), error)
 
 
@@ -1043,6 +1045,9 @@ def create_server(engine, config: Config, repo: Path | None = None,
 
     @server.feature(types.TEXT_DOCUMENT_DID_CHANGE)
     def did_change(ls: CodecompleteServer, params: types.DidChangeTextDocumentParams):
+        workspace = ls.workspace
+        if isinstance(workspace, LspWorkspace) and not workspace.is_open(params.text_document.uri):
+            return  # ignored (and logged) by the workspace: not a buffer to overlay
         ls._supersede(params.text_document.uri, superseded=False)
         ls.overlay(params.text_document.uri)
 

@@ -12,10 +12,15 @@ keystroke (12 ms for 900 kB).
 
 from __future__ import annotations
 
+import logging
+from urllib.parse import unquote
+
 from lsprotocol import types
 from pygls.workspace import TextDocument, Workspace
 
 from .documents import PositionError, encoding_name, offset_at
+
+log = logging.getLogger(__name__)
 
 
 def _offset(text: str, position: types.Position, encoding: str) -> int:
@@ -39,6 +44,19 @@ class LspWorkspace(Workspace):
     def _create_text_document(self, doc_uri, source=None, version=None, language_id=None) -> TextDocument:
         return LspTextDocument(doc_uri, source=source, version=version, language_id=language_id,
                                sync_kind=self._sync_kind, position_codec=self._position_codec)
+
+    def is_open(self, uri: str) -> bool:
+        return unquote(uri) in self._text_documents
+
+    def update_text_document(self, text_doc: types.VersionedTextDocumentIdentifier,
+                             change: types.TextDocumentContentChangeEvent) -> None:
+        """An edit of an open document; one of a document the client never opened (a client
+        bug, or a didOpen lost on the way) is logged and ignored instead of failing in pygls
+        with a KeyError: its text is unknown, and the file on disk still answers for it."""
+        if not self.is_open(text_doc.uri):
+            log.warning("didChange for %s, which is not open (no didOpen): ignored", text_doc.uri)
+            return
+        super().update_text_document(text_doc, change)
 
 
 def lsp_workspace(like: Workspace, sync_kind) -> LspWorkspace:

@@ -166,6 +166,19 @@ async def test_bad_input_gets_errors_and_the_daemon_keeps_serving(client, repo, 
     with pytest.raises(JsonRpcException):
         await complete(client, (repo / "missing.py").as_uri(), 0, 0)
     await still_serving()
+    # Edits of a document the client never opened: ignored, not turned into a buffer.
+    never = (repo / "never_opened.py").as_uri()
+    errors = (await stats(client))["counters"]["server_errors"]
+    client.text_document_did_change(T.DidChangeTextDocumentParams(
+        text_document=T.VersionedTextDocumentIdentifier(uri=never, version=2),
+        content_changes=[T.TextDocumentContentChangePartial(
+            range=T.Range(T.Position(0, 0), T.Position(0, 0)), text="import os\n")]))
+    await still_serving()
+    assert (await stats(client))["counters"]["server_errors"] == errors  # logged as a warning, no failure
+    with pytest.raises(JsonRpcException) as err:
+        await complete(client, never, 0, 0)
+    assert "does not exist" in str(err.value)
+    await still_serving()
     # A file on disk that is not UTF-8.
     with pytest.raises(JsonRpcException) as err:
         await complete(client, (repo / "latin1.py").as_uri(), 1, 0)
