@@ -96,13 +96,8 @@ static inline void store16(__m512 t0, __m512 t1, __m512 t2, __m512 t3, const uin
     if (bias)
         z = _mm512_add_ps(z, _mm512_broadcast_f32x4(_mm_castsi128_ps(
                                  _mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(bias + n0))), 16))));
-    const __m512i u = _mm512_castps_si512(z);
-    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    r = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), nan, _mm512_set1_epi32(0x7fc0));
-    const __m256i h = _mm512_cvtepi32_epi16(r); /* row r's four bf16 in its 64 bits */
+    /* rounded as store4v rounds (common.h), then row r's four bf16 in its 64 bits */
+    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rnd_bf16x16(z)), 16));
     const __m128i lo = _mm256_castsi256_si128(h), hi = _mm256_extracti128_si256(h, 1);
     _mm_storel_epi64((__m128i *)(y + (size_t)m0 * N + n0), lo);
     _mm_storeh_pd((double *)(y + (size_t)(m0 + 1) * N + n0), _mm_castsi128_pd(lo));
