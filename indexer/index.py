@@ -32,7 +32,7 @@ from pathlib import Path
 from . import snippets as snip
 from .files import SourceError, decode_source, language_of
 from .scan import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_FILES, Entry, Rules, walk
-from .store import CHUNK_BITS, CorruptIndex, Store, connect, is_corrupt, open_store, rebuild_store
+from .store import CHUNK_BITS, Store, connect, is_corrupt, open_store, rebuild_store
 from .store import counts as store_counts
 from .suffix import DraftIndex, Match, Segment, lookup, width_for
 from .tokens import TokenizerInfo, blob_to_ids, ids_to_blob
@@ -279,9 +279,6 @@ class RepoIndex:
     def _damage(self, exc: BaseException) -> tuple[str, int | None] | None:
         """(why, the inode of the damaged file) when an update failed because the database is
         damaged, else None (a busy database, a full disk, a bug: logged as an error)."""
-        if isinstance(exc, CorruptIndex) and exc.args and isinstance(exc.args[0], tuple):
-            ino, reason = exc.args[0]  # a reader's report
-            return reason, ino
         if self.store is None:
             return None
         if is_corrupt(exc):
@@ -403,7 +400,9 @@ class RepoIndex:
                 self._overlay_due.pop(value, None)
                 self._drop_overlay(value)
         if damaged is not None:
-            raise CorruptIndex(damaged)  # _run rebuilds the file, and rescans
+            ino, reason = damaged
+            self._recover(reason, ino)  # the rebuild rescans every file
+            return
         if rescan:
             self.rules = Rules(self.root, self.rules.max_bytes)
             self._full_scan()

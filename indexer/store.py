@@ -56,8 +56,6 @@ class CorruptIndex(RuntimeError):
 def is_corrupt(exc: BaseException) -> bool:
     """Whether an error says the database file is damaged or no longer a database (SQLite's
     CORRUPT and NOTADB), as opposed to a busy database, a full disk or an I/O error."""
-    if isinstance(exc, CorruptIndex):
-        return True
     if not isinstance(exc, sqlite3.DatabaseError):
         return False
     code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+
@@ -144,7 +142,6 @@ def _open_store(path: Path) -> "Store":
             conn.execute("PRAGMA journal_mode = WAL")
             store = Store(path, conn, version)
             store.rebuilt = rebuilt
-            store.ino = os.stat(path).st_ino
             return store
         except (CorruptIndex, sqlite3.DatabaseError) as exc:
             conn.close()
@@ -178,7 +175,7 @@ class Store:
         self.conn = conn
         self.db = sqlite_utils.Database(conn)
         self.rebuilt: str | None = None
-        self.ino: int | None = None  # the file's inode when opened (rebuild_store)
+        self.ino = os.stat(path).st_ino  # the file's inode when opened (rebuild_store)
         conn.execute("PRAGMA synchronous = NORMAL")
         self._migrate(version)
 
