@@ -84,6 +84,12 @@ class CompletionConfig:
     # with it, each branching where the model is unsure.  Requests made while typing get
     # the greedy one alone.  1: never more than one.
     alternatives: int = field(default=3, metadata=_range(1, 8))
+    # After an edit on another line than the last request's (the user moved: opened a file,
+    # jumped to a hunk, started a line), prefill the prompt at the edit this many ms later,
+    # when no request is in flight, so that the request made at the user's next pause finds
+    # the prompt's KV cached instead of prefilling it cold.  A request stops a warm-up at its
+    # next piece of 256 tokens (what ran is kept).  0: off.
+    warm_ms: int = field(default=50, metadata=_range(0, 60000))
 
 
 @dataclass

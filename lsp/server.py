@@ -110,6 +110,7 @@ class Counters:
     rejected: int = 0
     with_context: int = 0  # requests whose prompt opened with repository snippets
     disabled: int = 0  # of the empty ones, in a language or file completions are off for
+    warmups: int = 0  # prefills at an edit ahead of a request (completion.warm_ms)
     latencies_ms: deque = field(default_factory=lambda: deque(maxlen=2000))
 
     def as_dict(self) -> dict:
@@ -180,6 +181,9 @@ class CodecompleteServer(LanguageServer):
         self.shown: dict[str, Shown] = {}  # uri -> the last completion answered there
         self.cache = CompletionCache(config.completion.cache_entries)  # completions by the text they were made for
         self.recent: deque = deque(maxlen=4096)  # per-request records for the replay harness
+        self._warm_line: dict[str, int] = {}  # uri -> the line of its last request or warm-up
+        self._warm_timer: asyncio.TimerHandle | None = None
+        self._warming: CompletionRequest | None = None  # the warm-up the engine may be running
 
     # -- TCP: one client at a time, the daemon outlives each ----------------------------
     def serve_tcp(self, host: str, port: int) -> None:
@@ -348,6 +352,7 @@ class CodecompleteServer(LanguageServer):
         self.pending.pop(uri, None)
         self._contexts.pop(uri, None)
         self.shown.pop(uri, None)
+        self._warm_line.pop(uri, None)
         self.cache.drop(uri)
         self.overlay(uri, closed=True)
 
@@ -666,6 +671,8 @@ class CodecompleteServer(LanguageServer):
                                     alternatives=alternatives)
         pending = Pending(request, uri)
         self._supersede(uri, superseded=True)
+        self._stop_warming()
+        self._warm_line[uri] = position.line
         self.pending[uri] = pending
         try:
             if automatic and cfg.debounce_ms:
@@ -694,6 +701,75 @@ class CodecompleteServer(LanguageServer):
             # its first completion is greedy decoding's, what a request while typing gets
             self.cache.put(key(1), replace(completion, alternatives=[]), generation)
         return self._answer(rid, uri, text, cursor, position, completion, encoding, selected, started)
+
+    # -- warm-ups: the prompt at the user's edit prefilled before the request ----------
+    def edited(self, uri: str, params: types.DidChangeTextDocumentParams) -> None:
+        """After a didChange: schedule a warm-up at the last change's end (where the user's
+        cursor is) when it is on another line than the document's last request or warm-up."""
+        delay = self.config.completion.warm_ms
+        change = params.content_changes[-1] if params.content_changes else None
+        if not delay or not self.config.completion.enabled or not isinstance(
+                change, types.TextDocumentContentChangePartial):
+            return
+        text = self.open_text(uri)
+        if text is None or len(text) > self.config.completion.max_document_bytes:
+            return
+        encoding = self.workspace.position_encoding or "utf-16"
+        try:
+            offset = offset_at(text, change.range.start.line, change.range.start.character, encoding)
+            line, character = position_at(text, min(len(text), offset + len(change.text)), encoding)
+        except PositionError:
+            return
+        if self._warm_line.get(uri) == line:
+            return
+        if self._warm_timer is not None:
+            self._warm_timer.cancel()
+        version = params.text_document.version
+        loop = asyncio.get_running_loop()
+        self._warm_timer = loop.call_later(delay / 1000, lambda: asyncio.ensure_future(
+            self._warm(uri, version, types.Position(line, character))))
+
+    def _stop_warming(self) -> None:
+        if self._warm_timer is not None:
+            self._warm_timer.cancel()
+            self._warm_timer = None
+        if self._warming is not None:
+            self._warming.cancel.set()
+
+    async def _warm(self, uri: str, version: int, position: types.Position) -> None:
+        """The warm-up itself, unless the document changed again or a request is in flight."""
+        self._warm_timer = None
+        doc = self.workspace.text_documents.get(unquote(uri))
+        if self.pending or doc is None or doc.version != version or self._warm_line.get(uri) == position.line:
+            return  # a request came, or the user typed on: its edit schedules again; or asked there since
+        cfg = self.config.completion
+        try:
+            if self._disabled_for(uri) if cfg.disabled_languages or cfg.disabled_paths else None:
+                return
+            text = without_lone_surrogates(doc.source)
+            cursor = cursor_at(text, position.line, position.character, self.workspace.position_encoding or "utf-16")
+            before, after = self._notebook_context(uri)
+            context = await self._context(uri, text, cursor) if cfg.context_snippets and self.index else ""
+        except Exception:  # a courtesy: never a reason to fail an edit
+            log.exception("warm-up at %s failed", uri)
+            return
+        if self.pending or doc.version != version:
+            return
+        request = CompletionRequest(prefix=before + cursor.prefix, suffix=cursor.suffix + after,
+                                    request_id=f"w{next(self._ids)}", mode=cfg.mode, max_tokens=cfg.max_tokens,
+                                    max_lines=cfg.max_lines, session_key=uri, context=context, warm=True)
+        self._warm_line[uri] = position.line
+        if self._warming is not None:  # the user moved on: the engine stops it at its next piece
+            self._warming.cancel.set()
+        self._warming = request
+        self.counters.warmups += 1
+        try:
+            await asyncio.wrap_future(self.engine.submit(request))
+        except Exception:
+            log.exception("warm-up at %s failed", uri)
+        finally:
+            if self._warming is request:
+                self._warming = None
 
     def _notebook_context(self, uri: str) -> tuple[str, str]:
         """For a notebook cell: the code cells of its language before it and after it, in
@@ -1050,6 +1126,7 @@ def create_server(engine, config: Config, repo: Path | None = None,
             return  # ignored (and logged) by the workspace: not a buffer to overlay
         ls._supersede(params.text_document.uri, superseded=False)
         ls.overlay(params.text_document.uri)
+        ls.edited(params.text_document.uri, params)
 
     @server.feature(types.TEXT_DOCUMENT_DID_SAVE)
     def did_save(ls: CodecompleteServer, params: types.DidSaveTextDocumentParams):

@@ -25,6 +25,9 @@ class CompletionRequest:
     ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
     context: str = ""  # repository code for the prompt's head (retrieved snippets, rendered)
     alternatives: int = 1  # >1: also up to this many - 1 other completions (Completion.alternatives)
+    # prefill only (the daemon warming the KV store at the user's edit before a request comes):
+    # no completion; cancel stops it between pieces of the prompt, keeping what ran
+    warm: bool = False
 
 
 @dataclass

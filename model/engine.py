@@ -205,6 +205,39 @@ def start(lm: LoadedModel, request: CompletionRequest, plan: PromptPlan, store: 
     return live
 
 
+WARM_PIECE = 256  # prompt tokens a warm prefill runs between checks of its cancel (native.PREFILL_ROWS)
+
+
+def warm(lm: LoadedModel, ids: list[int], store: KVStore | None, cancel: threading.Event,
+         piece: int = WARM_PIECE) -> tuple[int, int]:
+    """Prefill ``ids`` into ``store`` ahead of a request for the same prompt, ``piece`` tokens
+    at a time, stopping between pieces once ``cancel`` is set (a request came, or the user
+    moved on); what ran is stored either way.  The pieces start where the store's match ends,
+    as a request's prefill runs them (native prefill: in pieces of ``PREFILL_ROWS``), so the
+    request that reuses them finds the KV it would have computed itself.  Returns (tokens
+    run, tokens the store already had)."""
+    if store is None or not ids:
+        return 0, 0
+    match = store.match_prefix(ids, count=False)
+    reused = min(match.length, len(ids))
+    if reused >= len(ids) - 1:  # a request runs its last token itself
+        return 0, reused
+    store.lock(match.nodes)
+    try:
+        cache = lm.model.new_cache(len(ids))
+        if reused:
+            cache.load(match.parts, reused)
+        for i in range(reused, len(ids), piece):
+            if cancel.is_set() and i > reused:
+                break
+            lm.model(torch.tensor([ids[i:i + piece]], device=lm.device), [cache], greedy=True)
+        n = cache.length
+        store.insert(ids[:n], cache.k[:, :, :n], cache.v[:, :, :n])
+    finally:
+        store.unlock(match.nodes)
+    return n - reused, reused
+
+
 def advance(lm: LoadedModel, live: Live, vocab: "_Vocab | None") -> bool:
     """Pick the next token from ``live.logits``; False when the request is finished."""
     request, rules = live.request, live.rules
@@ -584,7 +617,8 @@ class Engine:
                        "reused_tokens": 0, "generated_tokens": 0, "prefill_ms": 0.0, "decode_ms": 0.0,
                        "iterations": 0, "batched_tokens": 0, "max_batch_seen": 0,
                        "spec_steps": 0, "accepted_tokens": 0, "layers_run": 0, "decode_passes": 0,
-                       "alternatives": 0}
+                       "alternatives": 0, "warm_prefills": 0, "warm_tokens": 0, "warm_stopped": 0,
+                       "warm_ms": 0.0}
 
     # -- public API (any thread) -------------------------------------------------------
     def start(self) -> "Engine":
@@ -704,6 +738,9 @@ class Engine:
             self._count(cancelled=1)
             fut.set_result(Completion("", "cancelled", timings={"queue_ms": queued_ms}))
             return None
+        if request.warm:
+            self._warm(request, fut, queued_ms)
+            return None
         try:
             with torch.inference_mode():
                 plan = plan_prompt(self.lm, request, self.settings, self._healing_vocab(), self.pool)
@@ -717,6 +754,27 @@ class Engine:
         lv.future = fut
         lv.timings["queue_ms"] = queued_ms
         return lv
+
+    def _warm(self, request: CompletionRequest, fut: Future, queued_ms: float) -> None:
+        """A warm request (``CompletionRequest.warm``): its prompt planned as a request's (the
+        document's EFIM session moves to it) and prefilled into the KV store; no decoding."""
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                plan = plan_prompt(self.lm, request, self.settings, self._healing_vocab(), self.pool)
+                ran, had = warm(self.lm, plan.ids, self.store, request.cancel)
+        except Exception as exc:
+            log.exception("[%s] warm prefill failed", request.request_id)
+            fut.set_result(Completion("", "error", error=f"{type(exc).__name__}: {exc}",
+                                      timings={"queue_ms": queued_ms}))
+            return
+        ms = (time.perf_counter() - t0) * 1000
+        stopped = request.cancel.is_set() and had + ran < len(plan.ids) - 1
+        self._count(warm_prefills=1, warm_tokens=ran, warm_stopped=int(stopped), warm_ms=ms)
+        log.info("[%s] warm %s prompt %d (%d cached), ran %d in %.0f ms%s", request.request_id, plan.kind,
+                 len(plan.ids), had, ran, ms, ", stopped" if stopped else "")
+        fut.set_result(Completion("", "cancelled" if stopped else "warm", len(plan.ids), reused_tokens=had,
+                                  timings={"queue_ms": queued_ms, "prefill_ms": ms}, prompt_kind=plan.kind))
 
     def _iterate(self, live: list[Live]) -> None:
         """Advance every live request by one token; retire the finished ones."""

@@ -76,8 +76,8 @@ async def complete(client: LanguageClient, uri: str, line: int, char: int, invok
     return list(result.items if isinstance(result, T.InlineCompletionList) else (result or []))
 
 
-async def stats(client: LanguageClient) -> dict:
-    return plain(await client.protocol.send_request_async("codecomplete/stats", {}))
+async def stats(client: LanguageClient, recent: bool = False) -> dict:
+    return plain(await client.protocol.send_request_async("codecomplete/stats", {"recent": True} if recent else {}))
 
 
 async def send_raw(client: LanguageClient, body: bytes, msg_id: str | None = None):

@@ -10,7 +10,7 @@ import torch
 
 from codecomplete.model.api import CompletionRequest, EngineSettings
 from codecomplete.model.engine import (BRANCH_MIN_P, BRANCH_WINDOW, Engine, _Vocab, advance, generate, plan_prompt,
-                                       release, start, step)
+                                       release, start, step, warm)
 from codecomplete.model.kvstore import KVStore
 from codecomplete.model.loader import load_model
 from codecomplete.model.prompts import SessionPool, Tokens
@@ -235,6 +235,52 @@ def test_cancel_stops_within_one_decode_step(lm):
     # Checks: one before planning, then one before each token; the fifth check sees the
     # flag after token 3, so no forward pass follows.
     assert result.generated_tokens == 3
+
+
+@pytest.mark.parametrize("checks", [None, 2])
+def test_warm_prefill_is_what_the_request_reuses(lm, checks):
+    """Guards warm-ups: the prompt prefilled ahead of its request (whole, or stopped by its
+    cancel after two pieces) is in the store, the request reuses exactly that, and its
+    completion is the one made without a store."""
+    vocab = _Vocab(lm.tokenizer)
+    settings = EngineSettings(token_healing=True)
+    store, pool = KVStore(64 * 2**20), SessionPool(inc_bound=16)
+    request = CompletionRequest(POINT * 3, "\n\n    def norm(self):\n        pass\n", mode="multi", max_tokens=10,
+                                max_lines=200, session_key="doc")
+    with torch.inference_mode():
+        plan = plan_prompt(lm, request, settings, vocab, pool)
+        n = len(plan.ids)
+        cancel = TripAfter(checks) if checks else threading.Event()
+        ran, had = warm(lm, plan.ids, store, cancel, piece=8)
+        assert had == 0 and ran == (n if checks is None else 16) and n > 24
+        if checks is None:
+            assert warm(lm, plan.ids, store, threading.Event(), piece=8) == (0, n)  # nothing left to run
+        fast = run_plan(lm, request, plan, vocab, store)
+        slow = run_plan(lm, request, plan, vocab, None)
+    assert fast.reused_tokens == min(ran, n - 1)
+    assert fast.token_ids == slow.token_ids and fast.text == slow.text
+
+
+def test_engine_thread_warms_without_completing(tiny_model):
+    """Guards the engine's warm requests: no completion, counted, and the request after
+    finds the prompt in the store (its EFIM session moved there by the warm-up)."""
+    engine = Engine(EngineSettings(model=str(tiny_model), dtype="float32")).start()
+    try:
+        prefix, suffix = POINT * 2, "\n\n    def norm(self):\n        pass\n"
+        got = engine.complete(CompletionRequest(prefix, suffix, session_key="doc", warm=True))
+        assert got.stop_reason == "warm" and got.text == "" and got.generated_tokens == 0 and got.reused_tokens == 0
+        stats = engine.stats()
+        assert stats["warm_prefills"] == 1 and stats["warm_tokens"] == got.prompt_tokens > 0
+        assert stats["completions"] == 0
+        real = engine.complete(CompletionRequest(prefix + "x", suffix, session_key="doc", max_tokens=4))
+        assert real.error is None and real.prompt_kind == "efim"
+        assert real.reused_tokens >= got.prompt_tokens - 1  # the warm prompt, then the typed "x"
+        stopped = CompletionRequest("import os\n" * 40, "", session_key="other", warm=True)
+        stopped.cancel.set()  # a request came before the engine took it: not run at all
+        assert engine.complete(stopped).stop_reason == "cancelled"
+        assert engine.stats()["warm_prefills"] == 1
+    finally:
+        engine.close()
 
 
 def test_token_healing_backs_up_one_token_and_regenerates_it(lm):

@@ -816,3 +816,38 @@ async def test_a_request_for_text_seen_before_is_answered_from_the_cache(repo, t
     finally:
         await client.shutdown_session()
         await client.stop()
+
+
+async def test_an_edit_on_a_new_line_warms_the_prompt_before_the_request(repo, tiny_model, model_cache,
+                                                                          reference_engine):
+    """Guards warm-ups (completion.warmMs): an edit on a line with no request yet prefills the
+    prompt at the edit while the user has not asked; the request there then reuses it and
+    gets the completion a fresh session gets; more typing on that line warms nothing more."""
+    c = await start_daemon(repo, tiny_model, init_options={"codecomplete": {"completion": {"warmMs": 1}}})
+    try:
+        uri = (repo / "warm.py").as_uri()
+        body = "import os\n\n" + "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(30))
+        open_doc(c, uri, body)
+        lines = body.split("\n")
+        end = len(lines) - 1  # the empty last line
+        insert(c, uri, 2, end, 0, "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self")
+        for _ in range(200):  # the warm-up runs in the background
+            s = await stats(c)
+            if s["engine"]["warm_prefills"]:
+                break
+            await asyncio.sleep(0.05)
+        assert s["counters"]["warmups"] == 1 and s["engine"]["warm_prefills"] == 1
+        warmed = s["engine"]["warm_tokens"]
+        assert warmed > 100  # the whole prompt: the document was never prefilled
+        insert(c, uri, 3, end + 3, 12, ".")  # typing on: the same line, no new warm-up
+        await asyncio.sleep(0.3)
+        items = await complete(c, uri, end + 3, 13)
+        text = body + POINT
+        assert proposed(items, LAST) == [expected(reference_engine, text, "")]
+        s = await stats(c, recent=True)
+        assert s["counters"]["warmups"] == 1 and s["engine"]["warm_prefills"] == 1
+        record = s["recent"][-1]
+        assert record["status"] == "answered" and record["reused_tokens"] >= warmed - 2
+    finally:
+        await c.shutdown_session()
+        await c.stop()
