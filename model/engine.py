@@ -172,9 +172,11 @@ def fork(live: Live, token: int) -> Live:
 def plan_prompt(lm: LoadedModel, request: CompletionRequest, settings: EngineSettings,
                 vocab: "_Vocab | None", pool: SessionPool | None) -> PromptPlan:
     pool = pool or SessionPool()  # a fresh pool: a PSM prompt, as for a new document
+    # a warm request plans what a request would get now and leaves the session as it is, so
+    # that the request after it gets the prompt (and completion) it would have got without it
     return pool.plan(request.session_key, request.prefix, request.suffix,
                      lm.template.template, Tokens(lm.tokenizer, vocab), settings.max_prefix_tokens,
-                     settings.max_suffix_tokens, efim=settings.efim, context=request.context)
+                     settings.max_suffix_tokens, efim=settings.efim, context=request.context, keep=not request.warm)
 
 
 def start(lm: LoadedModel, request: CompletionRequest, plan: PromptPlan, store: KVStore | None) -> Live:
@@ -756,8 +758,8 @@ class Engine:
         return lv
 
     def _warm(self, request: CompletionRequest, fut: Future, queued_ms: float) -> None:
-        """A warm request (``CompletionRequest.warm``): its prompt planned as a request's (the
-        document's EFIM session moves to it) and prefilled into the KV store; no decoding."""
+        """A warm request (``CompletionRequest.warm``): the prompt a request would get now
+        (the document's EFIM session left as it is) prefilled into the KV store; no decoding."""
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():

@@ -144,16 +144,19 @@ class SessionPool:
 
     def plan(self, key: str | None, prefix: str, suffix: str, template, toks: Tokens,
              max_prefix_tokens: int, max_suffix_tokens: int, efim: bool = True,
-             context: str = "") -> PromptPlan:
+             context: str = "", keep: bool = True) -> PromptPlan:
         """``context`` (repository snippets) opens the prefix, tokenized as its own
         segment; an EFIM continuation keeps the session's context, so the head's KV
-        stays valid while the user types."""
+        stays valid while the user types.  ``keep=False``: the prompt a request would get
+        now, the sessions and counts left as they are (a warm-up's: the request after it
+        plans from the same state as without it, so its prompt is the same)."""
         bos = [toks.tok.bos_token_id] if getattr(toks.tok, "add_bos_token", False) and toks.tok.bos_token_id is not None else []
         context_ids = toks.encode(context)
         if template is None:
             start = window_start(prefix, max_prefix_tokens)
             ids, healed = toks.heal(cap_front(toks.prefix_ids(prefix[start:]), max_prefix_tokens))
-            self._count("prefix")
+            if keep:
+                self._count("prefix")
             return PromptPlan(bos + context_ids + ids, healed, "prefix")
         with self._lock:
             session = self.sessions.get(key) if key and efim else None
@@ -163,7 +166,7 @@ class SessionPool:
         if session is not None and prefix.startswith(session.prefix0) and suffix == session.suffix:
             inc_ids = toks.encode(session.healed + prefix[len(session.prefix0):])
             if len(inc_ids) <= self.inc_bound:
-                return self._efim(session, inc_ids, toks)
+                return self._efim(session, inc_ids, toks, count=keep)
             reason = "inc bound"
         elif session is not None and prefix == session.prefix0 and suffix.endswith(session.suffix):
             reason = "suffix grew"
@@ -182,6 +185,9 @@ class SessionPool:
                + [toks.special(template.middle)] + toks.encode(template.middle_pad))
         if key and efim:
             session = Session(head_prefix, suffix, ids, healed)
+            if not keep:
+                return self._efim(session, toks.encode(healed + prefix[cut:]), toks, reason, count=False) if (
+                    cut < len(prefix)) else PromptPlan(ids, healed, "psm", reason)
             with self._lock:
                 self.sessions[key] = session
                 self.sessions.move_to_end(key)
@@ -191,13 +197,16 @@ class SessionPool:
                 self._count("rebase")
             if cut < len(prefix):  # the last lines go after <M>: EFIM from the first request
                 return self._efim(session, toks.encode(healed + prefix[cut:]), toks, reason)
-        self._count("psm")
+        if keep:
+            self._count("psm")
         return PromptPlan(ids, healed, "psm", reason)
 
-    def _efim(self, session: Session, inc_ids: list[int], toks: Tokens, reason: str = "") -> PromptPlan:
+    def _efim(self, session: Session, inc_ids: list[int], toks: Tokens, reason: str = "",
+              count: bool = True) -> PromptPlan:
         """``<P>prefix0<S>suffix<M>inc``: the session's head and its inc, healed."""
         inc_ids, healed = toks.heal(inc_ids)
-        self._count("efim")
+        if count:
+            self._count("efim")
         return PromptPlan(session.head + inc_ids, healed, "efim", reason)
 
     def drop(self, key: str) -> None:
