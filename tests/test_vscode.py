@@ -56,3 +56,4 @@ def test_npm_build_type_checks_bundles_and_packages(tmp_path):
     assert manifest["main"] == "./dist/extension.js"
     bundle = (work / "dist" / "extension.js").read_text()
     assert "codecomplete/didShowCompletion" in bundle and "textDocument/inlineCompletion" in bundle
+    assert "codecomplete/didMoveCursor" in bundle

@@ -16,6 +16,8 @@ let output: vscode.LogOutputChannel;
 let poller: NodeJS.Timeout | undefined;
 let lastShown: string | undefined; // completion id shown and not yet accepted
 let lastLatencyMs: number | undefined;
+let cursorTimer: NodeJS.Timeout | undefined;
+let lastCursor: { uri?: string; line?: number } = {}; // where didMoveCursor last said the cursor rests
 
 interface DaemonStats {
   counters?: { latency_ms?: { p50?: number } };
@@ -161,6 +163,30 @@ export async function activate(context: vscode.ExtensionContext): Promise<void> 
       vscode.commands.executeCommand('editor.action.inlineSuggest.acceptNextWord')),
     vscode.commands.registerCommand('codecomplete.acceptNextLine', () =>
       vscode.commands.executeCommand('editor.action.inlineSuggest.acceptNextLine')),
+    // Where the cursor rests (150 ms after it last moved, on another line than last time): the
+    // daemon prefills the prompt there, so the first keystroke's completion after navigating
+    // does not wait for a cold prompt (codecomplete.completion.warmMs, 0: it ignores these).
+    vscode.window.onDidChangeTextEditorSelection((e) => {
+      if (cursorTimer) {
+        clearTimeout(cursorTimer);
+      }
+      cursorTimer = setTimeout(() => {
+        const editor = e.textEditor;
+        if (!client || !client.isRunning() || vscode.window.activeTextEditor !== editor) {
+          return;
+        }
+        const pos = editor.selection.active;
+        const uri = client.code2ProtocolConverter.asUri(editor.document.uri);
+        if (uri === lastCursor.uri && pos.line === lastCursor.line) {
+          return;
+        }
+        lastCursor = { uri, line: pos.line };
+        void client.sendNotification('codecomplete/didMoveCursor', {
+          textDocument: { uri },
+          position: { line: pos.line, character: pos.character },
+        });
+      }, 150);
+    }),
     vscode.workspace.onDidChangeConfiguration(async (e) => {
       if (e.affectsConfiguration('codecomplete.server')) {
         await stop();

@@ -15,6 +15,7 @@ M.defaults = {
   settings = {}, -- daemon settings (see the daemon's README), sent as initializationOptions
   builtin = nil, -- nil: use vim.lsp.inline_completion when Neovim has it
   debounce_ms = 75, -- fallback client: wait this long after a keystroke
+  cursor_ms = 150, -- tell the daemon where the cursor rests this long (it prefills there); 0: never
   keymaps = {
     accept = '<Tab>',
     accept_word = '<M-Right>',
@@ -52,10 +53,52 @@ function M.client(bufnr)
   return get({ bufnr = bufnr or 0, name = 'codecomplete' })[1]
 end
 
+--- codecomplete/didMoveCursor where the cursor rests (in normal mode for `cursor_ms`, or on
+--- entering insert mode) on another line than last time: the daemon prefills the prompt
+--- there, so the first keystroke's completion after navigating does not wait for it.
+local function track_cursor(client, bufnr)
+  local wait = M.config.cursor_ms
+  if not wait or wait <= 0 then
+    return
+  end
+  local seq, last = 0, nil
+  local function send()
+    if not vim.api.nvim_buf_is_valid(bufnr) or vim.api.nvim_get_current_buf() ~= bufnr then
+      return
+    end
+    local params = vim.lsp.util.make_position_params(0, client.offset_encoding)
+    if last == params.position.line then
+      return
+    end
+    last = params.position.line
+    if vim.fn.has('nvim-0.11') == 1 then
+      client:notify('codecomplete/didMoveCursor', params)
+    else
+      client.notify('codecomplete/didMoveCursor', params)
+    end
+  end
+  local group = vim.api.nvim_create_augroup('codecomplete_cursor_' .. bufnr, { clear = true })
+  vim.api.nvim_create_autocmd({ 'CursorMoved', 'BufEnter' }, {
+    group = group,
+    buffer = bufnr,
+    callback = function()
+      seq = seq + 1
+      local mine = seq
+      vim.defer_fn(function()
+        if mine == seq then
+          send()
+        end
+      end, wait)
+    end,
+  })
+  vim.api.nvim_create_autocmd('InsertEnter', { group = group, buffer = bufnr, callback = send })
+end
+
 local function on_attach(client, bufnr)
   if not M.use_builtin() then
     require('codecomplete.ghost').attach(client, bufnr)
   end
+  track_cursor(client, bufnr)
 end
 
 local function client_config()

@@ -1,0 +1,55 @@
+-- Headless Neovim: open a file, move the cursor to a line in normal mode and leave it there;
+-- the plugin tells the daemon (codecomplete/didMoveCursor), which prefills the prompt at the
+-- cursor. Writes the daemon's stats to $CC_OUT as JSON.
+local env = vim.env
+vim.opt.rtp:prepend(env.CC_PLUGIN)
+local cc = require('codecomplete')
+cc.setup({ cmd = vim.json.decode(env.CC_CMD), builtin = env.CC_BUILTIN == '1', cursor_ms = 50 })
+
+local function poll(cond, done, timeout)
+  local start, t = vim.uv.now(), vim.uv.new_timer()
+  t:start(50, 50, vim.schedule_wrap(function()
+    local ok = cond()
+    if ok or vim.uv.now() - start > timeout then
+      t:stop()
+      t:close()
+      done(ok)
+    end
+  end))
+end
+
+local function stats()
+  local client = cc.client(0)
+  local res = vim.fn.has('nvim-0.11') == 1 and client:request_sync('codecomplete/stats', {}, 5000, 0)
+    or client.request_sync('codecomplete/stats', {}, 5000, 0)
+  return res and res.result
+end
+
+local result = {}
+local function finish()
+  result.lines = vim.api.nvim_buf_get_lines(0, 0, -1, false)
+  local f = assert(io.open(env.CC_OUT, 'w'))
+  f:write(vim.json.encode(result))
+  f:close()
+  vim.cmd('qa!')
+end
+
+vim.cmd('edit ' .. env.CC_FILE)
+poll(function()
+  local client = cc.client(0)
+  local s = client and stats()
+  return s and s.engine and s.engine.ready
+end, function(ready)
+  result.attached = cc.client(0) ~= nil
+  if not ready then
+    return finish()
+  end
+  vim.api.nvim_win_set_cursor(0, { tonumber(env.CC_ROW), 4 })
+  vim.api.nvim_exec_autocmds('CursorMoved', { buffer = 0 }) -- as a user's motion fires it
+  poll(function()
+    result.stats = stats()
+    return result.stats and result.stats.engine.warm_prefills > 0
+  end, function()
+    finish()
+  end, 60000)
+end, 60000)
