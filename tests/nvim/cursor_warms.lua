@@ -6,16 +6,9 @@ vim.opt.rtp:prepend(env.CC_PLUGIN)
 local cc = require('codecomplete')
 cc.setup({ cmd = vim.json.decode(env.CC_CMD), builtin = env.CC_BUILTIN == '1', cursor_ms = 50 })
 
+local helpers = dofile(debug.getinfo(1, 'S').source:sub(2):match('(.*/)') .. 'helpers.lua')
 local function poll(cond, done, timeout)
-  local start, t = vim.uv.now(), vim.uv.new_timer()
-  t:start(50, 50, vim.schedule_wrap(function()
-    local ok = cond()
-    if ok or vim.uv.now() - start > timeout then
-      t:stop()
-      t:close()
-      done(ok)
-    end
-  end))
+  helpers.poll(cond, done, timeout, 50)
 end
 
 local function stats()

@@ -19,17 +19,8 @@ cc.setup({
   keymaps = { accept = '<Tab>', accept_word = '<M-Right>', next = '<M-]>' },
 })
 
-local function poll(cond, done, timeout)
-  local start, t = vim.uv.now(), vim.uv.new_timer()
-  t:start(20, 20, vim.schedule_wrap(function()
-    local ok = cond()
-    if ok or vim.uv.now() - start > timeout then
-      t:stop()
-      t:close()
-      done(ok)
-    end
-  end))
-end
+local helpers = dofile(debug.getinfo(1, 'S').source:sub(2):match('(.*/)') .. 'helpers.lua')
+local poll = helpers.poll
 
 local function ghost_visible()
   if not cc.use_builtin() then

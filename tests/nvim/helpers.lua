@@ -1,0 +1,18 @@
+-- Shared by the headless Neovim test scripts (loaded with dofile).
+local M = {}
+
+--- Call `cond` every `every` ms until it is true or `timeout` ms have passed, then `done(ok)`.
+function M.poll(cond, done, timeout, every)
+  every = every or 20
+  local start, t = vim.uv.now(), vim.uv.new_timer()
+  t:start(every, every, vim.schedule_wrap(function()
+    local ok = cond()
+    if ok or vim.uv.now() - start > timeout then
+      t:stop()
+      t:close()
+      done(ok)
+    end
+  end))
+end
+
+return M
