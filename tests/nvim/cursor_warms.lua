@@ -20,11 +20,7 @@ end
 
 local result = {}
 local function finish()
-  result.lines = vim.api.nvim_buf_get_lines(0, 0, -1, false)
-  local f = assert(io.open(env.CC_OUT, 'w'))
-  f:write(vim.json.encode(result))
-  f:close()
-  vim.cmd('qa!')
+  helpers.finish(result)
 end
 
 vim.cmd('edit ' .. env.CC_FILE)

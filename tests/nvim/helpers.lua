@@ -15,4 +15,13 @@ function M.poll(cond, done, timeout, every)
   end))
 end
 
+--- Write `result` (with the buffer's lines) to $CC_OUT as JSON, and quit.
+function M.finish(result)
+  result.lines = vim.api.nvim_buf_get_lines(0, 0, -1, false)
+  local f = assert(io.open(vim.env.CC_OUT, 'w'))
+  f:write(vim.json.encode(result))
+  f:close()
+  vim.cmd('qa!')
+end
+
 return M
