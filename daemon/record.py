@@ -75,6 +75,9 @@ class Recorder:
             event = {"type": "request", "uri": p["textDocument"]["uri"], "line": p["position"]["line"],
                      "character": p["position"]["character"],
                      "trigger": "invoked" if ctx.get("triggerKind") == 1 else "automatic"}
+        elif method == "codecomplete/didMoveCursor" and isinstance(p.get("position"), dict):
+            event = {"type": "cursor", "uri": (p.get("textDocument") or {}).get("uri", ""),
+                     "line": p["position"].get("line"), "character": p["position"].get("character")}
         elif method in ("textDocument/didSave", "textDocument/didClose"):
             event = {"type": method.rsplit("did", 1)[1].lower(), "uri": p["textDocument"]["uri"]}
         elif method == "workspace/executeCommand" and p.get("command") == "codecomplete.accept":

@@ -195,6 +195,9 @@ async def drive_user(client, user: int, sessions: list[Session], root: Path, spe
                     inflight.append(task)
                 else:
                     await task
+            elif kind == "cursor" and uri in st.docs:  # the plugins' report of where the cursor rests
+                client.protocol.notify("codecomplete/didMoveCursor", {
+                    "textDocument": {"uri": uri}, "position": {"line": e["line"], "character": e["character"]}})
             elif kind == "close" and uri in st.docs:
                 client.text_document_did_close(T.DidCloseTextDocumentParams(T.TextDocumentIdentifier(uri=uri)))
                 del st.docs[uri]

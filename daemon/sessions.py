@@ -9,6 +9,7 @@ events in time order (format documented in ``docs/sessions.md``):
     {"t": 120, "type": "change", "uri": ..., "changes": [{"range": {...}, "text": "a"}]}
     {"t": 480, "type": "request", "uri": ..., "line": 3, "character": 8, "trigger": "automatic",
      "truth_line": "rest of the line typed next", "truth_hunk": "rest of the hunk"}
+    {"t": 700, "type": "cursor", "uri": ..., "line": 9, "character": 4}   (codecomplete/didMoveCursor)
     {"t": 900, "type": "accept" | "reject", "uri": ...}
     {"t": 950, "type": "save" | "close", "uri": ...}
 
@@ -28,7 +29,7 @@ from pathlib import Path
 
 FORMAT = "codecomplete-session"
 VERSION = 1
-EVENT_TYPES = {"open", "change", "request", "accept", "reject", "save", "close"}
+EVENT_TYPES = {"open", "change", "request", "cursor", "accept", "reject", "save", "close"}
 
 
 class SessionError(ValueError):
@@ -95,8 +96,8 @@ def read_sessions(path: Path) -> list[Session]:
                 raise SessionError(f"{path}:{n}: open needs 'text'")
             if kind == "change" and not isinstance(obj.get("changes"), list):
                 raise SessionError(f"{path}:{n}: change needs 'changes'")
-            if kind == "request" and not all(isinstance(obj.get(k), int) for k in ("line", "character")):
-                raise SessionError(f"{path}:{n}: request needs 'line' and 'character'")
+            if kind in ("request", "cursor") and not all(isinstance(obj.get(k), int) for k in ("line", "character")):
+                raise SessionError(f"{path}:{n}: {kind} needs 'line' and 'character'")
             last_t = t
             sessions[-1].events.append(obj)
     if not sessions:

@@ -26,6 +26,7 @@ def test_sessions_round_trip_and_bad_files_get_clear_errors(tmp_path: Path):
             {"range": {"start": {"line": 1, "character": 0}, "end": {"line": 1, "character": 0}}, "text": "y = 😀\n"}]},
         {"t": 20, "type": "request", "uri": "file:///r/a.py", "line": 1, "character": 6, "trigger": "automatic",
          "truth_line": "", "truth_hunk": ""},
+        {"t": 25, "type": "cursor", "uri": "file:///r/a.py", "line": 0, "character": 2},
         {"t": 30, "type": "accept", "uri": "file:///r/a.py"}, {"t": 40, "type": "close", "uri": "file:///r/a.py"}])
     path = tmp_path / "s.jsonl"
     write_sessions(path, [s, s])
@@ -34,7 +35,9 @@ def test_sessions_round_trip_and_bad_files_get_clear_errors(tmp_path: Path):
     assert final_texts(back[0]) == {"file:///r/a.py": "x = 1\ny = 😀\n"}
     for bad, why in (('{"t": 0, "type": "open"}', "before any header"),
                      ('{"type": "header", "format": "codecomplete-session", "version": 9}', "version 9"),
-                     ("not json", "not JSON")):
+                     ("not json", "not JSON"),
+                     (json.dumps(make_header()) + '\n{"t": 0, "type": "cursor", "uri": "file:///r/a.py"}',
+                      "cursor needs 'line' and 'character'")):
         (tmp_path / "bad.jsonl").write_text(bad + "\n")
         with pytest.raises(SessionError, match=why):
             read_sessions(tmp_path / "bad.jsonl")
@@ -194,6 +197,8 @@ async def test_recorder_passes_messages_through_and_writes_a_replayable_session(
         capabilities=T.ClientCapabilities(), root_uri=repo.as_uri(), client_info=T.ClientInfo(name="rec-test")))
     uri = (repo / "new.py").as_uri()
     open_doc(client, uri, "def add(a, b):\n")
+    client.protocol.notify("codecomplete/didMoveCursor", {"textDocument": {"uri": uri},
+                                                          "position": {"line": 1, "character": 0}})
     text = "def add(a, b):\n"
     for i, ch in enumerate("    return a + b"):
         insert(client, uri, 2 + i, 1, i, ch)
@@ -211,6 +216,7 @@ async def test_recorder_passes_messages_through_and_writes_a_replayable_session(
     assert final_texts(session) == {uri: text}
     reqs = session.requests
     assert reqs and reqs[0]["truth_line"] == "a + b"  # what was typed after the first request
+    assert [(e["line"], e["character"]) for e in session.events if e["type"] == "cursor"] == [(1, 0)]
     done = run_replay(str(out), "--repo", str(repo), "--model", str(tiny_model), "--dtype", "float32",
                       "--speed", "0", "--out", str(tmp_path / "rep"))
     assert done.returncode == 0, done.stderr[-3000:]
