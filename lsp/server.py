@@ -622,7 +622,7 @@ class CodecompleteServer(LanguageServer):
         text = self.document_text(uri)
         if not cfg.enabled:
             return self._count_empty()
-        off = self._disabled_for(uri) if cfg.disabled_languages or cfg.disabled_paths else None
+        off = self._completions_off(uri)
         if off is not None:
             log.debug("%s: completions are off for %s", uri, off)
             self.counters.disabled += 1
@@ -666,10 +666,7 @@ class CodecompleteServer(LanguageServer):
                 self.shown[uri] = Shown(prefix, suffix, hit)
             self._record(rid, uri, position, hit, "answered", started)
             return self._answer(rid, uri, text, cursor, position, hit, encoding, selected, started)
-        request = CompletionRequest(prefix=prefix, suffix=suffix, request_id=rid,
-                                    mode=cfg.mode, max_tokens=cfg.max_tokens, max_lines=cfg.max_lines,
-                                    time_budget_ms=cfg.time_budget_ms, session_key=uri, context=context,
-                                    alternatives=alternatives)
+        request = self._engine_request(rid, uri, prefix, suffix, context, alternatives=alternatives)
         pending = Pending(request, uri)
         self._supersede(uri, superseded=True)
         self._stop_warming()
@@ -703,25 +700,33 @@ class CodecompleteServer(LanguageServer):
             self.cache.put(key(1), replace(completion, alternatives=[]), generation)
         return self._answer(rid, uri, text, cursor, position, completion, encoding, selected, started)
 
+    def _completions_off(self, uri: str) -> str | None:
+        """Why completions are off for ``uri`` (a disabled language or path), or None."""
+        cfg = self.config.completion
+        return self._disabled_for(uri) if cfg.disabled_languages or cfg.disabled_paths else None
+
+    def _engine_request(self, rid: str, uri: str, prefix: str, suffix: str, context: str,
+                        **extra) -> CompletionRequest:
+        """The engine's request for text around a cursor under the settings: a completion's and a
+        warm-up's alike, so that a warm-up plans the very prompt the request after it plans."""
+        cfg = self.config.completion
+        return CompletionRequest(prefix=prefix, suffix=suffix, request_id=rid, mode=cfg.mode,
+                                 max_tokens=cfg.max_tokens, max_lines=cfg.max_lines,
+                                 time_budget_ms=cfg.time_budget_ms, session_key=uri, context=context, **extra)
+
     # -- warm-ups: the prompt at the user's edit prefilled before the request ----------
     def edited(self, uri: str, params: types.DidChangeTextDocumentParams) -> None:
         """After a didChange: schedule a warm-up at the last change's end (where the user's
-        cursor is) when it is on another line than the document's last request or warm-up."""
-        delay = self.config.completion.warm_ms
+        cursor is), found from the change alone (no read of the document per keystroke)."""
         change = params.content_changes[-1] if params.content_changes else None
-        if not delay or not self.config.completion.enabled or not isinstance(
-                change, types.TextDocumentContentChangePartial):
+        if not isinstance(change, types.TextDocumentContentChangePartial):
             return
-        text = self.open_text(uri)
-        if text is None or len(text) > self.config.completion.max_document_bytes:
-            return
-        encoding = self.workspace.position_encoding or "utf-16"
-        try:
-            offset = offset_at(text, change.range.start.line, change.range.start.character, encoding)
-            line, character = position_at(text, min(len(text), offset + len(change.text)), encoding)
-        except PositionError:
-            return
-        self._schedule_warm(uri, params.text_document.version, line, character, delay)
+        # the text before the last change's start is as the change found it: its end is the
+        # start moved by the inserted text's line breaks and the units of its last line
+        lines, units = position_at(change.text, len(change.text), self.workspace.position_encoding or "utf-16")
+        start = change.range.start
+        self._schedule_warm(uri, params.text_document.version, start.line + lines,
+                            (start.character if not lines else 0) + units)
 
     def cursor_moved(self, params: Any) -> None:
         """``codecomplete/didMoveCursor`` {textDocument: {uri}, position} (the editor plugins send
@@ -737,12 +742,14 @@ class CodecompleteServer(LanguageServer):
         if not isinstance(uri, str):
             return
         doc = self.workspace.text_documents.get(unquote(uri))
-        delay = self.config.completion.warm_ms
-        if doc is not None and delay and self.config.completion.enabled and line >= 0 and character >= 0:
-            self._schedule_warm(uri, doc.version, line, character, delay)
+        if doc is not None and line >= 0 and character >= 0:
+            self._schedule_warm(uri, doc.version, line, character)
 
-    def _schedule_warm(self, uri: str, version: int | None, line: int, character: int, delay: int) -> None:
-        if self._warm_line.get(uri) == line:
+    def _schedule_warm(self, uri: str, version: int | None, line: int, character: int) -> None:
+        """A warm-up at (line, character) ``completion.warm_ms`` from now, unless warm-ups are
+        off or the document's last request or warm-up was on that line."""
+        delay = self.config.completion.warm_ms
+        if not delay or not self.config.completion.enabled or self._warm_line.get(uri) == line:
             return
         if self._warm_timer is not None:
             self._warm_timer.cancel()
@@ -764,10 +771,10 @@ class CodecompleteServer(LanguageServer):
         if self.pending or doc is None or doc.version != version or self._warm_line.get(uri) == position.line:
             return  # a request came, or the user typed on: its edit schedules again; or asked there since
         cfg = self.config.completion
+        text = self.open_text(uri)
+        if text is None or len(text) > cfg.max_document_bytes or self._completions_off(uri):
+            return
         try:
-            if self._disabled_for(uri) if cfg.disabled_languages or cfg.disabled_paths else None:
-                return
-            text = without_lone_surrogates(doc.source)
             cursor = cursor_at(text, position.line, position.character, self.workspace.position_encoding or "utf-16")
             before, after = self._notebook_context(uri)
             context = await self._context(uri, text, cursor) if cfg.context_snippets and self.index else ""
@@ -779,9 +786,8 @@ class CodecompleteServer(LanguageServer):
             return
         if self.pending or doc.version != version:
             return
-        request = CompletionRequest(prefix=before + cursor.prefix, suffix=cursor.suffix + after,
-                                    request_id=f"w{next(self._ids)}", mode=cfg.mode, max_tokens=cfg.max_tokens,
-                                    max_lines=cfg.max_lines, session_key=uri, context=context, warm=True)
+        request = self._engine_request(f"w{next(self._ids)}", uri, before + cursor.prefix, cursor.suffix + after,
+                                       context, warm=True)
         self._warm_line[uri] = position.line
         if self._warming is not None:  # the user moved on: the engine stops it at its next piece
             self._warming.cancel.set()

@@ -185,18 +185,16 @@ class SessionPool:
                + [toks.special(template.middle)] + toks.encode(template.middle_pad))
         if key and efim:
             session = Session(head_prefix, suffix, ids, healed)
-            if not keep:
-                return self._efim(session, toks.encode(healed + prefix[cut:]), toks, reason, count=False) if (
-                    cut < len(prefix)) else PromptPlan(ids, healed, "psm", reason)
-            with self._lock:
-                self.sessions[key] = session
-                self.sessions.move_to_end(key)
-                while len(self.sessions) > self.max_sessions:
-                    self.sessions.popitem(last=False)
-            if reason != "new session":
-                self._count("rebase")
+            if keep:
+                with self._lock:
+                    self.sessions[key] = session
+                    self.sessions.move_to_end(key)
+                    while len(self.sessions) > self.max_sessions:
+                        self.sessions.popitem(last=False)
+                if reason != "new session":
+                    self._count("rebase")
             if cut < len(prefix):  # the last lines go after <M>: EFIM from the first request
-                return self._efim(session, toks.encode(healed + prefix[cut:]), toks, reason)
+                return self._efim(session, toks.encode(healed + prefix[cut:]), toks, reason, count=keep)
         if keep:
             self._count("psm")
         return PromptPlan(ids, healed, "psm", reason)

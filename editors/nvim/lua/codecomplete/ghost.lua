@@ -21,6 +21,7 @@ local function call(client, method, ...)
   end
   return client[method](...)
 end
+M.call = call -- for init.lua's notifications
 
 --- Byte column of an LSP character offset in `line`, for the client's encoding.
 local function byte_col(line, character, encoding)

@@ -71,11 +71,7 @@ local function track_cursor(client, bufnr)
       return
     end
     last = params.position.line
-    if vim.fn.has('nvim-0.11') == 1 then
-      client:notify('codecomplete/didMoveCursor', params)
-    else
-      client.notify('codecomplete/didMoveCursor', params)
-    end
+    require('codecomplete.ghost').call(client, 'notify', 'codecomplete/didMoveCursor', params)
   end
   local group = vim.api.nvim_create_augroup('codecomplete_cursor_' .. bufnr, { clear = true })
   vim.api.nvim_create_autocmd({ 'CursorMoved', 'BufEnter' }, {
