@@ -25,19 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header  # noqa: E402
+from common import RESULTS, header, run, write_results  # noqa: E402
 
 WORK = Path(__file__).resolve().parent / ".work" / "warmups"
 DEFAULT_MS = 50  # completion.warm_ms as shipped
 
 
 def daemon(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "codecomplete.daemon", *args], check=True)
+    run([sys.executable, "-m", "codecomplete.daemon", *args])
 
 
 def pct(xs: list[float], p: float) -> float | None:
@@ -103,10 +102,7 @@ def main() -> None:
                          f"{s['edit_similarity']} | {s['exact_match']} |")
     lines += ["", "Requests answered in both runs with the same completion: " + "; ".join(
         f"{name} {r['same_completion']} of {r['answered_in_both']}" for name, r in results.items()) + "."]
-    out = Path(args.out)
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    print("\n".join(lines))
+    write_results(args.out, lines, results)
 
 
 if __name__ == "__main__":
