@@ -85,7 +85,7 @@ class StopRules:
             cut = text.find("\n", start)
             if cut >= 0:
                 return StopDecision(True, text[:cut], "line_end")
-            return self._suffix_on_line(text)
+            return self._line_loop(text) or self._suffix_on_line(text)
         lines = text.split("\n")
         complete = lines[:-1]  # the last line may still be growing
         blank_run = 0
@@ -115,7 +115,28 @@ class StopRules:
             keep = repetition_cut(complete, shape.line_prefix)
             if keep is not None:
                 return StopDecision(True, "\n".join(lines[:keep]), "repetition")
-        return StopDecision(False, text)
+        return self._line_loop(text) or StopDecision(False, text)
+
+    def _line_loop(self, text: str) -> StopDecision | None:
+        """The last line ends in a loop inside the line (``line_loop``): keep what comes before
+        the repetition and its copies up to the first that reaches past the cursor; or, after
+        whole lines with code, drop the line (as a line the budget cut)."""
+        nl = text.rfind("\n")
+        typed = self.shape.line_prefix if nl < 0 else ""
+        line = typed + text[nl + 1:]
+        if len(line) - len(typed) < LINE_LOOPS[0][0]:
+            return None
+        found = line_loop(line, len(typed))
+        if found is None:
+            return None
+        start, unit = found
+        keep = start + unit
+        while keep <= len(typed):
+            keep += unit
+        head = text[:max(nl, 0)]
+        if head.strip():
+            return StopDecision(True, head, "repetition")
+        return StopDecision(True, text[:nl + 1] + line[len(typed):keep], "repetition")
 
     def _suffix_on_line(self, text: str) -> StopDecision:
         # The model rewrote what already follows the cursor: stop after it.
@@ -167,6 +188,53 @@ def repetition_cut(complete: list[str], line_prefix: str = "") -> int | None:
     if run >= NEAR_RUN:
         return idx[len(rows) - run] + 1
     return None
+
+
+LINE_LOOPS = ((3, 6), (10, 3))  # (shortest unit, copies): a unit of 3-9 characters 6 times, of 10+ 3 times
+LINE_LOOP_UNIT = 80  # the longest unit looked for
+
+
+def line_loop(line: str, typed: int = 0,
+              copies: tuple[tuple[int, int], ...] = LINE_LOOPS) -> tuple[int, int] | None:
+    """Whether ``line`` ends in a loop inside the line, the way small models run away
+    (``os.path.getsize(os.path.getsize(os.path.getsize(``, ``Any, Any, Any, Any, Any, Any``): a
+    unit repeated back to back at its end, ``copies`` times for the unit's length (Tabby's
+    thresholds, ``removeLineEndsWithRepetition``), all of them after the first ``typed``
+    characters (the user's own text: continuing a row of ``0, `` the user typed is no loop until
+    the model has written that many copies itself).  A run of one or two characters repeating (``------``,
+    ``-=-=-=``, ``0000``) is never a loop.  Returns (where the repetition starts, the unit's
+    length), the shortest unit first, the start moved to where a copy begins with a word
+    (``compute(alpha_value(alpha_value(``: at ``alpha``, not inside ``compute``); None when the
+    line does not end in a loop."""
+    n = len(line)
+    last = line[-1:]
+    unit = copies[0][0] - 1
+    while True:  # the units whose copy would end with the line's last character
+        unit = line.rfind(last, 0, n - 1 - unit) if unit < n - 1 else -1
+        unit = n - 1 - unit if unit >= 0 else 0
+        if not unit or unit > LINE_LOOP_UNIT:
+            return None
+        need = 0
+        for least, c in copies:
+            if unit >= least:
+                need = c
+        if unit * need > n - typed:
+            continue
+        span = unit * need
+        tail = line[n - span:]
+        if tail[unit:] != tail[:-unit] or tail[2:] == tail[:-2]:
+            continue
+        start = n - span  # walk back while the period holds
+        while start > 0 and line[start - 1] == line[start - 1 + unit]:
+            start -= 1
+        for p in range(start, start + unit):  # a copy that starts at a word, where there is one
+            if _word(line[p]) and (p == 0 or not _word(line[p - 1])):
+                return p, unit
+        return start, unit
+
+
+def _word(ch: str) -> bool:
+    return ch.isalnum() or ch == "_"
 
 
 def _near(a: str, b: str) -> bool:

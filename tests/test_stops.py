@@ -110,3 +110,71 @@ def test_a_budget_cut_drops_the_partial_last_line_of_a_block():
     assert opener.finish("\n    return fo", budget_cut=True) == "\n    return fo"
     single = rules("x = foo(", ")\n")
     assert single.finish("a, b, c", budget_cut=True) == "a, b, c"
+
+
+def first_stop(r, text):
+    """Feed ``text`` as decoding does (the check after every character) and return the
+    first decision that stops, and how much of the text had come."""
+    for i in range(1, len(text) + 1):
+        d = r.check(text[:i])
+        if d.stop:
+            return d, i
+    return None, len(text)
+
+
+def test_a_line_that_runs_away_stops_after_its_first_copy():
+    r = rules("import os\n\ndef f():\n    return os.", "")
+    d, seen = first_stop(r, "path.getsize(os.path.getsize(os.path.getsize(os.path.getsize(os.path")
+    assert d.reason == "repetition" and r.finish(d.text) == "path.getsize("
+    assert seen == len("path.getsize(os.path.getsize(os.path.getsize(os.")  # three copies: no more
+    # the same as a single-line completion on the next line, and after a line of code in a block
+    single = rules("x = 1", "\n")
+    d, _ = first_stop(single, "\ny = compute(alpha_value(alpha_value(alpha_value(alpha_value(")
+    assert r.finish(d.text) == "\ny = compute(alpha_value("  # the copy kept starts at a word
+    block = rules("def f():\n    ", "")
+    d, _ = first_stop(block, "x = 1\n    y = g(other_name, other_name, other_name, other_name, ")
+    assert d.reason == "repetition" and d.text == "x = 1"  # the line the loop took goes, as a cut line
+
+
+def test_short_units_need_six_copies_and_runs_of_one_or_two_characters_are_no_loop():
+    assert not first_stop(rules("from typing import ", "\n"), "Any, Any, Any, Any, Any")[0]
+    d, _ = first_stop(rules("from typing import ", "\n"), "Any, Any, Any, Any, Any, Any, Any")
+    assert d.reason == "repetition" and d.text.rstrip() == "Any,"
+    for text in ('"' + "-" * 60 + '"', "# " + "=-" * 30, "0x" + "0" * 40, "[" + ", ".join(["0"] * 5) + "]"):
+        assert not first_stop(rules("x = ", "\n"), text)[0], text
+
+
+def test_the_users_own_repetition_is_continued_until_the_model_repeats_it_alone():
+    typed = "row = [0, 0, 0, 0, 0, 0, 0, 0, "
+    assert not first_stop(rules(typed, "\n"), "0, 0, 0, 0, 0]")[0]
+    d, _ = first_stop(rules(typed, "\n"), "0, 0, 0, 0, 0, 0, 0, 0, 0, 0")
+    assert d.reason == "repetition" and d.text.rstrip() == "0,"  # a copy past the cursor stays
+
+
+def test_line_loops_only_cut_and_fire_at_their_thresholds():
+    """Random lines: a text before a unit repeated k times (and a tail of it): the rule stops
+    exactly when the unit (not itself made of repeats, nor of one or two characters) comes
+    LINE_LOOPS' copies in a row, and what it keeps is a prefix of the text with no loop left."""
+    import random
+
+    from codecomplete.model.stops import LINE_LOOPS, line_loop
+
+    rng = random.Random(7)
+    alphabet = "abcxyz_(),. :=[]01"
+    for _ in range(400):
+        unit = "".join(rng.choice(alphabet) for _ in range(rng.randint(3, 14)))
+        k = rng.randint(1, 8)
+        head = "".join(rng.choice("klmnopq") for _ in range(rng.randint(0, 6)))  # no letter of the units
+        text = head + unit * k + unit[: rng.randint(0, len(unit) - 1)]
+        d, _ = first_stop(rules("x = ", "\n"), text)
+        plain = len(set(unit)) > 2 and all(unit != unit[:p] * (len(unit) // p)
+                                           for p in range(1, len(unit)) if len(unit) % p == 0)
+        need = [c for least, c in LINE_LOOPS if len(unit) >= least][-1]
+        if plain:
+            assert (d is not None) == (k >= need), (text, unit, k)
+        if d is None:
+            continue
+        assert d.reason == "repetition" and text.startswith(d.text), (text, d.text)
+        assert line_loop("x = " + d.text) is None
+        if plain:
+            assert len(d.text) <= len(head) + 2 * len(unit), (text, d.text)  # one copy, started on a word
