@@ -203,9 +203,9 @@ def line_loop(line: str, typed: int = 0,
     characters (the user's own text: continuing a row of ``0, `` the user typed is no loop until
     the model has written that many copies itself).  A run of one or two characters repeating (``------``,
     ``-=-=-=``, ``0000``) is never a loop.  Returns (where the repetition starts, the unit's
-    length), the shortest unit first, the start moved to where a copy begins with a word
-    (``compute(alpha_value(alpha_value(``: at ``alpha``, not inside ``compute``); None when the
-    line does not end in a loop."""
+    length), the shortest unit first; a start inside a word moves to the first copy that begins
+    with one (``compute(alpha_value(alpha_value(``: at ``alpha``, not at ``compute``'s ``e``);
+    None when the line does not end in a loop."""
     n = len(line)
     last = line[-1:]
     unit = copies[0][0] - 1
@@ -227,9 +227,10 @@ def line_loop(line: str, typed: int = 0,
         start = n - span  # walk back while the period holds
         while start > 0 and line[start - 1] == line[start - 1 + unit]:
             start -= 1
-        for p in range(start, start + unit):  # a copy that starts at a word, where there is one
-            if _word(line[p]) and (p == 0 or not _word(line[p - 1])):
-                return p, unit
+        if start and _word(line[start - 1]) and _word(line[start]):  # the run starts inside a word:
+            for p in range(start + 1, start + unit):  # the first copy that starts at one, if any
+                if _word(line[p]) and not _word(line[p - 1]):
+                    return p, unit
         return start, unit
 
 
