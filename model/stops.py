@@ -198,14 +198,15 @@ def line_loop(line: str, typed: int = 0,
               copies: tuple[tuple[int, int], ...] = LINE_LOOPS) -> tuple[int, int] | None:
     """Whether ``line`` ends in a loop inside the line, the way small models run away
     (``os.path.getsize(os.path.getsize(os.path.getsize(``, ``Any, Any, Any, Any, Any, Any``): a
-    unit repeated back to back at its end, ``copies`` times for the unit's length (Tabby's
-    thresholds, ``removeLineEndsWithRepetition``), all of them after the first ``typed``
-    characters (the user's own text: continuing a row of ``0, `` the user typed is no loop until
-    the model has written that many copies itself).  A run of one or two characters repeating (``------``,
-    ``-=-=-=``, ``0000``) is never a loop.  Returns (where the repetition starts, the unit's
-    length), the shortest unit first; a start inside a word moves to the first copy that begins
-    with one (``compute(alpha_value(alpha_value(``: at ``alpha``, not at ``compute``'s ``e``);
-    None when the line does not end in a loop."""
+    unit repeated back to back at its end, ``copies`` times for the unit's length, all of them
+    after the first ``typed`` characters (the user's own text: continuing a row of ``0, `` the
+    user typed is no loop until the model has written that many copies itself).  Tabby's
+    ``removeLineEndsWithRepetition`` asks 6 and 4 copies; 3 for a long unit stops a copy sooner
+    and cuts 0.008 % of the standard library's lines (bench/results/repetition_line_avx512.md).
+    A run of one or two characters repeating (``------``, ``-=-=-=``, ``0000``) is never a loop.
+    Returns (where the repetition starts, the unit's length), the shortest unit first; a start
+    inside a word moves to the first copy that begins with one (``compute(alpha_value(alpha_value(``:
+    at ``alpha``, not at ``compute``'s ``e``); None when the line does not end in a loop."""
     n = len(line)
     last = line[-1:]
     unit = copies[0][0] - 1
