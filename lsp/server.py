@@ -112,6 +112,7 @@ class Counters:
     with_context: int = 0  # requests whose prompt opened with repository snippets
     disabled: int = 0  # of the empty ones, in a language or file completions are off for
     warmups: int = 0  # prefills at an edit ahead of a request (completion.warm_ms)
+    inside_word: int = 0  # of the empty ones, asked while typing inside a word (nothing fits there)
     latencies_ms: deque = field(default_factory=lambda: deque(maxlen=2000))
 
     def as_dict(self) -> dict:
@@ -585,7 +586,7 @@ class CodecompleteServer(LanguageServer):
             return types.CompletionList(is_incomplete=False, items=[])
         ctx = params.context
         automatic = ctx is not None and ctx.trigger_kind != types.CompletionTriggerKind.Invoked
-        got = await self._guarded(params.text_document.uri, params.position, automatic)
+        got = await self._guarded(params.text_document.uri, params.position, automatic, typing=True)
         if got is None:
             return types.CompletionList(is_incomplete=True, items=[])
         return types.CompletionList(is_incomplete=True, items=self._menu_items(got))
@@ -597,9 +598,10 @@ class CodecompleteServer(LanguageServer):
         return td is not None and td.inline_completion is not None
 
     async def _guarded(self, uri: str, position: types.Position, automatic: bool,
-                       selected: types.SelectedCompletionInfo | None = None, alternatives: int = 1) -> Answer | None:
+                       selected: types.SelectedCompletionInfo | None = None, alternatives: int = 1,
+                       typing: bool | None = None) -> Answer | None:
         try:
-            return await self._complete(uri, position, automatic, selected, alternatives)
+            return await self._complete(uri, position, automatic, selected, alternatives, typing)
         except (JsonRpcException, asyncio.CancelledError):
             raise
         except Exception:
@@ -610,12 +612,15 @@ class CodecompleteServer(LanguageServer):
 
     async def _complete(self, uri: str, position: types.Position, automatic: bool,
                         selected_info: types.SelectedCompletionInfo | None = None,
-                        alternatives: int = 1) -> Answer | None:
+                        alternatives: int = 1, typing: bool | None = None) -> Answer | None:
         """One completion at ``position`` (``alternatives`` > 1: with up to that many - 1
         others), or None when there is nothing to offer (counted and logged).
         ``selected_info``: the item selected in the editor's completion menu (VS Code sends
         it while the menu is open); the completion then continues the text as if that item
-        were inserted, so that the editor can show both together."""
+        were inserted, so that the editor can show both together.  ``typing`` (default:
+        ``automatic``): the request came with a keystroke, not a gesture; then a cursor inside
+        a word (``pri|nt``) gets nothing: text inserted there splits the word, and the model's
+        usual answer (a new line from ``pri``) leaves the word's rest after it."""
         started = time.perf_counter()
         self.counters.requests += 1
         cfg = self.config.completion
@@ -636,6 +641,10 @@ class CodecompleteServer(LanguageServer):
         except PositionError as exc:
             raise JsonRpcInvalidParams(f"position out of range in {uri}: {exc}") from exc
         selected = self._selected(text, cursor, selected_info, encoding)
+        if (automatic if typing is None else typing) and selected is None and _inside_word(text, cursor.offset):
+            log.debug("%s:%d:%d: inside a word; no completion while typing", uri, position.line, position.character)
+            self.counters.inside_word += 1
+            return self._count_empty()
         prefix, suffix = cursor.prefix, cursor.suffix
         if selected is not None:
             a, b, item = selected
@@ -1068,6 +1077,12 @@ def _folder_paths(folders) -> list[Path]:
 def _item_id(rid: str, i: int) -> str:
     """The completion id of a request's ``i``-th item (its alternatives: ``c7.2``, ``c7.3``)."""
     return rid if i == 0 else f"{rid}.{i + 1}"
+
+
+def _inside_word(text: str, offset: int) -> bool:
+    """An identifier character on both sides of ``offset``."""
+    return (0 < offset < len(text) and (text[offset - 1].isalnum() or text[offset - 1] == "_")
+            and (text[offset].isalnum() or text[offset] == "_"))
 
 
 def _word_start(text: str, offset: int, floor: int) -> int:

@@ -202,6 +202,29 @@ async def test_bad_input_gets_errors_and_the_daemon_keeps_serving(client, repo, 
     assert s["counters"]["completions"] >= 6
 
 
+WORD = "import sys\n\ndef main():\n    print(sys.argv)\n"
+WORD_AT = (3, 7)  # "    pri|nt(sys.argv)"
+
+
+async def test_typing_inside_a_word_gets_nothing_and_an_invoked_request_is_answered(client, repo, reference_engine):
+    """Guards the inside-word rule: a request made while typing with the cursor between two
+    identifier characters gets no completion (text inserted there splits the word: the model
+    tends to write a new line from ``pri`` and leave ``nt(sys.argv)`` after it), counted as
+    ``inside_word``; one the user invoked there is answered; the word's end is answered."""
+    uri = (repo / "word.py").as_uri()
+    open_doc(client, uri, WORD)
+    assert await complete(client, uri, *WORD_AT) == []
+    assert (await stats(client))["counters"]["inside_word"] == 1
+    cut = WORD.index("nt(sys")
+    want = expected_all(reference_engine, WORD[:cut], WORD[cut:], 3)
+    assert proposed(await complete(client, uri, *WORD_AT, invoked=True), "    pri") == want
+    end = WORD.index("(sys")  # "    print|(sys.argv)": after the word
+    want = expected(reference_engine, WORD[:end], WORD[end:])
+    assert want.strip(), "the tiny model should complete this prompt"
+    assert proposed(await complete(client, uri, 3, 9), "    print") == [want]
+    assert (await stats(client))["counters"]["inside_word"] == 1
+
+
 async def test_buffers_are_found_under_the_uris_clients_send(client, repo, reference_engine):
     """Guards uri handling: VS Code percent-encodes paths (``my%20dir``, ``c%3A``) and pygls
     keys buffers by the decoded uri; the open buffer is completed, not the file on disk,
@@ -488,6 +511,12 @@ async def test_clients_without_inline_completions_get_a_menu_item(repo, tiny_mod
         with pytest.raises(JsonRpcException):
             await menu(menu_only, uri, 99, 0)
         assert (await menu(menu_only, uri, len(lines) - 1, len(lines[-1]))).items
+        # inside a word a menu request (asked while typing, "Invoked" or not) gets nothing
+        word = (repo / "word.py").as_uri()
+        open_doc(menu_only, word, WORD)
+        inside = await menu(menu_only, word, *WORD_AT)
+        assert inside.is_incomplete and not inside.items
+        assert (await stats(menu_only))["counters"]["inside_word"] == 1
     finally:
         await menu_only.shutdown_session()
         await menu_only.stop()
