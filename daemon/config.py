@@ -90,6 +90,9 @@ class CompletionConfig:
     # the prompt's KV cached instead of prefilling it cold.  A request stops a warm-up at its
     # next piece of 256 tokens (what ran is kept).  0: off.
     warm_ms: int = field(default=50, metadata=_range(0, 60000))
+    # Complete while typing with the cursor inside a word (``pri|nt``): off, as text inserted
+    # there splits the word.  A request the user invokes is answered there either way.
+    inside_word: bool = False
 
 
 @dataclass

@@ -619,8 +619,9 @@ class CodecompleteServer(LanguageServer):
         it while the menu is open); the completion then continues the text as if that item
         were inserted, so that the editor can show both together.  ``typing`` (default:
         ``automatic``): the request came with a keystroke, not a gesture; then a cursor inside
-        a word (``pri|nt``) gets nothing: text inserted there splits the word, and the model's
-        usual answer (a new line from ``pri``) leaves the word's rest after it."""
+        a word (``pri|nt``) gets nothing unless ``completion.inside_word``: text inserted there
+        splits the word, and the model's usual answer (a new line from ``pri``) leaves the
+        word's rest after it."""
         started = time.perf_counter()
         self.counters.requests += 1
         cfg = self.config.completion
@@ -641,7 +642,8 @@ class CodecompleteServer(LanguageServer):
         except PositionError as exc:
             raise JsonRpcInvalidParams(f"position out of range in {uri}: {exc}") from exc
         selected = self._selected(text, cursor, selected_info, encoding)
-        if (automatic if typing is None else typing) and selected is None and _inside_word(text, cursor.offset):
+        if ((automatic if typing is None else typing) and not cfg.inside_word and selected is None
+                and _inside_word(text, cursor.offset)):
             log.debug("%s:%d:%d: inside a word; no completion while typing", uri, position.line, position.character)
             self.counters.inside_word += 1
             return self._count_empty()

@@ -210,7 +210,8 @@ async def test_typing_inside_a_word_gets_nothing_and_an_invoked_request_is_answe
     """Guards the inside-word rule: a request made while typing with the cursor between two
     identifier characters gets no completion (text inserted there splits the word: the model
     tends to write a new line from ``pri`` and leave ``nt(sys.argv)`` after it), counted as
-    ``inside_word``; one the user invoked there is answered; the word's end is answered."""
+    ``inside_word``; one the user invoked there is answered; the word's end is answered; with
+    ``completion.inside_word`` on, a request while typing there is answered too."""
     uri = (repo / "word.py").as_uri()
     open_doc(client, uri, WORD)
     assert await complete(client, uri, *WORD_AT) == []
@@ -222,6 +223,12 @@ async def test_typing_inside_a_word_gets_nothing_and_an_invoked_request_is_answe
     want = expected(reference_engine, WORD[:end], WORD[end:])
     assert want.strip(), "the tiny model should complete this prompt"
     assert proposed(await complete(client, uri, 3, 9), "    print") == [want]
+    assert (await stats(client))["counters"]["inside_word"] == 1
+    # completion.inside_word: answered while typing too (the greedy completion alone)
+    client.workspace_did_change_configuration(T.DidChangeConfigurationParams(
+        settings={"codecomplete": {"completion": {"insideWord": True}}}))
+    cut_want = expected_all(reference_engine, WORD[:cut], WORD[cut:], 3)[:1]
+    assert proposed(await complete(client, uri, *WORD_AT), "    pri") == cut_want
     assert (await stats(client))["counters"]["inside_word"] == 1
 
 
