@@ -195,6 +195,12 @@ async def drive_user(client, user: int, sessions: list[Session], root: Path, spe
                     inflight.append(task)
                 else:
                     await task
+                    if max_requests and ordinal >= max_requests:
+                        # compressed: the session's quota is answered, and the rest of its events
+                        # would reach the daemon as one burst that the next session's first
+                        # request waits behind (seconds for a long session); each session opens
+                        # its own documents, so nothing after this point is needed
+                        break
             elif kind == "cursor" and uri in st.docs:  # the plugins' report of where the cursor rests
                 client.protocol.notify("codecomplete/didMoveCursor", {
                     "textDocument": {"uri": uri}, "position": {"line": e["line"], "character": e["character"]}})

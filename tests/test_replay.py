@@ -117,6 +117,54 @@ def test_score_counts_a_completion_line_by_line():
     assert (empty.lines_shown, empty.lines_right) == (0, 0)
 
 
+class _Recorder:
+    """A client that records what a replay sends and answers every request with nothing
+    (the harness's own logic under test, not the daemon)."""
+
+    def __init__(self):
+        self.sent = []
+
+    def text_document_did_open(self, params):
+        self.sent.append(("open", params.text_document.uri))
+
+    def text_document_did_change(self, params):
+        self.sent.append(("change", params.text_document.uri))
+
+    async def text_document_inline_completion_async(self, params):
+        self.sent.append(("request", params.text_document.uri))
+        return T.InlineCompletionList(items=[])
+
+
+def test_a_compressed_replay_stops_a_session_at_its_request_quota(tmp_path: Path):
+    """Guards --max-requests with --speed 0: once a session's quota is answered, the rest of
+    its events are not sent (they would reach the daemon as one burst that the next session's
+    first request waits behind, inflating its latency by seconds); the next session plays
+    from its start; without a quota every event is sent."""
+    import asyncio
+
+    from codecomplete.daemon.replay import drive_user
+
+    def session(name: str) -> Session:
+        uri = f"file:///r/{name}.py"
+        change = {"t": 0, "type": "change", "uri": uri,
+                  "changes": [{"range": {"start": {"line": 0, "character": 0}, "end": {"line": 0, "character": 0}},
+                               "text": "x"}]}
+        request = {"t": 0, "type": "request", "uri": uri, "line": 0, "character": 1, "truth_line": "x"}
+        return Session(make_header(repo="/r"), [{"t": 0, "type": "open", "uri": uri, "text": ""},
+                                                change, request, change, change, request, change])
+
+    def play(max_requests: int) -> list:
+        client = _Recorder()
+        asyncio.run(drive_user(client, 0, [session("a"), session("b")], tmp_path, 0, [], max_requests,
+                               lambda: None))
+        return [kind for kind, _ in client.sent]
+
+    one = ["open", "change", "request"]
+    assert play(1) == one + one
+    assert play(0) == 2 * ["open", "change", "request", "change", "change", "request", "change"]
+    assert play(2) == 2 * ["open", "change", "request", "change", "change", "request"]
+
+
 def test_edit_similarity():
     assert edit_similarity("abc", "abc") == 1.0 and edit_similarity("", "") == 1.0
     assert edit_similarity("abcd", "abxd") == 0.75 and edit_similarity("a", "") == 0.0
