@@ -81,7 +81,7 @@ def main() -> None:
                          f"{s.get('decode_ms_per_token')} | {s.get('tokens_per_pass')} | {s.get('typed_through', 0)} | "
                          f"{s.get('cached', 0)} |")
     lines += ["", "Per-run reports (JSON, Markdown, latency CDF and reuse-per-round plots): "
-              + ", ".join(f"[`replay/{f}/`](replay/{f}/report.md)" for _, _, f, _ in sections)]
+              + ", ".join(f"[`{out_root.name}/{f}/`]({out_root.name}/{f}/report.md)" for _, _, f, _ in sections)]
     out_root.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
