@@ -187,6 +187,29 @@ class CodecompleteServer(LanguageServer):
         self._warm_timer: asyncio.TimerHandle | None = None
         self._warming: CompletionRequest | None = None  # the warm-up the engine may be running
 
+    # -- stdio: messages read in chunks ------------------------------------------------
+    def _start_io_async(self, stdin=None, stdout=None) -> None:
+        """pygls's stdio loop (``start_io``) with a reader that takes whatever the pipe holds
+        at once (``ChunkReader``): pygls's own reader hands every header line and every body
+        to a worker thread, three hand-offs a message, which made a burst of 2,000 keystrokes'
+        ``didChange`` cost the event loop ~2.7 ms each."""
+        import sys
+
+        from pygls.io_ import StdoutWriter, run_async
+
+        self._stop_event = threading.Event()
+        self.protocol.set_writer(StdoutWriter(stdout or sys.stdout.buffer))
+        reader = ChunkReader(stdin or sys.stdin.buffer, self.thread_pool)
+        try:
+            asyncio.run(run_async(stop_event=self._stop_event, reader=reader, protocol=self.protocol,
+                                  logger=log, error_handler=self.report_server_error))
+        except BrokenPipeError:
+            log.error("Connection to the client is lost! Shutting down the server.")
+        except (KeyboardInterrupt, SystemExit):
+            pass
+        finally:
+            self.shutdown()
+
     # -- TCP: one client at a time, the daemon outlives each ----------------------------
     def serve_tcp(self, host: str, port: int) -> None:
         """Listen on ``host:port`` until the process is stopped.  pygls's own TCP server
@@ -1079,6 +1102,50 @@ def _folder_paths(folders) -> list[Path]:
 def _item_id(rid: str, i: int) -> str:
     """The completion id of a request's ``i``-th item (its alternatives: ``c7.2``, ``c7.3``)."""
     return rid if i == 0 else f"{rid}.{i + 1}"
+
+
+class ChunkReader:
+    """An async reader (pygls's ``AsyncReader``: ``readline``, ``readexactly``) over a binary
+    stream that reads whatever is available in one worker-thread call (``read1``) and serves
+    lines and bodies from its buffer: one hand-off per chunk, not three per message."""
+
+    CHUNK = 1 << 16
+
+    def __init__(self, stream, executor=None):
+        self.stream = stream
+        self.executor = executor
+        self.buf = bytearray()
+        self.eof = False
+        read1 = getattr(stream, "read1", None)
+        self._read = read1 if read1 is not None else stream.read
+
+    async def _fill(self) -> None:
+        chunk = await asyncio.get_running_loop().run_in_executor(self.executor, self._read, self.CHUNK)
+        if chunk:
+            self.buf += chunk
+        else:
+            self.eof = True
+
+    async def readline(self) -> bytes:
+        start = 0
+        while True:
+            end = self.buf.find(b"\n", start)
+            if end >= 0:
+                return self._take(end + 1)
+            if self.eof:
+                return self._take(len(self.buf))
+            start = len(self.buf)
+            await self._fill()
+
+    async def readexactly(self, n: int) -> bytes:
+        while len(self.buf) < n and not self.eof:
+            await self._fill()
+        return self._take(min(n, len(self.buf)))
+
+    def _take(self, n: int) -> bytes:
+        data = bytes(self.buf[:n])
+        del self.buf[:n]
+        return data
 
 
 def _inside_word(text: str, offset: int) -> bool:

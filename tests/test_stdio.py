@@ -1,0 +1,68 @@
+"""The daemon's stdio reader (lsp.server.ChunkReader), on byte streams alone; every e2e
+test drives it over a real pipe."""
+
+import asyncio
+import io
+import json
+
+from codecomplete.lsp.server import ChunkReader
+
+
+class Trickle(io.RawIOBase):
+    """A stream that hands out at most ``step`` bytes per read, as a pipe does when the
+    writer is slow."""
+
+    def __init__(self, data: bytes, step: int):
+        self.data, self.step = data, step
+
+    def readable(self) -> bool:
+        return True
+
+    def read1(self, n: int = -1) -> bytes:
+        out, self.data = self.data[:min(n, self.step)], self.data[min(n, self.step):]
+        return out
+
+
+def frame(body: dict) -> bytes:
+    raw = json.dumps(body).encode()
+    return b"Content-Length: %d\r\n\r\n" % len(raw) + raw
+
+
+def read_messages(stream) -> list:
+    """What pygls's loop reads: header lines up to a blank one, then the body."""
+    async def go():
+        reader, out = ChunkReader(stream), []
+        while True:
+            length = 0
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return out
+                if line.startswith(b"Content-Length: "):
+                    length = int(line.split(b":")[1])
+                elif line == b"\r\n":
+                    break
+            out.append(json.loads(await reader.readexactly(length)))
+    return asyncio.run(go())
+
+
+def test_messages_come_whole_however_the_pipe_splits_them():
+    """Guards the reader: lines and bodies split across reads (one byte at a time, or many
+    messages in one read) come back whole and in order, a body with newlines inside too,
+    and the end of the stream ends the loop."""
+    bodies = [{"jsonrpc": "2.0", "method": "textDocument/didChange", "params": {"text": "a\nb\r\n" * k}}
+              for k in range(1, 40)]
+    data = b"".join(frame(b) for b in bodies)
+    for step in (1, 7, 100, 1 << 20):
+        assert read_messages(Trickle(data, step)) == bodies, step
+    assert read_messages(io.BytesIO(data)) == bodies  # a buffered stream (read1 of BufferedReader-likes)
+
+
+def test_a_stream_cut_mid_body_returns_what_came():
+    async def go():
+        reader = ChunkReader(Trickle(b"Content-Length: 10\r\n\r\n{\"a\"", 3))
+        assert await reader.readline() == b"Content-Length: 10\r\n"
+        assert await reader.readline() == b"\r\n"
+        assert await reader.readexactly(10) == b'{"a"'  # what there was
+        assert await reader.readline() == b""
+    asyncio.run(go())
