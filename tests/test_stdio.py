@@ -66,3 +66,33 @@ def test_a_stream_cut_mid_body_returns_what_came():
         assert await reader.readexactly(10) == b'{"a"'  # what there was
         assert await reader.readline() == b""
     asyncio.run(go())
+
+
+def test_pygls_loop_reads_every_message_through_it():
+    """Guards the reader inside pygls's own loop (run_async, as the daemon runs it): messages
+    with a Content-Type header too, split one byte at a time, are each handled once, in order."""
+    import threading
+
+    from pygls.io_ import run_async
+
+    class Protocol:
+        def __init__(self):
+            self.seen = []
+
+        def structure_message(self, data):
+            return data
+
+        def handle_message(self, message):
+            self.seen.append(message)
+
+    bodies = [{"jsonrpc": "2.0", "method": "m", "params": {"i": i, "text": "x\n" * i}} for i in range(12)]
+    data = b""
+    for i, body in enumerate(bodies):
+        raw = json.dumps(body).encode()
+        typed = b"Content-Type: application/vscode-jsonrpc; charset=utf-8\r\n" if i % 2 else b""
+        data += b"Content-Length: %d\r\n" % len(raw) + typed + b"\r\n" + raw
+    for step in (1, 5, 1 << 16):
+        protocol = Protocol()
+        asyncio.run(run_async(stop_event=threading.Event(), reader=ChunkReader(Trickle(data, step)),
+                              protocol=protocol))
+        assert protocol.seen == bodies, step
