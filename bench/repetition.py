@@ -36,7 +36,6 @@ Writes ``bench/results/repetition.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -44,7 +43,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header  # noqa: E402
+from common import RESULTS, header, write_results  # noqa: E402
 from speculation import checkout, held_out  # noqa: E402
 
 from codecomplete.daemon.replay import lines_right  # noqa: E402
@@ -252,10 +251,7 @@ def main() -> None:
                 "examples": [{"repo": x["repo"], "path": x["path"], "kind": x["kind"], a: x["text"], b: y["text"]}
                              for x, y in both if x["text"] != y["text"]]}
     compare = {"line rule": pairs("rules on", "no line-loop rule"), "all rules": pairs("rules on", "rules off")}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"summary": summary, "compare": compare, "real_code": fp,
-                                                    "real_lines": fp_lines, "rows": rows}, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     repos = ", ".join(sorted({c["repo"] for c in work}))
     counts = Counter(c["kind"] for c in work)
     md = [header("Loops and cut lines in completions"), "",
@@ -294,8 +290,8 @@ def main() -> None:
         md += [f"- `{e['repo']}/{e['path']}` ({e['kind']}): `{e['rules on'][-80:]!r}` / "
                f"`{e['no line-loop rule'][-120:]!r}`" for e in ex[:8]]
     md += [""]
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    write_results(args.out, md, {"summary": summary, "compare": compare, "real_code": fp,
+                                 "real_lines": fp_lines, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -31,17 +31,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, run, write_results  # noqa: E402
 
+from codecomplete.daemon.replay import pct  # noqa: E402
+
 WORK = Path(__file__).resolve().parent / ".work" / "warmups"
 DEFAULT_MS = 50  # completion.warm_ms as shipped
 
 
 def daemon(*args: str) -> None:
     run([sys.executable, "-m", "codecomplete.daemon", *args])
-
-
-def pct(xs: list[float], p: float) -> float | None:
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(p * len(xs)))], 1) if xs else None
 
 
 def summary(report: dict) -> dict:
