@@ -39,6 +39,7 @@ from codecomplete.daemon.config import Config, editor_settings, engine_settings,
 from codecomplete.indexer.files import SourceError, language_of, read_source
 from codecomplete.indexer.folders import Folders
 from codecomplete.model.api import Completion, CompletionRequest
+from codecomplete.model.stops import word_char
 
 from .cache import CompletionCache
 from .documents import PositionError, cursor_at, encoding_name, offset_at, position_at
@@ -191,8 +192,8 @@ class CodecompleteServer(LanguageServer):
     def _start_io_async(self, stdin=None, stdout=None) -> None:
         """pygls's stdio loop (``start_io``) with a reader that takes whatever the pipe holds
         at once (``ChunkReader``): pygls's own reader hands every header line and every body
-        to a worker thread, three hand-offs a message, which made a burst of 2,000 keystrokes'
-        ``didChange`` cost the event loop ~2.7 ms each."""
+        to a worker thread, three hand-offs a message; a burst of 2,000 keystrokes' ``didChange``
+        cost 0.74-0.83 ms each with it, 0.36 ms with this one (docs/decisions.md)."""
         import sys
 
         from pygls.io_ import StdoutWriter, run_async
@@ -1150,13 +1151,12 @@ class ChunkReader:
 
 def _inside_word(text: str, offset: int) -> bool:
     """An identifier character on both sides of ``offset``."""
-    return (0 < offset < len(text) and (text[offset - 1].isalnum() or text[offset - 1] == "_")
-            and (text[offset].isalnum() or text[offset] == "_"))
+    return 0 < offset < len(text) and word_char(text[offset - 1]) and word_char(text[offset])
 
 
 def _word_start(text: str, offset: int, floor: int) -> int:
     """Where the identifier that ends at ``offset`` starts, not before ``floor``."""
-    while offset > floor and (text[offset - 1].isalnum() or text[offset - 1] == "_"):
+    while offset > floor and word_char(text[offset - 1]):
         offset -= 1
     return offset
 

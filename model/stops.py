@@ -228,14 +228,15 @@ def line_loop(line: str, typed: int = 0,
         start = n - span  # walk back while the period holds
         while start > 0 and line[start - 1] == line[start - 1 + unit]:
             start -= 1
-        if start and _word(line[start - 1]) and _word(line[start]):  # the run starts inside a word:
+        if start and word_char(line[start - 1]) and word_char(line[start]):  # the run starts inside a word:
             for p in range(start + 1, start + unit):  # the first copy that starts at one, if any
-                if _word(line[p]) and not _word(line[p - 1]):
+                if word_char(line[p]) and not word_char(line[p - 1]):
                     return p, unit
         return start, unit
 
 
-def _word(ch: str) -> bool:
+def word_char(ch: str) -> bool:
+    """A character of an identifier (any script's letters and digits, and ``_``)."""
     return ch.isalnum() or ch == "_"
 
 
