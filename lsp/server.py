@@ -1108,7 +1108,10 @@ def _item_id(rid: str, i: int) -> str:
 class ChunkReader:
     """An async reader (pygls's ``AsyncReader``: ``readline``, ``readexactly``) over a binary
     stream that reads whatever is available in one worker-thread call (``read1``) and serves
-    lines and bodies from its buffer: one hand-off per chunk, not three per message."""
+    lines and bodies from its buffer: one hand-off per chunk, not three per message.  Before
+    the next message it yields to the event loop once, so a request's handler task starts
+    (and can count its own cancellation) before a ``$/cancelRequest`` in the same chunk is
+    handled, as with pygls's reader, whose hand-offs gave the loop that turn."""
 
     CHUNK = 1 << 16
 
@@ -1117,6 +1120,7 @@ class ChunkReader:
         self.executor = executor
         self.buf = bytearray()
         self.eof = False
+        self._handed = False  # a body went out since the last yield
         read1 = getattr(stream, "read1", None)
         self._read = read1 if read1 is not None else stream.read
 
@@ -1128,6 +1132,9 @@ class ChunkReader:
             self.eof = True
 
     async def readline(self) -> bytes:
+        if self._handed:  # the last message's handler runs its first step now
+            self._handed = False
+            await asyncio.sleep(0)
         start = 0
         while True:
             end = self.buf.find(b"\n", start)
@@ -1141,6 +1148,7 @@ class ChunkReader:
     async def readexactly(self, n: int) -> bytes:
         while len(self.buf) < n and not self.eof:
             await self._fill()
+        self._handed = True
         return self._take(min(n, len(self.buf)))
 
     def _take(self, n: int) -> bytes:

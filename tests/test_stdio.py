@@ -96,3 +96,36 @@ def test_pygls_loop_reads_every_message_through_it():
         asyncio.run(run_async(stop_event=threading.Event(), reader=ChunkReader(Trickle(data, step)),
                               protocol=protocol))
         assert protocol.seen == bodies, step
+
+
+def test_each_handler_starts_before_the_next_message_is_handled():
+    """Guards the turn the reader gives the event loop between messages: with a request and
+    its ``$/cancelRequest`` in one chunk, the request's handler task must have started (so it
+    sees, and counts, its own cancellation) before the cancel is handled, as pygls's reader
+    allowed.  Without the turn every message of a chunk is handled before any task runs."""
+    import threading
+
+    from pygls.io_ import run_async
+
+    order = []
+
+    class Protocol:
+        def structure_message(self, data):
+            return data
+
+        def handle_message(self, message):
+            i = message["params"]["i"]
+            order.append(("handled", i))
+
+            async def handler():
+                order.append(("started", i))
+            asyncio.ensure_future(handler())
+
+    data = b"".join(frame({"jsonrpc": "2.0", "method": "m", "params": {"i": i}}) for i in range(5))
+
+    async def go():
+        await run_async(stop_event=threading.Event(), reader=ChunkReader(io.BytesIO(data)), protocol=Protocol())
+        await asyncio.sleep(0)
+
+    asyncio.run(go())
+    assert order == [(kind, i) for i in range(5) for kind in ("handled", "started")]
