@@ -193,7 +193,7 @@ class CodecompleteServer(LanguageServer):
         """pygls's stdio loop (``start_io``) with a reader that takes whatever the pipe holds
         at once (``ChunkReader``): pygls's own reader hands every header line and every body
         to a worker thread, three hand-offs a message; a burst of 2,000 keystrokes' ``didChange``
-        cost 0.74-0.83 ms each with it, 0.36 ms with this one (docs/decisions.md)."""
+        cost 0.81-1.01 ms each with it, 0.46 ms with this one (docs/decisions.md)."""
         import sys
 
         from pygls.io_ import StdoutWriter, run_async
