@@ -40,6 +40,9 @@ class ModelConfig:
     template: str = field(default="auto", metadata=_choice(
         "auto", "prefix-only", "starcoder", "qwen", "deepseek", "codellama", "codellama-plain"))
     threads: int = field(default=0, metadata=_range(0, 256))  # 0: torch's default
+    # fewer threads while other processes use the cores (two daemons, a build): OpenMP's spinning
+    # barriers collapse when oversubscribed (docs/decisions.md)
+    adaptive_threads: bool = True
     pack_weights: bool = True  # oneDNN-prepacked linear weights on CPU: faster decoding, same results
     native_attention: bool = True  # decode attention in a C kernel built on first use (needs a C compiler)
 
@@ -314,7 +317,7 @@ def engine_settings(cfg: Config):
 
     m, c, e, sp = cfg.model, cfg.completion, cfg.engine, cfg.speculation
     return EngineSettings(model=m.name, device=m.device, dtype=m.dtype, template=m.template,
-                          threads=m.threads, pack_weights=m.pack_weights,
+                          threads=m.threads, adaptive_threads=m.adaptive_threads, pack_weights=m.pack_weights,
                           native_attention=m.native_attention, max_prefix_tokens=c.max_prefix_tokens,
                           max_suffix_tokens=c.max_suffix_tokens, token_healing=c.token_healing,
                           kv_budget_mb=e.kv_budget_mb, efim=e.efim, inc_bound=e.inc_bound, head_lines=e.head_lines,

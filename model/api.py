@@ -120,7 +120,9 @@ class EngineSettings:
     device: str = "auto"
     dtype: str = "auto"
     template: str = "auto"
-    threads: int = 0
+    threads: int = 0  # 0: torch's default; with adaptive_threads, the most a pass uses
+    # fewer threads while other processes use the cores (threads.ThreadGovernor; CPU only)
+    adaptive_threads: bool = True
     pack_weights: bool = True  # oneDNN-prepacked linear weights on CPU (faster, same results)
     native_attention: bool = True  # decode attention through the native CPU kernel (model/native)
     max_prefix_tokens: int = 1024

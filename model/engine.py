@@ -37,6 +37,7 @@ from .prompts import PromptPlan, SessionPool, Tokens
 from .sampling import greedy_tokens
 from .speculate import Drafter, LiveIndex, Tree, datastore_min_match, pass_rows, verify
 from .stops import CompletionShape, StopRules
+from .threads import ThreadGovernor
 from .transformer import SeqKV
 
 log = logging.getLogger(__name__)
@@ -615,6 +616,9 @@ class Engine:
         self._loaded_exits: tuple[str, Exits] | None = None
         self.exit_error: str | None = None
         self._retriever = None  # RepoIndex.lookup, given by the daemon (set_retriever)
+        self.governor: ThreadGovernor | None = None  # CPU passes' thread count under contention
+        self._threads_now = 0  # the count last applied on the engine thread
+        self._default_threads = 0
         self._stats = {"completions": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
                        "reused_tokens": 0, "generated_tokens": 0, "prefill_ms": 0.0, "decode_ms": 0.0,
                        "iterations": 0, "batched_tokens": 0, "max_batch_seen": 0,
@@ -639,9 +643,9 @@ class Engine:
     def configure(self, settings: EngineSettings) -> None:
         """Apply new settings: a reload if the model changed, else at the next request."""
         old = self.settings
-        if (old.model, old.device, old.dtype, old.template, old.threads, old.pack_weights, old.kv_dtype) != (
-                settings.model, settings.device, settings.dtype, settings.template, settings.threads,
-                settings.pack_weights, settings.kv_dtype):
+        if (old.model, old.device, old.dtype, old.template, old.threads, old.adaptive_threads, old.pack_weights,
+                old.kv_dtype) != (settings.model, settings.device, settings.dtype, settings.template, settings.threads,
+                                  settings.adaptive_threads, settings.pack_weights, settings.kv_dtype):
             self.reload(settings)
         else:
             self.settings = settings
@@ -693,6 +697,7 @@ class Engine:
             s["drafter"] = dict(self.drafter.stats, cache_sequences=self.drafter.cache.sequences)
         s["kv_store"] = self.store.snapshot() if self.store else None
         s["prompts"] = dict(self.pool.counts)
+        s["threads"] = self.governor.snapshot() if self.governor is not None else None
         return s
 
     # -- engine thread -----------------------------------------------------------------
@@ -711,6 +716,10 @@ class Engine:
                     for lv in live:
                         lv.request.cancel.set()
                     self._drain(live)
+                    if self._default_threads and torch.get_num_threads() != self._default_threads:
+                        # torch keeps the last count for threads started later (other engines in
+                        # this process): leave the count this engine found
+                        torch.set_num_threads(self._default_threads)
                     return
                 if job[0] == "reload":
                     reload_to = job[1]
@@ -835,12 +844,15 @@ class Engine:
         self.ready.clear()
         self.settings = settings
         self.pool = SessionPool(inc_bound=settings.inc_bound, head_lines=settings.head_lines)
-        if settings.threads > 0:
-            torch.set_num_threads(settings.threads)
+        if self._default_threads == 0:  # the engine thread's count before anything set it
+            self._default_threads = torch.get_num_threads()
+        if settings.threads > 0 or torch.get_num_threads() != self._default_threads:  # a governor's count undone
+            torch.set_num_threads(settings.threads or self._default_threads)
         try:
             self.lm = load_model(settings.model, settings.device, settings.dtype, settings.template,
                                  pack=settings.pack_weights, native=settings.native_attention)
             self.lm.model.kv_dtype = kv_dtype(settings.kv_dtype, self.lm.model)
+            self._govern(settings)
             self.load_error = None
             self._vocab = None
             self.drafter = None  # its cache holds the old tokenizer's ids
@@ -862,6 +874,30 @@ class Engine:
             log.exception("model failed to load")
         finally:
             self.ready.set()
+
+    def _govern(self, settings: EngineSettings) -> None:
+        """Passes on the CPU take as many threads as other processes leave free
+        (``threads.ThreadGovernor``), checked before each pass on the engine thread."""
+        self.governor, self._threads_now = None, 0
+        self.lm.model.before_pass = None
+        if not settings.adaptive_threads or self.lm.device.type != "cpu":
+            return
+        limit = torch.get_num_threads()  # settings.threads, or torch's default
+        self.governor = ThreadGovernor(limit=limit)
+        if not self.governor.enabled:
+            return
+        self._threads_now = limit
+        self.lm.model.before_pass = self._apply_threads
+
+    def _apply_threads(self) -> None:
+        gov = self.governor
+        if gov is None:
+            return
+        n = gov.threads()
+        if n != self._threads_now:
+            torch.set_num_threads(n)
+            log.debug("passes use %d of %d threads (other processes use %.2f cores)", n, gov.limit, gov.others)
+            self._threads_now = n
 
     def _drafter(self) -> Drafter | None:
         spec = self.settings.speculation

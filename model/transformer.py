@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -336,6 +337,9 @@ class Transformer(nn.Module):
         self.native_stack: native.Stack | None = None  # Transformer.native_decode
         self.native_prefill = True  # long causal prompts in native pieces (forward; set by native_decode)
         self.greedy_head = True  # forward(greedy=True) may use native's greedy head (exact argmax, half the bytes)
+        # called before every pass (and every piece of a long prompt): the engine sets the thread
+        # count there while other processes use the cores (threads.ThreadGovernor)
+        self.before_pass: Callable[[], None] | None = None
         self._rope_table: tuple | None = None  # (dtype, device, inv_freq) key, cos, sin [n, E]: rope
 
     @property
@@ -454,6 +458,8 @@ class Transformer(nn.Module):
         maximum), so a native step of a few rows may return exact logits only where that
         choice can be and -inf elsewhere (``native.greedy_head_rows``; ``greedy_head`` off: never).
         """
+        if self.before_pass is not None:
+            self.before_pass()
         bsz, s = tokens.shape
         step = native.PREFILL_ROWS
         # a causal prompt of one sequence of a bf16 model runs through the native step, in pieces
