@@ -45,6 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     lm = native_model(args.model)
     model = lm.model
+    model.pack(True)  # PyTorch's path as it runs where it serves prompts: on oneDNN's prepacked copy
     lengths = [int(x) for x in args.lengths.split(",")]
     torch.manual_seed(0)
     prompts = {n: torch.randint(0, model.args.vocab_size, (1, n)) for n in lengths}

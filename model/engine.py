@@ -652,6 +652,7 @@ class Engine:
             if self.lm is not None and old.native_attention != settings.native_attention:
                 # safe mid-iteration: both paths read and write the caches alike
                 self.lm.model.native_decode(settings.native_attention)
+                self.lm.model.pack(settings.pack_weights and not self.lm.model.native_serves_all)
             self.pool.inc_bound = settings.inc_bound
             self.pool.head_lines = settings.head_lines
             if self.store is not None:

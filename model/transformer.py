@@ -407,6 +407,13 @@ class Transformer(nn.Module):
         return self.head.packed is not None
 
     @property
+    def native_serves_all(self) -> bool:
+        """Whether every inference pass of one or a few sequences runs in the native stack (steps
+        and passes of up to ``native.STACK_ROWS`` rows, batches in groups of them, long prompts in
+        pieces): then oneDNN's prepacked copy (``pack``) would only take memory."""
+        return self.native_stack is not None and self.native_prefill
+
+    @property
     def default_kv_dtype(self) -> torch.dtype:
         """The KV cache's dtype unless ``kv_dtype`` says otherwise: the weights' dtype off CPU;
         on a CPU, bf16 for a bf16 model whose few-token steps run in the native kernel (its

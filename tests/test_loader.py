@@ -115,3 +115,37 @@ def test_the_default_model_is_smollm2_with_the_shipped_fim_adapter():
     assert detect_template(tok.get_vocab(), "auto").name == "starcoder"
     base = AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m")[1])
     assert detect_template(base.get_vocab(), "auto").name == "prefix-only"
+
+
+def test_onednn_copy_only_where_pytorch_serves_passes(tiny_model):
+    """A bf16 model whose every pass runs in the native stack keeps no oneDNN copy of its weights
+    (memory nothing reads); with the native kernels off it has one, and switching them at run
+    time (the engine's native_attention setting) brings it back or drops it."""
+    import torch
+
+    from codecomplete.model.api import CompletionRequest, EngineSettings
+    from codecomplete.model.engine import Engine
+    from codecomplete.model.loader import load_model
+    from codecomplete.model.transformer import can_pack
+
+    packable = can_pack(torch.device("cpu"), torch.bfloat16)
+    plain = load_model(str(tiny_model), dtype="bfloat16", native=False)
+    assert plain.model.native_stack is None and plain.model.packed == packable
+    native = load_model(str(tiny_model), dtype="bfloat16")
+    if not native.model.native_serves_all:
+        pytest.skip("the native stack does not serve every pass here (no compiler, or AMX without its attention)")
+    assert not native.model.packed
+    engine = Engine(EngineSettings(model=str(tiny_model), dtype="bfloat16")).start()
+    try:
+        first = engine.complete(CompletionRequest("def add(a, b):\n    return", "\n", max_tokens=12))
+        assert engine.lm.model.native_serves_all and not engine.lm.model.packed
+        engine.configure(EngineSettings(model=str(tiny_model), dtype="bfloat16", native_attention=False))
+        assert engine.lm.model.native_stack is None and engine.lm.model.packed == packable
+        served = engine.complete(CompletionRequest("def add(a, b):\n    return", "\n", max_tokens=12))
+        assert served.error is None and served.generated_tokens > 0  # PyTorch's path, on the oneDNN copy
+        engine.configure(EngineSettings(model=str(tiny_model), dtype="bfloat16"))
+        assert engine.lm.model.native_serves_all and not engine.lm.model.packed
+        again = engine.complete(CompletionRequest("def add(a, b):\n    return", "\n", max_tokens=12))
+        assert again.token_ids == first.token_ids
+    finally:
+        engine.close()
