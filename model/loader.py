@@ -318,8 +318,9 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
 def trim_heap() -> bool:
     """Give the C heap's free pages back to the system (glibc's ``malloc_trim``): loading
     frees the Hugging Face model and the conversions' temporaries, but glibc keeps those pages
-    (measured: 95-175 MB of the default model's 1.37-1.44 GB resident after loading; the process is one
-    of possibly several daemons, one per editor window).  False where there is no glibc."""
+    (measured: 1,228-1,261 MB resident after loading the default model with it, 1,325-1,548
+    without; a daemon is one of possibly several, one per editor window).  False where there is
+    no glibc."""
     import ctypes
 
     try:
