@@ -85,6 +85,18 @@ def test_type_see_ghost_text_accept(builtin, tmp_path, tiny_model, model_cache, 
     assert result["menu_items"] == 0
 
 
+@pytest.mark.parametrize("builtin", [True, False], ids=["builtin", "plugin-ghost"])
+def test_typing_before_the_daemon_attached_still_shows_ghost_text(builtin, tmp_path, tiny_model, model_cache,
+                                                                  expected_completions):
+    """The user types as the editor opens, before the client has attached to the buffer (the
+    daemon is still starting): the first completion comes once it attaches, without another key."""
+    result, log = run_nvim(tmp_path, tiny_model, builtin, CC_ROW="4", CC_TYPE=".", CC_CYCLE="0", CC_EARLY="1")
+    assert result["attached"] and result["typed_line"] == "        self."
+    assert result["shown"], log
+    want = ("        self." + expected_completions[0]).split("\n")
+    assert result["lines"][3:3 + len(want)] == want
+
+
 def test_plugin_units_and_health_check(tmp_path):
     """Partial accept (word, line) and :checkhealth codecomplete, without a model."""
     nvim = nvim_binary()

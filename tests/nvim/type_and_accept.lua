@@ -23,8 +23,11 @@ local helpers = dofile(debug.getinfo(1, 'S').source:sub(2):match('(.*/)') .. 'he
 local poll = helpers.poll
 
 local function ghost_visible()
+  if require('codecomplete.ghost').visible(0) then
+    return true -- the plugin's own drawing (on 0.12 too: alternatives, the first request after attach)
+  end
   if not cc.use_builtin() then
-    return require('codecomplete.ghost').visible(0)
+    return false
   end
   local ns = vim.api.nvim_get_namespaces()['nvim.lsp.inline_completion']
   return ns ~= nil and #vim.api.nvim_buf_get_extmarks(0, ns, 0, -1, {}) > 0
@@ -48,6 +51,13 @@ local function finish()
 end
 
 vim.cmd('edit ' .. env.CC_FILE)
+local function type_keys()
+  vim.api.nvim_win_set_cursor(0, { tonumber(env.CC_ROW), 0 })
+  vim.api.nvim_feedkeys('A' .. env.CC_TYPE, 'n', false)
+end
+if env.CC_EARLY == '1' then
+  type_keys() -- before the daemon has answered initialize: the user types as the editor opens
+end
 poll(function()
   return cc.client(0) ~= nil
 end, function(attached)
@@ -55,8 +65,9 @@ end, function(attached)
   if not attached then
     return finish()
   end
-  vim.api.nvim_win_set_cursor(0, { tonumber(env.CC_ROW), 0 })
-  vim.api.nvim_feedkeys('A' .. env.CC_TYPE, 'n', false)
+  if env.CC_EARLY ~= '1' then
+    type_keys()
+  end
   poll(ghost_visible, function(shown)
     result.shown = shown
     result.typed_line = vim.api.nvim_get_current_line()

@@ -259,6 +259,26 @@ function M.cycle(client, count)
   return true
 end
 
+--- Called once the daemon has attached to `bufnr`: if the user is already typing there (keys
+--- that came while the daemon started fired no request, on either path), ask now as a
+--- keystroke would, and draw the answer here (the built-in client asks only on its events).
+function M.attached(client, bufnr)
+  if vim.api.nvim_get_current_buf() ~= bufnr or not vim.api.nvim_get_mode().mode:match('^i') then
+    return
+  end
+  if state[bufnr] and state[bufnr].timer then
+    return schedule(bufnr, client) -- the plugin's own path, already attached: its debounce
+  end
+  watch(bufnr)
+  local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+  request(bufnr, client, 2, function(items)
+    local r, c = unpack(vim.api.nvim_win_get_cursor(0))
+    if r == row and c == col and vim.api.nvim_get_mode().mode:match('^i') then
+      show(bufnr, client, items[1])
+    end
+  end)
+end
+
 --- The part of `text` to take: everything, the next word, or up to the end of its line.
 function M.take(text, part)
   if part == 'word' then

@@ -91,10 +91,18 @@ local function track_cursor(client, bufnr)
 end
 
 local function on_attach(client, bufnr)
+  local ghost = require('codecomplete.ghost')
   if not M.use_builtin() then
-    require('codecomplete.ghost').attach(client, bufnr)
+    ghost.attach(client, bufnr)
   end
   track_cursor(client, bufnr)
+  -- after the built-in client's own attach (scheduled by Neovim): typing that began before
+  -- the daemon answered gets its completion now, not at the next key
+  vim.schedule(function()
+    if vim.api.nvim_buf_is_valid(bufnr) then
+      ghost.attached(client, bufnr)
+    end
+  end)
 end
 
 local function client_config()
