@@ -15,7 +15,6 @@ decode ms per token, per daemon.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import statistics
 import subprocess
@@ -25,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, write_results  # noqa: E402
+from infill import load  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "human-eval-infilling"
 SPIN = "import time\nwhile True: pass\n"
 DUTY = ("import time\nwhile True:\n    t = time.perf_counter()\n"
         "    while time.perf_counter() - t < 0.01: pass\n    time.sleep(0.01)\n")
@@ -37,9 +36,7 @@ def worker(args) -> None:
     from codecomplete.model.api import CompletionRequest, EngineSettings
     from codecomplete.model.engine import Engine
 
-    with gzip.open(DATA / "HumanEval-SingleLineInfilling.jsonl.gz", "rt") as f:
-        tasks = [json.loads(line) for line in f]
-    tasks = tasks[args.offset::7]
+    tasks = load("single", 0)[args.offset::7]
     engine = Engine(EngineSettings(adaptive_threads=bool(args.adaptive))).start()
 
     def ask(i: int):

@@ -617,7 +617,6 @@ class Engine:
         self.exit_error: str | None = None
         self._retriever = None  # RepoIndex.lookup, given by the daemon (set_retriever)
         self.governor: ThreadGovernor | None = None  # CPU passes' thread count under contention
-        self._threads_now = 0  # the count last applied on the engine thread
         self._default_threads = 0
         self._stats = {"completions": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
                        "reused_tokens": 0, "generated_tokens": 0, "prefill_ms": 0.0, "decode_ms": 0.0,
@@ -652,7 +651,7 @@ class Engine:
             if self.lm is not None and old.native_attention != settings.native_attention:
                 # safe mid-iteration: both paths read and write the caches alike
                 self.lm.model.native_decode(settings.native_attention)
-                self.lm.model.pack(settings.pack_weights and not self.lm.model.native_serves_all)
+                self.lm.model.pack_where_read(settings.pack_weights)
             self.pool.inc_bound = settings.inc_bound
             self.pool.head_lines = settings.head_lines
             if self.store is not None:
@@ -879,26 +878,20 @@ class Engine:
     def _govern(self, settings: EngineSettings) -> None:
         """Passes on the CPU take as many threads as other processes leave free
         (``threads.ThreadGovernor``), checked before each pass on the engine thread."""
-        self.governor, self._threads_now = None, 0
+        self.governor = None
         self.lm.model.before_pass = None
         if not settings.adaptive_threads or self.lm.device.type != "cpu":
             return
-        limit = torch.get_num_threads()  # settings.threads, or torch's default
-        self.governor = ThreadGovernor(limit=limit)
-        if not self.governor.enabled:
-            return
-        self._threads_now = limit
-        self.lm.model.before_pass = self._apply_threads
+        self.governor = ThreadGovernor(limit=torch.get_num_threads())  # settings.threads, or torch's default
+        if self.governor.enabled:
+            self.lm.model.before_pass = self._apply_threads
 
     def _apply_threads(self) -> None:
-        gov = self.governor
-        if gov is None:
-            return
+        gov = self.governor  # set with the hook, on this thread
         n = gov.threads()
-        if n != self._threads_now:
+        if n != torch.get_num_threads():
             torch.set_num_threads(n)
             log.debug("passes use %d of %d threads (other processes use %.2f cores)", n, gov.limit, gov.others)
-            self._threads_now = n
 
     def _drafter(self) -> Drafter | None:
         spec = self.settings.speculation

@@ -272,7 +272,7 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     """Load a checkpoint for inference; see the module docstring for ``spec``.  ``pack``:
     prepack the linear layers' weights for oneDNN where that applies (CPU; measured faster,
     same results; costs a second copy of those weights), unless the native stack serves every
-    pass (``Transformer.native_serves_all``).  ``native``: decode attention through
+    pass (``Transformer.pack_where_read``).  ``native``: decode attention through
     the native CPU kernel where it builds (``Transformer.native_decode``)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default: nothing downloads
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -298,9 +298,7 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
         raise ModelLoadError(f"cannot serve {spec!r}: {exc}") from exc
     del model
     net.native_decode(native)
-    # oneDNN's copy only where PyTorch's path serves passes (fp32, no C compiler, AMX without its
-    # attention): with the native stack serving them all it was 258 MB that nothing read
-    net.pack(pack and not net.native_serves_all)
+    net.pack_where_read(pack)
     trim_heap()  # the copies made on the way (the HF model, conversions) were freed above
     choice = detect_template(tok.get_vocab(), template)
     if template not in ("auto", choice.name):

@@ -413,6 +413,12 @@ class Transformer(nn.Module):
         pieces): then oneDNN's prepacked copy (``pack``) would only take memory."""
         return self.native_stack is not None and self.native_prefill
 
+    def pack_where_read(self, on: bool = True) -> bool:
+        """``pack(on)`` where PyTorch's path serves passes (fp32, no C compiler, AMX without its
+        attention); with the native stack serving them all, no copy: 258 MB of the default model
+        that nothing read.  Call it again after ``native_decode``."""
+        return self.pack(on and not self.native_serves_all)
+
     @property
     def default_kv_dtype(self) -> torch.dtype:
         """The KV cache's dtype unless ``kv_dtype`` says otherwise: the weights' dtype off CPU;
