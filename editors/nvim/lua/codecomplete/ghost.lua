@@ -193,6 +193,12 @@ local function track(bufnr, name, events, moved)
   return group
 end
 
+--- Whether the user is typing in `bufnr` now (keys typed before the daemon attached fired
+--- no request on either path: nothing listened yet).
+local function typing_in(bufnr)
+  return vim.api.nvim_get_current_buf() == bufnr and vim.api.nvim_get_mode().mode:match('^i') ~= nil
+end
+
 function M.attach(client, bufnr)
   if state[bufnr] then
     return
@@ -208,6 +214,9 @@ function M.attach(client, bufnr)
       schedule(bufnr, client)
     end,
   })
+  if typing_in(bufnr) then
+    schedule(bufnr, client) -- as the keystroke that came before the daemon attached would have
+  end
 end
 
 --- For Neovim 0.12's built-in client: drop ghost text drawn here (an alternative) when
@@ -259,21 +268,18 @@ function M.cycle(client, count)
   return true
 end
 
---- Called once the daemon has attached to `bufnr`: if the user is already typing there (keys
---- that came while the daemon started fired no request, on either path), ask now as a
---- keystroke would, and draw the answer here (the built-in client asks only on its events).
+--- For Neovim 0.12's built-in client, once the daemon has attached to `bufnr`: if the user is
+--- already typing there, ask as a keystroke would and draw the answer here (the built-in
+--- client asks only on its own events, which came before it listened).
 function M.attached(client, bufnr)
-  if vim.api.nvim_get_current_buf() ~= bufnr or not vim.api.nvim_get_mode().mode:match('^i') then
+  if not typing_in(bufnr) then
     return
-  end
-  if state[bufnr] and state[bufnr].timer then
-    return schedule(bufnr, client) -- the plugin's own path, already attached: its debounce
   end
   watch(bufnr)
   local row, col = unpack(vim.api.nvim_win_get_cursor(0))
   request(bufnr, client, 2, function(items)
     local r, c = unpack(vim.api.nvim_win_get_cursor(0))
-    if r == row and c == col and vim.api.nvim_get_mode().mode:match('^i') then
+    if r == row and c == col and typing_in(bufnr) then
       show(bufnr, client, items[1])
     end
   end)

@@ -93,16 +93,17 @@ end
 local function on_attach(client, bufnr)
   local ghost = require('codecomplete.ghost')
   if not M.use_builtin() then
-    ghost.attach(client, bufnr)
+    ghost.attach(client, bufnr) -- asks at once if the user is already typing
+  else
+    -- after the built-in client's own attach (scheduled by Neovim): typing that began before
+    -- the daemon answered gets its completion now, not at the next key
+    vim.schedule(function()
+      if vim.api.nvim_buf_is_valid(bufnr) then
+        ghost.attached(client, bufnr)
+      end
+    end)
   end
   track_cursor(client, bufnr)
-  -- after the built-in client's own attach (scheduled by Neovim): typing that began before
-  -- the daemon answered gets its completion now, not at the next key
-  vim.schedule(function()
-    if vim.api.nvim_buf_is_valid(bufnr) then
-      ghost.attached(client, bufnr)
-    end
-  end)
 end
 
 local function client_config()
