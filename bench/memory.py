@@ -1,0 +1,77 @@
+"""Resident memory of a loaded model: as shipped, without giving the freed heap back, and with
+oneDNN's prepacked copy where the native stack serves every pass (the state before the
+fifteenth session).
+
+Each arm runs in a fresh process: ``load_model`` on the default model, then one completion;
+resident memory (``VmRSS``) is read after each. Arms alternate for ``--rounds`` rounds.
+
+    python bench/memory.py [--rounds 3] [--out bench/results/memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, header, write_results  # noqa: E402
+
+ARMS = {
+    "shipped": "",
+    "no heap trim": "loader.trim_heap = lambda: False",
+    "no heap trim, oneDNN copy kept": ("loader.trim_heap = lambda: False\n"
+                                       "T.Transformer.pack_where_read = lambda self, on=True: self.pack(on)"),
+}
+
+WORKER = """
+import json, torch
+from codecomplete.model import loader
+from codecomplete.model import transformer as T
+{patch}
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+from codecomplete.model.api import CompletionRequest, EngineSettings
+from codecomplete.model.engine import generate
+lm = loader.load_model()
+loaded = rss()
+with torch.inference_mode():
+    generate(lm, CompletionRequest("def add(a, b):\\n    return", "\\n", max_tokens=16), EngineSettings())
+print(json.dumps({{"loaded": loaded, "after_completion": rss(), "onednn_copy": lm.model.packed}}))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(RESULTS / "memory"))
+    args = ap.parse_args()
+    runs: dict[str, list[dict]] = {a: [] for a in ARMS}
+    for _ in range(args.rounds):
+        for arm, patch in ARMS.items():
+            out = subprocess.run([sys.executable, "-c", WORKER.format(patch=patch)], capture_output=True,
+                                 text=True, check=True).stdout
+            runs[arm].append(json.loads(out.strip().splitlines()[-1]))
+            print(arm, runs[arm][-1], file=sys.stderr)
+    lines = [header("Resident memory of the loaded default model"), "",
+             f"Fresh process per arm and round ({args.rounds} rounds, arms alternated): `load_model()` "
+             "(the default model, the daemon's settings), then one 16-token completion. MB resident "
+             "(VmRSS), each round's value, then the median.", "",
+             "| arm | oneDNN copy | after loading (MB) | median | after a completion (MB) | median |",
+             "|---|---|---|---|---|---|"]
+    for arm, rs in runs.items():
+        loaded = [round(r["loaded"]) for r in rs]
+        after = [round(r["after_completion"]) for r in rs]
+        lines.append(f"| {arm} | {rs[0]['onednn_copy']} | {' / '.join(map(str, loaded))} | "
+                     f"{statistics.median(loaded):.0f} | {' / '.join(map(str, after))} | "
+                     f"{statistics.median(after):.0f} |")
+    write_results(args.out, lines, runs)
+
+
+if __name__ == "__main__":
+    main()
