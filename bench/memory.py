@@ -1,6 +1,7 @@
-"""Resident memory of a loaded model: as shipped, without giving the freed heap back, and with
-oneDNN's prepacked copy where the native stack serves every pass (the state before the
-fifteenth session).
+"""Resident memory of a loaded model: as shipped, with PyTorch's dense weights kept beside the
+native copy (the state before the sixteenth session), then also without giving the freed heap
+back, and also with oneDNN's prepacked copy where the native stack serves every pass (the state
+before the fifteenth session).
 
 Each arm runs in a fresh process: ``load_model`` on the default model, then one completion;
 resident memory (``VmRSS``) is read after each. Arms alternate for ``--rounds`` rounds.
@@ -20,11 +21,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, write_results  # noqa: E402
 
+KEEP_DENSE = "T.Transformer.release_dense = lambda self: 0\n"
 ARMS = {
     "shipped": "",
-    "no heap trim": "loader.trim_heap = lambda: False",
-    "no heap trim, oneDNN copy kept": ("loader.trim_heap = lambda: False\n"
-                                       "T.Transformer.pack_where_read = lambda self, on=True: self.pack(on)"),
+    "dense weights kept": KEEP_DENSE,
+    "dense weights kept, no heap trim": KEEP_DENSE + "loader.trim_heap = lambda: False",
+    "dense weights kept, no heap trim, oneDNN copy kept": (KEEP_DENSE + "loader.trim_heap = lambda: False\n"
+                                                           "T.Transformer.pack_where_read = "
+                                                           "lambda self, on=True: self.pack(on)"),
 }
 
 WORKER = """
@@ -42,7 +46,8 @@ lm = loader.load_model()
 loaded = rss()
 with torch.inference_mode():
     generate(lm, CompletionRequest("def add(a, b):\\n    return", "\\n", max_tokens=16), EngineSettings())
-print(json.dumps({{"loaded": loaded, "after_completion": rss(), "onednn_copy": lm.model.packed}}))
+dense = sum(1 for m in lm.model.modules() if isinstance(m, T.Linear) and "weight" in m._parameters)
+print(json.dumps({{"loaded": loaded, "after_completion": rss(), "onednn_copy": lm.model.packed, "dense": dense}}))
 """
 
 
@@ -62,12 +67,13 @@ def main() -> None:
              f"Fresh process per arm and round ({args.rounds} rounds, arms alternated): `load_model()` "
              "(the default model, the daemon's settings), then one 16-token completion. MB resident "
              "(VmRSS), each round's value, then the median.", "",
-             "| arm | oneDNN copy | after loading (MB) | median | after a completion (MB) | median |",
-             "|---|---|---|---|---|---|"]
+             "| arm | oneDNN copy | dense linear weights | after loading (MB) | median | after a completion (MB) "
+             "| median |",
+             "|---|---|---|---|---|---|---|"]
     for arm, rs in runs.items():
         loaded = [round(r["loaded"]) for r in rs]
         after = [round(r["after_completion"]) for r in rs]
-        lines.append(f"| {arm} | {rs[0]['onednn_copy']} | {' / '.join(map(str, loaded))} | "
+        lines.append(f"| {arm} | {rs[0]['onednn_copy']} | {rs[0]['dense']} | {' / '.join(map(str, loaded))} | "
                      f"{statistics.median(loaded):.0f} | {' / '.join(map(str, after))} | "
                      f"{statistics.median(after):.0f} |")
     write_results(args.out, lines, runs)

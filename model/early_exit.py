@@ -364,7 +364,7 @@ class FoldedKV:
         qd = a.n_heads * a.head_dim
         ws, bs = [], []
         for layer in model.layers:
-            w = layer.attn.wqkv.weight.detach()[qd:].float() * layer.attn_norm.weight.detach().float()
+            w = layer.attn.wqkv.dense().detach()[qd:].float() * layer.attn_norm.weight.detach().float()
             ws.append(w.to(torch.bfloat16))
             b = layer.attn.wqkv.bias
             bs.append(None if b is None else b.detach()[qd:].to(torch.bfloat16))

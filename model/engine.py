@@ -652,6 +652,7 @@ class Engine:
                 # safe mid-iteration: both paths read and write the caches alike
                 self.lm.model.native_decode(settings.native_attention)
                 self.lm.model.pack_where_read(settings.pack_weights)
+                self.lm.model.release_dense()
             self.pool.inc_bound = settings.inc_bound
             self.pool.head_lines = settings.head_lines
             if self.store is not None:

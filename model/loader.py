@@ -272,7 +272,8 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     """Load a checkpoint for inference; see the module docstring for ``spec``.  ``pack``:
     prepack the linear layers' weights for oneDNN where that applies (CPU; measured faster,
     same results; costs a second copy of those weights), unless the native stack serves every
-    pass (``Transformer.pack_where_read``).  ``native``: decode attention through
+    pass (``Transformer.pack_where_read``); there the dense weights go too
+    (``Transformer.release_dense``).  ``native``: decode attention through
     the native CPU kernel where it builds (``Transformer.native_decode``)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default: nothing downloads
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -299,7 +300,8 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     del model
     net.native_decode(native)
     net.pack_where_read(pack)
-    trim_heap()  # the copies made on the way (the HF model, conversions) were freed above
+    net.release_dense()  # where the native copies serve every pass
+    trim_heap()  # the copies made on the way (the HF model, conversions, dense weights) were freed above
     choice = detect_template(tok.get_vocab(), template)
     if template not in ("auto", choice.name):
         log.warning("FIM template: %s", choice.reason)

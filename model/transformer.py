@@ -13,6 +13,7 @@ K key/value heads, E head dim.  A sequence's KV lives in a ``SeqKV``: per layer
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import native
+
+log = logging.getLogger(__name__)
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 
@@ -112,6 +115,43 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     native_weight: torch.Tensor | None = None  # in native.linear's layout (Transformer.native_decode)
+    _released: bool | None = None  # the dense weight was dropped (its requires_grad): release_dense
+
+    def release_dense(self) -> bool:
+        """Drop the dense weight where ``native_weight`` holds the same numbers (bf16, repacked
+        by ``Transformer.native_decode``): the memory of one copy of the weights.  Reading
+        ``weight`` afterwards brings it back (``restore_dense``), so a path that needs it stays
+        correct.  Returns whether the weight is dropped now."""
+        w = self._parameters.get("weight")
+        if w is None:
+            return self._released is not None
+        if self.native_weight is None or w.dtype != torch.bfloat16:
+            return False
+        self._released = w.requires_grad
+        del self._parameters["weight"]
+        return True
+
+    def dense(self) -> torch.Tensor:
+        """The weight: the parameter, or where it was dropped, a copy unpacked from the native
+        layout (not kept)."""
+        w = self._parameters.get("weight")
+        if w is not None:
+            return w
+        return native.unpack_linear(self.native_weight, self.out_features, self.in_features)
+
+    def restore_dense(self) -> None:
+        """Bring a dropped dense weight back as the parameter (unpacked from the native copy)."""
+        if self._released is None:
+            return
+        grad, w = self._released, self.dense()
+        self._released = None
+        self._parameters["weight"] = nn.Parameter(w, requires_grad=grad)
+        log.debug("dense weight [%d, %d] restored from the native copy", self.out_features, self.in_features)
+
+    def __getattr__(self, name: str):
+        if name == "weight" and self.__dict__.get("_released") is not None:
+            self.restore_dense()
+        return super().__getattr__(name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
@@ -373,6 +413,9 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.native = layer.attn.native = on
         lin = on and self.dtype == torch.bfloat16
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.restore_dense()  # its native copy is about to be replaced or dropped
         # every matrix on AMX tiles where the CPU has them (linear.c: up to 16 rows at the cost of
         # one, and faster at one) and every matrix's K allows their layout
         mats = [m for m in self.modules() if isinstance(m, Linear)]
@@ -418,6 +461,18 @@ class Transformer(nn.Module):
         attention); with the native stack serving them all, no copy: 258 MB of the default model
         that nothing read.  Call it again after ``native_decode``."""
         return self.pack(on and not self.native_serves_all)
+
+    def release_dense(self) -> int:
+        """Where the native stack serves every pass (``native_serves_all``), drop PyTorch's dense
+        copy of every linear weight that has a native copy (not one shared with the embedding,
+        which lookups read): 212 MB of the default model that no pass reads.  A later reader of
+        a ``weight`` gets it back (``Linear.restore_dense``).  Call it again after
+        ``native_decode``.  Returns how many weights are dropped."""
+        if not self.native_serves_all:
+            return 0
+        shared = {id(p) for p in self.embed.parameters()}
+        mats = [m for m in self.modules() if isinstance(m, Linear) and id(m._parameters.get("weight")) not in shared]
+        return sum(m.release_dense() for m in mats)
 
     @property
     def default_kv_dtype(self) -> torch.dtype:

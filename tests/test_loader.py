@@ -149,3 +149,53 @@ def test_onednn_copy_only_where_pytorch_serves_passes(tiny_model):
         assert again.token_ids == first.token_ids
     finally:
         engine.close()
+
+
+def test_dense_weights_dropped_where_the_native_copy_serves(tiny_model):
+    """Where the native stack serves every pass, the linear layers keep only their native copy:
+    the dense weights are dropped (one copy of the model less in memory) and come back, the
+    same numbers, where something reads them: the native kernels switched off at run time, or
+    any reader of ``weight``.  Serving completions brings none back."""
+    import torch
+
+    from codecomplete.model.api import CompletionRequest, EngineSettings
+    from codecomplete.model.engine import Engine
+    from codecomplete.model.loader import load_model
+    from codecomplete.model.transformer import Linear
+
+    def dropped(model) -> list[Linear]:
+        return [m for m in model.modules() if isinstance(m, Linear) and "weight" not in m._parameters]
+
+    plain = load_model(str(tiny_model), dtype="bfloat16", native=False)
+    assert not dropped(plain.model)  # PyTorch's path reads them
+    engine = Engine(EngineSettings(model=str(tiny_model), dtype="bfloat16")).start()
+    try:
+        first = engine.complete(CompletionRequest("def add(a, b):\n    return", "\n", max_tokens=12))
+        model = engine.lm.model
+        if not model.native_serves_all:
+            pytest.skip("the native stack does not serve every pass here (no compiler, or AMX without its attention)")
+        mats = [m for m in model.modules() if isinstance(m, Linear)]
+        tied = [m for m in mats if m._parameters.get("weight") is model.embed.weight]  # (reading .weight restores)
+        gone = dropped(model)
+        assert len(gone) == len(mats) - len(tied) > 0
+        for req in (CompletionRequest("x = 1\ny = ", "\n", max_tokens=8, alternatives=3),
+                    CompletionRequest("def f():\n" * 200, "", max_tokens=8)):  # alternatives; a long prompt
+            assert engine.complete(req).error is None
+        assert len(dropped(model)) == len(gone)  # serving read none of them
+        names = dict(plain.model.named_modules())
+        own = dict(model.named_modules())
+        name = next(n for n, m in own.items() if m is gone[0])
+        assert torch.equal(gone[0].dense(), names[name].weight) and "weight" not in gone[0]._parameters
+        assert torch.equal(gone[0].weight, names[name].weight) and "weight" in gone[0]._parameters  # read: back
+        engine.configure(EngineSettings(model=str(tiny_model), dtype="bfloat16", native_attention=False))
+        assert not dropped(model)
+        for n, m in own.items():
+            if isinstance(m, Linear):
+                assert torch.equal(m.weight, names[n].weight), n
+        assert engine.complete(CompletionRequest("def add(a, b):\n    return", "\n", max_tokens=12)).error is None
+        engine.configure(EngineSettings(model=str(tiny_model), dtype="bfloat16"))
+        assert len(dropped(model)) == len(gone)
+        again = engine.complete(CompletionRequest("def add(a, b):\n    return", "\n", max_tokens=12))
+        assert again.token_ids == first.token_ids
+    finally:
+        engine.close()

@@ -376,6 +376,21 @@ def test_amx_layout_is_refused_where_it_cannot_hold_the_matrix():
     assert native.packed_rows(panels, 8) is None and native.packed_rows(panels, 16).shape[0] == 3
 
 
+@pytest.mark.parametrize("n,k", [(40, 64), (37, 70), (64, 96), (5, 32)])
+def test_every_packed_layout_unpacks_to_the_same_weight(n, k):
+    """``unpack_linear`` inverts ``pack_linear`` in each layout (the dense weight a model drops
+    where the native copy serves comes back from it: ``Linear.dense``), padding dropped."""
+    torch.manual_seed(n * k)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    layouts = [native.pack_linear(w, path=0), native.pack_linear(w, path=1)]
+    if k % 32 == 0:
+        layouts.append(native.pack_linear(w, amx=True))
+    for packed in layouts:
+        back = native.unpack_linear(packed, n, k)
+        assert back.shape == (n, k) and back.dtype == torch.bfloat16 and torch.equal(back, w)
+        assert back.data_ptr() != packed.data_ptr()  # a copy: the packed weight stays as it was
+
+
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(960, 576), (13, 70), (40, 33), (8, 1)])
 def test_native_linear_rows_have_the_bits_of_rows_alone(n, k):

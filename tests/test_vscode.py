@@ -57,3 +57,4 @@ def test_npm_build_type_checks_bundles_and_packages(tmp_path):
     bundle = (work / "dist" / "extension.js").read_text()
     assert "codecomplete/didShowCompletion" in bundle and "textDocument/inlineCompletion" in bundle
     assert "codecomplete/didMoveCursor" in bundle
+    assert "editor.action.inlineSuggest.trigger" in bundle  # asks where the user typed before the client started

@@ -409,6 +409,18 @@ def pack_linear(weight: torch.Tensor, amx: bool = False, path: int | None = None
     return w.reshape(np_ // 4, 4, kp // 32, 32).transpose(1, 2).contiguous()
 
 
+def unpack_linear(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The weight [n, k] that ``pack_linear`` packed (any of its layouts), padding dropped: the
+    same bf16 numbers, a new tensor (``Linear.dense``)."""
+    if amx_layout(packed):  # [N/16, K/32, 16, 16, 2]
+        w = packed.permute(0, 3, 1, 2, 4).reshape(packed.shape[0] * 16, packed.shape[1] * 32)
+    elif panel_layout(packed):  # [N/16, K, 8, 2]
+        w = packed.permute(0, 3, 2, 1).reshape(packed.shape[0] * 16, packed.shape[1])
+    else:  # [N/4, K/32, 4, 32]
+        w = packed.transpose(1, 2).reshape(packed.shape[0] * 4, packed.shape[1] * 32)
+    return torch.empty((n, k), dtype=packed.dtype, device=packed.device).copy_(w[:n, :k])  # never a view
+
+
 def amx_layout(packed: torch.Tensor) -> bool:
     """Whether a weight from ``pack_linear`` is in the AMX layout."""
     return packed.dim() == 5
@@ -638,7 +650,11 @@ class Stack:
         self.amx = layouts.pop()  # every matrix runs on AMX tiles (linear.c), the greedy head's exact rows too
         packed = pack_greedy_head(model.head.weight) if greedy_head_available() else None
         self.qhead, self._qkeep = packed if packed is not None else (None, [])
-        self._keep = [p for m in (model.norm, model.head, *model.layers) for p in m.parameters()] + [
+        # what the C code reads: the norms, the biases and the repacked weights (not the linear
+        # layers' dense weights, which Transformer.release_dense may drop)
+        mods = [m for top in (model.norm, model.head, *model.layers) for m in top.modules()]
+        self._keep = [p for m in mods for name, p in m.named_parameters(recurse=False)
+                      if not (isinstance(m, torch.nn.Linear) and name == "weight")] + [
             mod.native_weight for mod in model.modules() if getattr(mod, "native_weight", None) is not None]
 
 
