@@ -18,6 +18,7 @@ let lastShown: string | undefined; // completion id shown and not yet accepted
 let lastLatencyMs: number | undefined;
 let cursorTimer: NodeJS.Timeout | undefined;
 let lastCursor: { uri?: string; line?: number } = {}; // where didMoveCursor last said the cursor rests
+let lastEdit: { uri: string; at: number } | undefined; // the user's last edit in the active editor
 
 interface DaemonStats {
   counters?: { latency_ms?: { p50?: number } };
@@ -124,6 +125,13 @@ async function start(context: vscode.ExtensionContext): Promise<void> {
       `codecomplete: could not start the daemon (${String(err)}). Check codecomplete.server.path.`);
     return;
   }
+  // Keys typed while the daemon started found no inline provider (the client registers it when
+  // the daemon answers initialize), and VS Code asks again only at the next key: ask now where the
+  // user was typing a moment ago. The request waits for the model if it is still loading.
+  const editor = vscode.window.activeTextEditor;
+  if (editor && lastEdit && lastEdit.uri === editor.document.uri.toString() && Date.now() - lastEdit.at < 5000) {
+    void vscode.commands.executeCommand('editor.action.inlineSuggest.trigger');
+  }
   await pollStatus();
   poller = setInterval(() => void pollStatus(), 2000);
   context.subscriptions.push({ dispose: () => poller && clearInterval(poller) });
@@ -186,6 +194,11 @@ export async function activate(context: vscode.ExtensionContext): Promise<void> 
           position: { line: pos.line, character: pos.character },
         });
       }, 150);
+    }),
+    vscode.workspace.onDidChangeTextDocument((e) => {
+      if (e.contentChanges.length && e.document === vscode.window.activeTextEditor?.document) {
+        lastEdit = { uri: e.document.uri.toString(), at: Date.now() };
+      }
     }),
     vscode.workspace.onDidChangeConfiguration(async (e) => {
       if (e.affectsConfiguration('codecomplete.server')) {
