@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,10 @@ import torch
 from .fim import TemplateChoice, detect_template
 
 log = logging.getLogger(__name__)
+# transformers' lazy imports and from_pretrained's meta-device initialisation are process-wide:
+# two loads at once in one process failed every time in a probe (three threads, five rounds:
+# ImportError, "Cannot copy out of meta tensor"), so loads take turns
+_LOAD_LOCK = threading.Lock()
 
 DEFAULT_MODEL = "default"
 BASE_MODEL = "smollm2-135m"
@@ -275,6 +280,11 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     pass (``Transformer.pack_where_read``); there the dense weights go too
     (``Transformer.release_dense``).  ``native``: decode attention through
     the native CPU kernel where it builds (``Transformer.native_decode``)."""
+    with _LOAD_LOCK:
+        return _load_model(spec, device, dtype, template, pack, native)
+
+
+def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, native: bool) -> LoadedModel:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default: nothing downloads
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging

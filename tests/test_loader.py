@@ -199,3 +199,33 @@ def test_dense_weights_dropped_where_the_native_copy_serves(tiny_model):
         assert again.token_ids == first.token_ids
     finally:
         engine.close()
+
+
+def test_loads_in_several_threads_at_once_all_succeed(tiny_model):
+    """Loading is process-wide state in transformers (lazy imports, meta-device initialisation):
+    three threads loading at once each get a working model (before the loader took turns, every
+    such load failed in a probe), each its own."""
+    import threading
+
+    from codecomplete.model.api import CompletionRequest, EngineSettings
+    from codecomplete.model.engine import generate
+    from codecomplete.model.loader import load_model
+
+    got, errors = [], []
+
+    def load():
+        try:
+            got.append(load_model(str(tiny_model), dtype="bfloat16"))
+        except Exception as exc:  # noqa: BLE001 - the test reports every failure
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and len(got) == 3
+    assert len({id(lm.model) for lm in got}) == 3
+    req = CompletionRequest("def add(a, b):\n    return", "\n", max_tokens=8)
+    outs = {tuple(generate(lm, req, EngineSettings(model=str(tiny_model), dtype="bfloat16")).token_ids) for lm in got}
+    assert len(outs) == 1
