@@ -12,6 +12,7 @@ K key/value heads, E head dim.  A sequence's KV lives in a ``SeqKV``: per layer
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -592,11 +593,72 @@ def causal_mask(cached: int, new: int, device) -> torch.Tensor:
 @torch.no_grad()
 def from_hf(hf_model) -> Transformer:
     """Build a ``Transformer`` with the weights of a Hugging Face Llama/Mistral/Qwen2 model."""
-    cfg = hf_model.config
-    args = ModelArgs.from_hf_config(cfg)
     sd = hf_model.state_dict()
-    dtype = next(hf_model.parameters()).dtype
-    device = next(hf_model.parameters()).device
+    param = next(hf_model.parameters())
+    return _from_state(ModelArgs.from_hf_config(hf_model.config), sd, param.dtype, param.device)
+
+
+@torch.no_grad()
+def from_safetensors(path, cfg, dtype: torch.dtype, device) -> Transformer | None:
+    """Build a ``Transformer`` straight from a checkpoint folder's safetensors (``cfg``: its
+    ``AutoConfig``), without building the Hugging Face model first: the same tensors converted
+    to ``dtype`` as ``from_pretrained`` then ``from_hf`` give (tests/test_loader.py), in less
+    time and memory.  None where this path does not apply (no safetensors, a quantized or
+    unsupported checkpoint, names it does not know): the caller goes through Hugging Face."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    path = Path(path)
+    if (cfg.model_type not in SUPPORTED or getattr(cfg, "quantization_config", None)
+            or not any(a.endswith("ForCausalLM") for a in getattr(cfg, "architectures", None) or [])):
+        return None
+    index = path / "model.safetensors.index.json"
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+            else ["model.safetensors"]
+    except (OSError, ValueError, KeyError):
+        return None
+    if not all((path / f).is_file() for f in files):
+        return None
+    try:
+        args = ModelArgs.from_hf_config(cfg)
+    except ValueError:
+        return None
+    with contextlib.ExitStack() as files_open:  # closed (unmapped) once the weights are copied
+        handles = [files_open.enter_context(safe_open(str(path / f), framework="pt", device="cpu")) for f in files]
+        return _from_files(args, {k: h for h in handles for k in h.keys()}, dtype, device)
+
+
+class _Tensors(dict):
+    """Checkpoint tensors by name, read one at a time (converted to ``dtype``) as ``_from_state``
+    copies them: no second copy of the whole checkpoint in memory."""
+
+    def __init__(self, where: dict, dtype: torch.dtype):
+        super().__init__()
+        self.where, self.dtype = where, dtype
+
+    def __contains__(self, key) -> bool:
+        return key in self.where
+
+    def __getitem__(self, key) -> torch.Tensor:
+        return self.where[key].get_tensor(key).to(self.dtype)
+
+
+def _from_files(args: ModelArgs, where: dict, dtype: torch.dtype, device) -> Transformer | None:
+    need = ["model.embed_tokens.weight", "model.norm.weight"] + [
+        f"model.layers.{i}.{n}.weight" for i in range(args.n_layers)
+        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                  "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")]
+    if args.qkv_bias:
+        need += [f"model.layers.{i}.self_attn.{n}_proj.bias" for i in range(args.n_layers) for n in "qkv"]
+    if not all(k in where for k in need):
+        return None
+    return _from_state(args, _Tensors(where, dtype), dtype, device)
+
+
+def _from_state(args: ModelArgs, sd, dtype: torch.dtype, device) -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
     model = model.to_empty(device=device).to(dtype)

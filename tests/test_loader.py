@@ -229,3 +229,58 @@ def test_loads_in_several_threads_at_once_all_succeed(tiny_model):
     req = CompletionRequest("def add(a, b):\n    return", "\n", max_tokens=8)
     outs = {tuple(generate(lm, req, EngineSettings(model=str(tiny_model), dtype="bfloat16")).token_ids) for lm in got}
     assert len(outs) == 1
+
+
+@pytest.mark.parametrize("spec,dtype", [("tiny", "bfloat16"), ("tiny", "float32"), ("default", "bfloat16")])
+def test_safetensors_read_directly_equal_the_hugging_face_models_weights(spec, dtype, tiny_model):
+    """``load_model`` reads a local checkpoint's safetensors straight into the engine's forward;
+    every tensor equals what Hugging Face's ``from_pretrained`` then ``from_hf`` give."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from codecomplete.model.transformer import from_hf, from_safetensors
+
+    ckpt = tiny_model if spec == "tiny" else resolve_checkpoint(spec)[1]
+    dt = getattr(torch, dtype)
+    direct = from_safetensors(ckpt, AutoConfig.from_pretrained(ckpt, local_files_only=True), dt, torch.device("cpu"))
+    assert direct is not None
+    hf = from_hf(AutoModelForCausalLM.from_pretrained(ckpt, dtype=dt, local_files_only=True).eval())
+    a, b = direct.state_dict(), hf.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype == dt and torch.equal(a[k], b[k]), k
+    assert (direct.head.weight is direct.embed.weight) == (hf.head.weight is hf.embed.weight)
+    assert torch.equal(direct.inv_freq, hf.inv_freq) and direct.args == hf.args
+
+
+def test_checkpoints_the_direct_read_does_not_know_go_through_hugging_face(tiny_model, tmp_path):
+    """No safetensors, or names it does not know: ``from_safetensors`` declines (None) and
+    ``load_model`` loads the checkpoint through Hugging Face, the same model."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from codecomplete.model.api import CompletionRequest, EngineSettings
+    from codecomplete.model.engine import generate
+    from codecomplete.model.loader import load_model
+    from codecomplete.model.transformer import from_safetensors
+
+    renamed = tmp_path / "renamed"
+    shutil.copytree(tiny_model, renamed)
+    state = load_file(renamed / "model.safetensors")
+    save_file({k.replace("model.", "base.", 1): v for k, v in state.items()}, renamed / "model.safetensors")
+    cfg = AutoConfig.from_pretrained(renamed, local_files_only=True)
+    assert from_safetensors(renamed, cfg, torch.float32, torch.device("cpu")) is None
+    missing = tmp_path / "missing"
+    shutil.copytree(tiny_model, missing)
+    (missing / "model.safetensors").unlink()
+    assert from_safetensors(missing, cfg, torch.float32, torch.device("cpu")) is None
+    bin_ckpt = tmp_path / "bin"  # a PyTorch .bin checkpoint: Hugging Face reads it
+    shutil.copytree(tiny_model, bin_ckpt)
+    (bin_ckpt / "model.safetensors").unlink()
+    torch.save(state, bin_ckpt / "pytorch_model.bin")
+    req = CompletionRequest("def add(a, b):\n    return", "\n", max_tokens=8)
+    want = generate(load_model(str(tiny_model), dtype="float32"), req, EngineSettings()).token_ids
+    assert generate(load_model(str(bin_ckpt), dtype="float32"), req, EngineSettings()).token_ids == want
