@@ -301,8 +301,13 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
         tok = AutoTokenizer.from_pretrained(ckpt, **local_only)
         # a local checkpoint's safetensors straight into the engine's forward (1.5-2 s sooner,
         # no Hugging Face model in memory on the way); anything else through Hugging Face
-        net = from_safetensors(ckpt, AutoConfig.from_pretrained(ckpt, **local_only), dt, dev) \
-            if isinstance(ckpt, Path) else None
+        net = None
+        if isinstance(ckpt, Path):
+            try:
+                cfg = AutoConfig.from_pretrained(ckpt, **local_only)
+            except (ValueError, KeyError):  # a config transformers cannot read: its own path says why
+                cfg = None
+            net = from_safetensors(ckpt, cfg, dt, dev) if cfg is not None else None
         if net is None:
             from transformers import AutoModelForCausalLM
 
