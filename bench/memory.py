@@ -1,5 +1,6 @@
-"""Resident memory and load time of a loaded model: as shipped, read through Hugging Face's
-model instead of straight from the safetensors, with PyTorch's dense weights kept beside the
+"""Resident memory and load time of a loaded model: as shipped, with the tokenizer and config read
+through transformers instead of from their files, also read through Hugging Face's model
+instead of straight from the safetensors, with PyTorch's dense weights kept beside the
 native copy too (the state before the sixteenth session), then also without giving the freed
 heap back, and also with oneDNN's prepacked copy where the native stack serves every pass (the
 state before the fifteenth session).
@@ -22,10 +23,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, write_results  # noqa: E402
 
-VIA_HF = "T.from_safetensors = lambda *a, **k: None\n"
+VIA_TRANSFORMERS = ("from codecomplete.model.tokenizer import FastTokenizer\n"
+                    "FastTokenizer.load = classmethod(lambda cls, path: None)\n"
+                    "loader.config_from_json = lambda path: None\n")
+VIA_HF = VIA_TRANSFORMERS + "T.from_safetensors = lambda *a, **k: None\n"
 KEEP_DENSE = VIA_HF + "T.Transformer.release_dense = lambda self: 0\n"
 ARMS = {
     "shipped": "",
+    "tokenizer and config through transformers": VIA_TRANSFORMERS,
     "through Hugging Face": VIA_HF,
     "through Hugging Face, dense weights kept": KEEP_DENSE,
     "through Hugging Face, dense weights kept, no heap trim": KEEP_DENSE + "loader.trim_heap = lambda: False",

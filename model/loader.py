@@ -12,8 +12,11 @@
   safetensors (a 15 s conversion becomes a 0.1 s load);
 * a hub id that is already in the local Hugging Face cache.  Nothing is downloaded.
 
-It returns a ``LoadedModel``: the torch module, its tokenizer, the FIM template and the
-ids that end a completion.  A missing or unreadable model raises ``ModelLoadError`` with
+A local checkpoint's plain files are read directly: tokenizer.json through the
+``tokenizers`` library (``model.tokenizer``), config.json, and the safetensors into the
+engine's forward (``transformer.from_safetensors``), without importing transformers; anything
+else goes through transformers.  It returns a ``LoadedModel``: the torch module, its
+tokenizer, the FIM template and the ids that end a completion.  A missing or unreadable model raises ``ModelLoadError`` with
 a message a user can act on.
 """
 
@@ -286,32 +289,33 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
 
 def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, native: bool) -> LoadedModel:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default: nothing downloads
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
+    from .tokenizer import FastTokenizer
     from .transformer import from_hf, from_safetensors
 
-    hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
     name, ckpt, home = _resolve(spec)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev, native)
     local_only = {"local_files_only": True}
     try:
-        tok = AutoTokenizer.from_pretrained(ckpt, **local_only)
-        # a local checkpoint's safetensors straight into the engine's forward (1.5-2 s sooner,
-        # no Hugging Face model in memory on the way); anything else through Hugging Face
+        # A local checkpoint goes straight into the engine's forward: its tokenizer.json through
+        # the tokenizers library, its config.json read here, its safetensors copied in (no
+        # transformers import, no Hugging Face model on the way: bench/results/memory_avx512.md).
+        # Anything these do not know goes through transformers as before.
+        tok = FastTokenizer.load(ckpt) if isinstance(ckpt, Path) else None
+        if tok is None:
+            tok = _hf().AutoTokenizer.from_pretrained(ckpt, **local_only)
         net = None
         if isinstance(ckpt, Path):
-            try:
-                cfg = AutoConfig.from_pretrained(ckpt, **local_only)
-            except (ValueError, KeyError):  # a config transformers cannot read: its own path says why
-                cfg = None
+            cfg = config_from_json(ckpt)
+            if cfg is None:
+                try:
+                    cfg = _hf().AutoConfig.from_pretrained(ckpt, **local_only)
+                except (ValueError, KeyError):  # a config transformers cannot read: its own path says why
+                    cfg = None
             net = from_safetensors(ckpt, cfg, dt, dev) if cfg is not None else None
         if net is None:
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dt, **local_only)
+            model = _hf().AutoModelForCausalLM.from_pretrained(ckpt, dtype=dt, **local_only)
             model.to(dev).eval()
             try:
                 net = from_hf(model)  # the engine's own forward; the HF module is dropped
@@ -335,6 +339,41 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
              ", weights packed" if net.packed else "",
              ", native decode attention" if net.layers[0].attn.native else "")
     return loaded
+
+
+def _hf():
+    """transformers, imported where a checkpoint needs it (its progress bars off)."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return transformers
+
+
+# config.json keys whose defaults differ between model classes: config_from_json reads a file
+# only where each is written out (then it means what it says, whatever the class's default)
+_CONFIG_KEYS = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "intermediate_size", "rms_norm_eps", "vocab_size", "tie_word_embeddings",
+                "max_position_embeddings")
+
+
+def config_from_json(path: Path):
+    """A checkpoint's config.json as the attributes ``ModelArgs.from_hf_config`` reads, without
+    importing transformers, or None where the file leaves out a key whose default depends on the
+    model class (``_CONFIG_KEYS``, and the rope's base), is quantized, or cannot be read: then
+    ``AutoConfig`` reads it.  tests/test_loader.py checks the result against ``AutoConfig``'s."""
+    from types import SimpleNamespace
+
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if (not isinstance(raw, dict) or any(k not in raw for k in _CONFIG_KEYS) or raw.get("quantization_config")
+            or not ("rope_theta" in raw or isinstance(raw.get("rope_parameters"), dict))):
+        return None
+    raw.setdefault("rope_scaling", None)
+    raw.setdefault("head_dim", None)
+    return SimpleNamespace(**raw)
 
 
 def trim_heap() -> bool:

@@ -284,3 +284,103 @@ def test_checkpoints_the_direct_read_does_not_know_go_through_hugging_face(tiny_
     req = CompletionRequest("def add(a, b):\n    return", "\n", max_tokens=8)
     want = generate(load_model(str(tiny_model), dtype="float32"), req, EngineSettings()).token_ids
     assert generate(load_model(str(bin_ckpt), dtype="float32"), req, EngineSettings()).token_ids == want
+
+
+@pytest.mark.parametrize("spec", ["tiny", "default", "smollm2-135m"])
+def test_the_tokenizer_read_from_its_file_answers_as_autotokenizer_does(spec, tiny_model):
+    """``FastTokenizer`` (the ``tokenizers`` library on tokenizer.json) gives what Hugging Face's
+    ``AutoTokenizer`` gives for every call serving makes: ids of code with and without special
+    tokens, every id's text with and without specials, the vocabulary, the special ids."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from codecomplete.model.tokenizer import FastTokenizer
+
+    ckpt = tiny_model if spec == "tiny" else resolve_checkpoint(spec)[1]
+    ours, hf = FastTokenizer.load(ckpt), AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
+    assert ours is not None
+    assert len(ours) == len(hf) and ours.vocab_size == hf.vocab_size and ours.get_vocab() == hf.get_vocab()
+    for key in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
+        assert getattr(ours, key) == getattr(hf, key), key
+    assert ours.all_special_ids == sorted(set(hf.all_special_ids))
+    root = Path(__file__).resolve().parents[1]
+    texts = [p.read_text(encoding="utf-8") for p in sorted((root / "model").glob("*.py"))[:12]]
+    texts += ["", " ", "\n\n\t  x", "naïve café 🐍 日本語", "<fim_prefix>def f(<fim_suffix>)<fim_middle>x<|endoftext|>",
+              "\ufffd\u200b\r\n", "    return a +"]
+    for text in texts:
+        for special in (False, True):
+            assert ours.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special)
+    every = [[i] for i in range(len(hf))]
+    for skip in (False, True):
+        assert ours.batch_decode(every, skip_special_tokens=skip) == hf.batch_decode(every, skip_special_tokens=skip)
+        ids = hf.encode(texts[0] + texts[-3], add_special_tokens=False)
+        assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+    names = ["<fim_prefix>", "<fim_middle>", "<|endoftext|>", "def", "no-such-token-here"]
+    assert ours.convert_tokens_to_ids(names) == hf.convert_tokens_to_ids(names)
+    assert ours.convert_ids_to_tokens([0, 1, 5, 100]) == hf.convert_ids_to_tokens([0, 1, 5, 100])
+
+
+def test_a_tokenizer_class_with_rules_of_its_own_goes_to_autotokenizer(tiny_model, tmp_path):
+    """A class that changes what tokenizer.json says (here Llama's SentencePiece rules), BOS added
+    by the class, or no tokenizer.json: ``FastTokenizer.load`` declines, so the loader keeps
+    ``AutoTokenizer`` for them."""
+    import json
+    import shutil
+
+    from codecomplete.model.tokenizer import FastTokenizer
+
+    for change in ({"tokenizer_class": "LlamaTokenizerFast"}, {"add_bos_token": True},
+                   {"clean_up_tokenization_spaces": True}, None):
+        ckpt = tmp_path / f"c{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tiny_model, ckpt)
+        if change is None:
+            (ckpt / "tokenizer.json").unlink()
+        else:
+            cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+            (ckpt / "tokenizer_config.json").write_text(json.dumps({**cfg, **change}))
+        assert FastTokenizer.load(ckpt) is None, change
+
+
+@pytest.mark.parametrize("spec", ["tiny", "default", "smollm2-135m"])
+def test_config_json_read_here_gives_the_model_autoconfig_gives(spec, tiny_model, tmp_path):
+    """``config_from_json`` (no transformers) gives the same ``ModelArgs`` as ``AutoConfig``; a file
+    that leaves out a key whose default depends on the model class is left to ``AutoConfig``."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig
+
+    from codecomplete.model.loader import config_from_json
+    from codecomplete.model.transformer import ModelArgs
+
+    ckpt = tiny_model if spec == "tiny" else resolve_checkpoint(spec)[1]
+    ours = config_from_json(ckpt)
+    assert ours is not None
+    assert ModelArgs.from_hf_config(ours) == ModelArgs.from_hf_config(AutoConfig.from_pretrained(ckpt))
+    raw = json.loads((ckpt / "config.json").read_text())
+    for drop in (("tie_word_embeddings",), ("num_key_value_heads",), ("rope_parameters", "rope_theta")):
+        part = tmp_path / drop[0]
+        shutil.copytree(ckpt, part, ignore=shutil.ignore_patterns("*.safetensors"))
+        (part / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k not in drop}))
+        assert config_from_json(part) is None, drop
+
+
+def test_loading_a_local_checkpoint_does_not_import_transformers(tiny_model):
+    """The tokenizer, config and weights of a local checkpoint come from its files: a process that
+    loads the model and completes never imports transformers (1-2 s and ~100 MB of a start)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from codecomplete.model.loader import load_model\n"
+            "from codecomplete.model.api import CompletionRequest, EngineSettings\n"
+            "from codecomplete.model.engine import generate\n"
+            f"lm = load_model({str(tiny_model)!r}, dtype='bfloat16')\n"
+            "req = CompletionRequest('def add(a, b):\\n    return', '\\n', max_tokens=8)\n"
+            "out = generate(lm, req, EngineSettings())\n"
+            "print(type(lm.tokenizer).__name__, out.generated_tokens > 0, "
+            "sorted(m for m in sys.modules if m.split('.')[0] == 'transformers')[:3])\n")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.split("\n")[-2] == "FastTokenizer True []"
