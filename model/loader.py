@@ -16,8 +16,8 @@ A local checkpoint's plain files are read directly: tokenizer.json through the
 ``tokenizers`` library (``model.tokenizer``), config.json, and the safetensors into the
 engine's forward (``transformer.from_safetensors``), without importing transformers; anything
 else goes through transformers.  It returns a ``LoadedModel``: the torch module, its
-tokenizer, the FIM template and the ids that end a completion.  A missing or unreadable model raises ``ModelLoadError`` with
-a message a user can act on.
+tokenizer, the FIM template and the ids that end a completion.  A missing or unreadable
+model raises ``ModelLoadError`` with a message a user can act on.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from .fim import TemplateChoice, detect_template
 log = logging.getLogger(__name__)
 # transformers' lazy imports and from_pretrained's meta-device initialisation are process-wide:
 # two loads at once in one process failed every time in a probe (three threads, five rounds:
-# ImportError, "Cannot copy out of meta tensor"), so loads take turns
+# ImportError, "Cannot copy out of meta tensor"; before local checkpoints skipped transformers),
+# so loads take turns
 _LOAD_LOCK = threading.Lock()
 
 DEFAULT_MODEL = "default"

@@ -201,21 +201,30 @@ def test_dense_weights_dropped_where_the_native_copy_serves(tiny_model):
         engine.close()
 
 
-def test_loads_in_several_threads_at_once_all_succeed(tiny_model):
-    """Loading is process-wide state in transformers (lazy imports, meta-device initialisation):
-    three threads loading at once each get a working model (before the loader took turns, every
-    such load failed in a probe), each its own."""
+def test_loads_in_several_threads_at_once_all_succeed(tiny_model, tmp_path):
+    """Loading through transformers is process-wide state (lazy imports, meta-device
+    initialisation): three threads loading at once each get a working model (before the loader
+    took turns, every such load failed in a probe), each its own.  The checkpoint is a PyTorch
+    .bin one, so that the loads go through transformers (local safetensors do not)."""
+    import shutil
     import threading
+
+    import torch
+    from safetensors.torch import load_file
 
     from codecomplete.model.api import CompletionRequest, EngineSettings
     from codecomplete.model.engine import generate
     from codecomplete.model.loader import load_model
 
+    ckpt = tmp_path / "bin"
+    shutil.copytree(tiny_model, ckpt)
+    torch.save(load_file(ckpt / "model.safetensors"), ckpt / "pytorch_model.bin")
+    (ckpt / "model.safetensors").unlink()
     got, errors = [], []
 
     def load():
         try:
-            got.append(load_model(str(tiny_model), dtype="bfloat16"))
+            got.append(load_model(str(ckpt), dtype="bfloat16"))
         except Exception as exc:  # noqa: BLE001 - the test reports every failure
             errors.append(repr(exc))
 
@@ -304,6 +313,7 @@ def test_the_tokenizer_read_from_its_file_answers_as_autotokenizer_does(spec, ti
     for key in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
         assert getattr(ours, key) == getattr(hf, key), key
     assert ours.all_special_ids == sorted(set(hf.all_special_ids))
+    assert ours.clean_up_tokenization_spaces == hf.clean_up_tokenization_spaces  # (the engine's healing reads it)
     root = Path(__file__).resolve().parents[1]
     texts = [p.read_text(encoding="utf-8") for p in sorted((root / "model").glob("*.py"))[:12]]
     texts += ["", " ", "\n\n\t  x", "naïve café 🐍 日本語", "<fim_prefix>def f(<fim_suffix>)<fim_middle>x<|endoftext|>",
