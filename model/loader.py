@@ -290,6 +290,8 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
 
 def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, native: bool) -> LoadedModel:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default: nothing downloads
+    from safetensors import SafetensorError
+
     from .tokenizer import FastTokenizer
     from .transformer import from_hf, from_safetensors
 
@@ -323,8 +325,13 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
             except ValueError as exc:
                 raise ModelLoadError(f"cannot serve {spec!r}: {exc}") from exc
             del model
+    except ModelLoadError:
+        raise
     except OSError as exc:
         raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from exc
+    except (ValueError, RuntimeError, SafetensorError) as exc:  # a damaged file, weights that do not fit the config
+        raise ModelLoadError(f"cannot load model {spec!r} from {ckpt}: the checkpoint is damaged or does not "
+                             f"match its config ({type(exc).__name__}: {exc})") from exc
     net.native_decode(native)
     net.pack_where_read(pack)
     net.release_dense()  # where the native copies serve every pass

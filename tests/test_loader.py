@@ -394,3 +394,30 @@ def test_loading_a_local_checkpoint_does_not_import_transformers(tiny_model):
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.split("\n")[-2] == "FastTokenizer True []"
+
+
+def test_a_damaged_checkpoint_is_a_model_load_error_that_names_it(tiny_model, tmp_path):
+    """Truncated weights, an unreadable tokenizer.json, weights that do not fit config.json: each
+    is a ``ModelLoadError`` naming the checkpoint (the daemon reports it and keeps serving; the
+    CLI exits 1 with it), not a library's bare exception."""
+    import json
+    import shutil
+
+    from codecomplete.model.loader import load_model
+
+    def truncate(d):
+        with open(d / "model.safetensors", "r+b") as f:
+            f.truncate(5000)
+
+    def wider(d):
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": cfg["intermediate_size"] * 2}))
+
+    damage = {"truncated": truncate, "tokenizer": lambda d: (d / "tokenizer.json").write_text("{not json"),
+              "shape": wider}
+    for name, fn in damage.items():
+        ckpt = tmp_path / name
+        shutil.copytree(tiny_model, ckpt)
+        fn(ckpt)
+        with pytest.raises(ModelLoadError, match=str(ckpt)):
+            load_model(str(ckpt), dtype="float32")
