@@ -44,9 +44,9 @@ import json, torch
 from codecomplete.model import loader
 from codecomplete.model import transformer as T
 {patch}
-def rss():
+def rss(field="VmRSS"):
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS"):
+        if line.startswith(field):
             return int(line.split()[1]) / 1024
 from codecomplete.model.api import CompletionRequest, EngineSettings
 from codecomplete.model.engine import generate
@@ -54,12 +54,12 @@ import time
 t0 = time.perf_counter()
 lm = loader.load_model()
 load_seconds = time.perf_counter() - t0
-loaded = rss()
+loaded, peak = rss(), rss("VmHWM")
 with torch.inference_mode():
     generate(lm, CompletionRequest("def add(a, b):\\n    return", "\\n", max_tokens=16), EngineSettings())
 dense = sum(1 for m in lm.model.modules() if isinstance(m, T.Linear) and "weight" in m._parameters)
 print(json.dumps({{"loaded": loaded, "after_completion": rss(), "onednn_copy": lm.model.packed, "dense": dense,
-                  "load_seconds": load_seconds}}))
+                  "load_seconds": load_seconds, "peak": peak}}))
 """
 
 
@@ -78,17 +78,18 @@ def main() -> None:
     lines = [header("Resident memory of the loaded default model"), "",
              f"Fresh process per arm and round ({args.rounds} rounds, arms alternated): `load_model()` "
              "(the default model, the daemon's settings), then one 16-token completion. MB resident "
-             "(VmRSS), each round's value, then the median; `load_model()`'s wall time (the same modules "
+             "(VmRSS), each round's value, then the median; the peak (VmHWM) until loaded; "
+             "`load_model()`'s wall time (the same modules "
              "imported before it in every arm), the median of the rounds.", "",
              "| arm | oneDNN copy | dense linear weights | after loading (MB) | median | after a completion (MB) "
-             "| median | load_model s (median) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| median | peak while loading (MB, median) | load_model s (median) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for arm, rs in runs.items():
         loaded = [round(r["loaded"]) for r in rs]
         after = [round(r["after_completion"]) for r in rs]
         lines.append(f"| {arm} | {rs[0]['onednn_copy']} | {rs[0]['dense']} | {' / '.join(map(str, loaded))} | "
                      f"{statistics.median(loaded):.0f} | {' / '.join(map(str, after))} | "
-                     f"{statistics.median(after):.0f} | "
+                     f"{statistics.median(after):.0f} | {statistics.median(r['peak'] for r in rs):.0f} | "
                      f"{statistics.median(r['load_seconds'] for r in rs):.2f} |")
     write_results(args.out, lines, runs)
 

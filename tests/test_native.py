@@ -852,6 +852,24 @@ def test_greedy_head_keeps_the_argmax_exactly(greedy_bounds, monkeypatch):
     assert checked >= 300 and ties >= 3  # the tie was really exercised
 
 
+def test_greedy_heads_int8_copy_is_the_same_built_in_row_chunks():
+    """``pack_greedy_head`` builds the int8 copy a chunk of rows at a time (the whole head's float
+    temporaries were most of the model load's peak memory): the copy and each row's scale are the
+    same bits whatever the chunk, the error bound's norms the same up to float64 rounding."""
+    torch.manual_seed(3)
+    w = (torch.randn(100, 70) * torch.rand(100, 1) * 3).to(torch.bfloat16)
+    w[7] = 0  # a zero row: scale 0
+    whole = native.pack_greedy_head(w, chunk=1 << 20)[1]
+    for chunk in (16, 32, 48):
+        got = native.pack_greedy_head(w, chunk=chunk)[1]
+        assert [t.shape for t in got] == [t.shape for t in whole]
+        assert torch.equal(got[0], whole[0]) and torch.equal(got[1], whole[1])
+        assert torch.allclose(got[2], whole[2], rtol=1e-6) and torch.allclose(got[3], whole[3], rtol=1e-6)
+    bad = w.clone()
+    bad[90, 3] = float("nan")
+    assert native.pack_greedy_head(bad, chunk=16) is None
+
+
 @needs_greedy_head
 def test_greedy_head_is_off_where_it_would_not_help_or_is_not_wanted():
     """More logit rows than ``native.greedy_head_rows`` (4, or 16 on AMX's int8 tiles),

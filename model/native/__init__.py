@@ -319,8 +319,8 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def huge_views(like: list[torch.Tensor]) -> list[torch.Tensor]:
     """Uninitialised contiguous tensors shaped and typed as ``like``, one after another (64-byte
     aligned) in one ``huge_empty`` buffer: room for a model's packed weights, which every step
-    streams from memory.  Fill each and drop the original one at a time (``native_decode``), so
-    the copies never hold twice the weights in memory."""
+    streams from memory.  ``like`` may be meta tensors: ``native_decode`` packs each matrix
+    straight into its room in turn, so the copies never hold twice the weights in memory."""
     sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in like]
     arena = huge_empty((sum(sizes),), torch.uint8)
     out, off = [], 0
@@ -599,29 +599,36 @@ def greedy_head_rows(stack: "Stack") -> int:
     return GREEDY_HEAD_ROWS_AMX if stack.amx and amx_greedy_head() else GREEDY_HEAD_ROWS
 
 
-def pack_greedy_head(weight: torch.Tensor) -> tuple[QHead, list[torch.Tensor]] | None:
+def pack_greedy_head(weight: torch.Tensor, chunk: int = 2048) -> tuple[QHead, list[torch.Tensor]] | None:
     """The int8 copy of a head weight [V, K] that linear.c's greedy head reads (rows scaled by
     max|w| / 127, stored + 128 as u8, packed [V/16, K/4, 16, 4], K padded with zeros to a multiple of
     64 for the int8 tiles) with each row's scale and the two norms of its error bound; None when the
-    weight is not finite.  Returns the C struct and the tensors it points into (keep them alive)."""
-    w = weight.detach().to(torch.float32)
-    if not torch.isfinite(w).all():
-        return None
-    v, k = w.shape
+    weight is not finite.  Returns the C struct and the tensors it points into (keep them alive).
+    Every step is row by row, so it runs ``chunk`` rows (a multiple of 16) at a time with the same
+    results: the whole head's float temporaries took ~385 MB of the model load's peak."""
+    v, k = weight.shape
     vp, kp = -(-v // 16) * 16, -(-k // 64) * 64
-    w = torch.nn.functional.pad(w, (0, kp - k, 0, vp - v))
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127)
-    scale = torch.where(amax > 0, scale, torch.zeros_like(scale))
-    # the bound's norms, in float64 and rounded up a little (they bound errors, they need not be
-    # exact); 2048 rows at a time: the whole float64 copies took ~1 s of model loading, this ~0.05
-    dnorm = torch.cat([(w[i:i + 2048].double() - scale[i:i + 2048].double()[:, None] * q[i:i + 2048].double())
-                       .norm(dim=1) for i in range(0, vp, 2048)])
-    qnorm = torch.cat([q[i:i + 2048].double().norm(dim=1) for i in range(0, vp, 2048)])
-    dnorm, qnorm = (dnorm * (1 + 1e-6)).float(), (qnorm * (1 + 1e-6)).float()
-    packed = (q + 128).to(torch.uint8).reshape(vp // 16, 16, kp // 4, 4).transpose(1, 2).contiguous()
-    keep = [packed, scale.contiguous(), dnorm.contiguous(), qnorm.contiguous()]
+    chunk = max(16, chunk // 16 * 16)
+    # the results are allocated first and filled in place: kept pieces between the temporaries
+    # would fragment the heap (it grew ~290 MB over the default model's head that way)
+    keep = [torch.empty(vp // 16, kp // 4, 16, 4, dtype=torch.uint8)] + [torch.empty(vp) for _ in range(3)]
+    for i in range(0, vp, chunk):
+        w = weight.detach()[i:i + chunk].to(torch.float32)
+        if not torch.isfinite(w).all():
+            return None
+        rows = min(chunk, vp - i)
+        w = torch.nn.functional.pad(w, (0, kp - k, 0, rows - w.shape[0]))
+        amax = w.abs().amax(dim=1)
+        scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127)
+        scale = torch.where(amax > 0, scale, torch.zeros_like(scale))
+        # the bound's norms, in float64 and rounded up a little (they bound errors, they need not be exact)
+        dnorm = (w.double() - scale.double()[:, None] * q.double()).norm(dim=1)
+        qnorm = q.double().norm(dim=1)
+        q8 = (q + 128).to(torch.uint8).reshape(rows // 16, 16, kp // 4, 4)
+        keep[0][i // 16:(i + rows) // 16] = q8.transpose(1, 2)
+        for out, got in zip(keep[1:], (scale, (dnorm * (1 + 1e-6)).float(), (qnorm * (1 + 1e-6)).float())):
+            out[i:i + rows] = got
     return QHead(*[t.data_ptr() for t in keep], kp), keep
 
 
