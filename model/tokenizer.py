@@ -46,7 +46,8 @@ class FastTokenizer:
     def load(cls, path) -> "FastTokenizer | None":
         """The tokenizer of checkpoint folder ``path``, or None where this class does not give
         what ``AutoTokenizer`` would: no tokenizer.json, another tokenizer class, BOS/EOS added
-        by the class, clean-up of spaces, special tokens the file lacks."""
+        by the class, clean-up of spaces, special tokens the file lacks, added tokens the config
+        describes otherwise than the file."""
         from tokenizers import Tokenizer
 
         path = Path(path)
@@ -68,6 +69,13 @@ class FastTokenizer:
         wanted = [t for t in (tok.bos_token, tok.eos_token, tok.unk_token, tok.pad_token) if t is not None]
         if any(backend.token_to_id(t) is None for t in wanted):
             return None  # Hugging Face would add them to the vocabulary
+        # added tokens the config describes otherwise than the file (another id, another special
+        # flag): Hugging Face would follow the config
+        ours = backend.get_added_tokens_decoder()
+        for i, added in (config.get("added_tokens_decoder") or {}).items():
+            mine = ours.get(int(i))
+            if mine is None or mine.content != _content(added) or mine.special != bool(added.get("special")):
+                return None
         return tok
 
     def __len__(self) -> int:

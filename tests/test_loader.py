@@ -333,15 +333,16 @@ def test_the_tokenizer_read_from_its_file_answers_as_autotokenizer_does(spec, ti
 
 def test_a_tokenizer_class_with_rules_of_its_own_goes_to_autotokenizer(tiny_model, tmp_path):
     """A class that changes what tokenizer.json says (here Llama's SentencePiece rules), BOS added
-    by the class, or no tokenizer.json: ``FastTokenizer.load`` declines, so the loader keeps
-    ``AutoTokenizer`` for them."""
+    by the class, a special token or an added token the file does not have as the config says, or
+    no tokenizer.json: ``FastTokenizer.load`` declines, so the loader keeps ``AutoTokenizer``."""
     import json
     import shutil
 
     from codecomplete.model.tokenizer import FastTokenizer
 
     for change in ({"tokenizer_class": "LlamaTokenizerFast"}, {"add_bos_token": True},
-                   {"clean_up_tokenization_spaces": True}, None):
+                   {"clean_up_tokenization_spaces": True}, {"eos_token": "<not-in-the-file>"},
+                   {"added_tokens_decoder": {"0": {"content": "<|endoftext|>", "special": False}}}, None):
         ckpt = tmp_path / f"c{len(list(tmp_path.iterdir()))}"
         shutil.copytree(tiny_model, ckpt)
         if change is None:
