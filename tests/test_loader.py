@@ -175,20 +175,24 @@ def test_dense_weights_dropped_where_the_native_copy_serves(tiny_model):
         if not model.native_serves_all:
             pytest.skip("the native stack does not serve every pass here (no compiler, or AMX without its attention)")
         mats = [m for m in model.modules() if isinstance(m, Linear)]
-        tied = [m for m in mats if m._parameters.get("weight") is model.embed.weight]  # (reading .weight restores)
         gone = dropped(model)
-        assert len(gone) == len(mats) - len(tied) > 0
+        assert len(gone) == len(mats) > 0  # the head too: tied, the embedding reads its native copy
+        assert model.args.tie_embeddings and "weight" not in model.embed._parameters
+        ids = torch.tensor([[0, 5, 1023], [7, 7, 2]])
+        with torch.no_grad():  # (with gradients on, a lookup brings the weight back: training reads it)
+            assert torch.equal(model.embed(ids), plain.model.embed.weight[ids])
         for req in (CompletionRequest("x = 1\ny = ", "\n", max_tokens=8, alternatives=3),
                     CompletionRequest("def f():\n" * 200, "", max_tokens=8)):  # alternatives; a long prompt
             assert engine.complete(req).error is None
-        assert len(dropped(model)) == len(gone)  # serving read none of them
+        assert len(dropped(model)) == len(gone) and "weight" not in model.embed._parameters  # serving read none
         names = dict(plain.model.named_modules())
         own = dict(model.named_modules())
         name = next(n for n, m in own.items() if m is gone[0])
         assert torch.equal(gone[0].dense(), names[name].weight) and "weight" not in gone[0]._parameters
         assert torch.equal(gone[0].weight, names[name].weight) and "weight" in gone[0]._parameters  # read: back
         engine.configure(EngineSettings(model=str(tiny_model), dtype="bfloat16", native_attention=False))
-        assert not dropped(model)
+        assert not dropped(model) and model.embed.weight is model.head.weight  # back, still tied
+        assert torch.equal(model.embed.weight, plain.model.embed.weight)
         for n, m in own.items():
             if isinstance(m, Linear):
                 assert torch.equal(m.weight, names[n].weight), n

@@ -389,6 +389,8 @@ def test_every_packed_layout_unpacks_to_the_same_weight(n, k):
         back = native.unpack_linear(packed, n, k)
         assert back.shape == (n, k) and back.dtype == torch.bfloat16 and torch.equal(back, w)
         assert back.data_ptr() != packed.data_ptr()  # a copy: the packed weight stays as it was
+        ids = torch.tensor([[0, n - 1, n // 2], [n - 1, 1 % n, 0]])  # repeated rows, a batch's shape
+        assert torch.equal(native.lookup_rows(packed, ids, k), w[ids])
 
 
 @needs_kernel

@@ -421,6 +421,20 @@ def unpack_linear(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return torch.empty((n, k), dtype=packed.dtype, device=packed.device).copy_(w[:n, :k])  # never a view
 
 
+def lookup_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows ``ids`` (any shape) of the weight [n, k] that ``pack_linear`` packed, as
+    ``unpack_linear(packed, n, k)[ids]`` gives them, without unpacking the rest: an embedding
+    lookup from a tied head's native copy (``Transformer.release_dense``)."""
+    flat = ids.reshape(-1)
+    if amx_layout(packed):  # [N/16, K/32, 16, 16, 2]: row 16a + b at [a, :, :, b, :]
+        rows = packed[flat // 16, :, :, flat % 16, :]
+    elif panel_layout(packed):  # [N/16, K, 8, 2]: row 16p + j at [p, :, j % 8, j // 8]
+        rows = packed[flat // 16, :, flat % 16 % 8, flat % 16 // 8]
+    else:  # [N/4, K/32, 4, 32]: row 4g + r at [g, :, r, :]
+        rows = packed[flat // 4, :, flat % 4, :]
+    return rows.reshape(flat.shape[0], -1)[:, :k].reshape(*ids.shape, k)
+
+
 def amx_layout(packed: torch.Tensor) -> bool:
     """Whether a weight from ``pack_linear`` is in the AMX layout."""
     return packed.dim() == 5
