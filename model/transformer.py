@@ -438,15 +438,13 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.native = layer.attn.native = on
         lin = on and self.dtype == torch.bfloat16
-        for mod in self.modules():
-            if isinstance(mod, Linear):
-                mod.restore_dense()  # its native copy is about to be replaced or dropped
+        mats = [m for m in self.modules() if isinstance(m, Linear)]
+        for mod in mats:
+            mod.restore_dense()  # its native copy is about to be replaced or dropped
+            mod.native_weight = None
         # every matrix on AMX tiles where the CPU has them (linear.c: up to 16 rows at the cost of
         # one, and faster at one) and every matrix's K allows their layout
-        mats = [m for m in self.modules() if isinstance(m, Linear)]
         amx = lin and native.amx() and all(m.in_features % 32 == 0 for m in mats)
-        for mod in mats:
-            mod.native_weight = None
         if lin:  # every step streams them all: one buffer on huge pages, each matrix packed into its room in turn
             shapes = [native.pack_linear(torch.empty(m.out_features, m.in_features, dtype=torch.bfloat16,
                                                      device="meta"), amx=amx) for m in mats]

@@ -412,19 +412,13 @@ def pack_linear(weight: torch.Tensor, amx: bool = False, path: int | None = None
 def unpack_linear(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The weight [n, k] that ``pack_linear`` packed (any of its layouts), padding dropped: the
     same bf16 numbers, a new tensor (``Linear.dense``)."""
-    if amx_layout(packed):  # [N/16, K/32, 16, 16, 2]
-        w = packed.permute(0, 3, 1, 2, 4).reshape(packed.shape[0] * 16, packed.shape[1] * 32)
-    elif panel_layout(packed):  # [N/16, K, 8, 2]
-        w = packed.permute(0, 3, 2, 1).reshape(packed.shape[0] * 16, packed.shape[1])
-    else:  # [N/4, K/32, 4, 32]
-        w = packed.transpose(1, 2).reshape(packed.shape[0] * 4, packed.shape[1] * 32)
-    return torch.empty((n, k), dtype=packed.dtype, device=packed.device).copy_(w[:n, :k])  # never a view
+    return lookup_rows(packed, torch.arange(n, device=packed.device), k)
 
 
 def lookup_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows ``ids`` (any shape) of the weight [n, k] that ``pack_linear`` packed, as
-    ``unpack_linear(packed, n, k)[ids]`` gives them, without unpacking the rest: an embedding
-    lookup from a tied head's native copy (``Transformer.release_dense``)."""
+    """Rows ``ids`` (any shape) of the weight [n, k] that ``pack_linear`` packed, padding dropped,
+    in a new tensor (a gather, never a view): an embedding lookup from a tied head's native copy
+    (``Transformer.release_dense``), or all rows (``unpack_linear``)."""
     flat = ids.reshape(-1)
     if amx_layout(packed):  # [N/16, K/32, 16, 16, 2]: row 16a + b at [a, :, :, b, :]
         rows = packed[flat // 16, :, :, flat % 16, :]
