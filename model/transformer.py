@@ -75,9 +75,11 @@ class ModelArgs:
 
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies [E/2], with linear or llama3 scaling applied."""
+    """Inverse frequencies [E/2], with linear or llama3 scaling applied; on the CPU (a model built
+    on the meta device would send these through torch._refs, whose import pulls in torch._dynamo:
+    over a second of every load)."""
     e = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, e, 2, dtype=torch.float64) / e))
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, e, 2, dtype=torch.float64, device="cpu") / e))
     if args.rope_scaling and args.rope_scaling[0] == "linear":
         inv = inv / args.rope_scaling[1]
     elif args.rope_scaling and args.rope_scaling[0] == "llama3":
@@ -109,6 +111,13 @@ class Embedding(nn.Embedding):
     from that copy (``native.lookup_rows``); reading ``weight`` brings it back."""
 
     rows_from: "Linear | None" = None  # the tied head, while the weight is dropped (not a submodule)
+
+    def reset_parameters(self) -> None:
+        # a meta weight gets its numbers from the checkpoint (from_safetensors). nn.Embedding's
+        # normal_ on the meta device goes through torch._refs, whose import pulls in
+        # torch._dynamo: 1.1-1.7 s of every load, for numbers that are never kept
+        if not self.weight.is_meta:
+            super().reset_parameters()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         head = self.__dict__.get("rows_from")
