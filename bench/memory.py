@@ -1,4 +1,6 @@
-"""Resident memory and load time of a loaded model: as shipped, with the tokenizer and config read
+"""Resident memory and load time of a loaded model: as shipped, with the model first built on the
+meta device the way it was before the seventeenth session (PyTorch's init and ``to_empty``, which
+import torch._dynamo and sympy through torch._refs), also with the tokenizer and config read
 through transformers instead of from their files, also read through Hugging Face's model
 instead of straight from the safetensors, with PyTorch's dense weights kept beside the
 native copy too (the state before the sixteenth session), then also without giving the freed
@@ -23,13 +25,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, write_results  # noqa: E402
 
-VIA_TRANSFORMERS = ("from codecomplete.model.tokenizer import FastTokenizer\n"
-                    "FastTokenizer.load = classmethod(lambda cls, path: None)\n"
-                    "loader.config_from_json = lambda path: None\n")
+# the sixteenth session's code for a model built on the meta device (its rope line is the default
+# model's: no rope scaling)
+META_DETOUR = ("import torch\n"
+               "T.Embedding.reset_parameters = torch.nn.Embedding.reset_parameters\n"
+               "T.rope_frequencies = lambda a: (1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, "
+               "dtype=torch.float64) / a.head_dim))).float()\n"
+               "T._materialize = lambda m, dt, dev: m.to_empty(device=dev).to(dt)\n")
+VIA_TRANSFORMERS = META_DETOUR + ("from codecomplete.model.tokenizer import FastTokenizer\n"
+                                  "FastTokenizer.load = classmethod(lambda cls, path: None)\n"
+                                  "loader.config_from_json = lambda path: None\n")
 VIA_HF = VIA_TRANSFORMERS + "T.from_safetensors = lambda *a, **k: None\n"
 KEEP_DENSE = VIA_HF + "T.Transformer.release_dense = lambda self: 0\n"
 ARMS = {
     "shipped": "",
+    "built on the meta device through torch._refs": META_DETOUR,
     "tokenizer and config through transformers": VIA_TRANSFORMERS,
     "through Hugging Face": VIA_HF,
     "through Hugging Face, dense weights kept": KEEP_DENSE,
@@ -40,7 +50,7 @@ ARMS = {
 }
 
 WORKER = """
-import json, torch
+import json, sys, torch
 from codecomplete.model import loader
 from codecomplete.model import transformer as T
 {patch}
@@ -55,11 +65,12 @@ t0 = time.perf_counter()
 lm = loader.load_model()
 load_seconds = time.perf_counter() - t0
 loaded, peak = rss(), rss("VmHWM")
+dynamo = "torch._dynamo" in sys.modules
 with torch.inference_mode():
     generate(lm, CompletionRequest("def add(a, b):\\n    return", "\\n", max_tokens=16), EngineSettings())
 dense = sum(1 for m in lm.model.modules() if isinstance(m, T.Linear) and "weight" in m._parameters)
 print(json.dumps({{"loaded": loaded, "after_completion": rss(), "onednn_copy": lm.model.packed, "dense": dense,
-                  "load_seconds": load_seconds, "peak": peak}}))
+                  "load_seconds": load_seconds, "peak": peak, "dynamo": dynamo}}))
 """
 
 
@@ -81,13 +92,14 @@ def main() -> None:
              "(VmRSS), each round's value, then the median; the peak (VmHWM) until loaded; "
              "`load_model()`'s wall time (the same modules "
              "imported before it in every arm), the median of the rounds.", "",
-             "| arm | oneDNN copy | dense linear weights | after loading (MB) | median | after a completion (MB) "
-             "| median | peak while loading (MB, median) | load_model s (median) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| arm | torch._dynamo imported | oneDNN copy | dense linear weights | after loading (MB) | median "
+             "| after a completion (MB) | median | peak while loading (MB, median) | load_model s (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, rs in runs.items():
         loaded = [round(r["loaded"]) for r in rs]
         after = [round(r["after_completion"]) for r in rs]
-        lines.append(f"| {arm} | {rs[0]['onednn_copy']} | {rs[0]['dense']} | {' / '.join(map(str, loaded))} | "
+        lines.append(f"| {arm} | {rs[0].get('dynamo', '-')} | {rs[0]['onednn_copy']} | {rs[0]['dense']} | "
+                     f"{' / '.join(map(str, loaded))} | "
                      f"{statistics.median(loaded):.0f} | {' / '.join(map(str, after))} | "
                      f"{statistics.median(after):.0f} | {statistics.median(r['peak'] for r in rs):.0f} | "
                      f"{statistics.median(r['load_seconds'] for r in rs):.2f} |")
