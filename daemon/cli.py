@@ -84,9 +84,11 @@ def serve(argv: list[str]) -> int:
         args.repo = None
     cfg = build_config(args)
     from codecomplete.lsp.server import create_server
-    from codecomplete.model.engine import Engine
+    from codecomplete.model.handle import EngineHandle
 
-    engine = Engine(engine_settings(cfg)).start()  # the model loads while the client connects
+    # torch is imported and the model loads on the engine's threads while the client connects
+    # and is answered (model/handle.py)
+    engine = EngineHandle(engine_settings(cfg)).start()
     server = create_server(engine, cfg, args.repo.resolve() if args.repo else None, cli_settings(args))
     log.info("codecomplete-daemon %s, repo %s", __version__, args.repo)
     code = 0

@@ -136,3 +136,43 @@ class EngineSettings:
     kv_dtype: str = "auto"  # the KV cache's dtype: auto | float32 | bfloat16 | float16
     speculation: SpecSettings = field(default_factory=SpecSettings)  # retrieval drafts, verified exactly
     early_exit: ExitSettings = field(default_factory=ExitSettings)  # the steps speculation has no draft for
+
+
+def engine_counters() -> dict:
+    """The engine's counters, all zero (``Engine.stats``)."""
+    return {"completions": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
+            "reused_tokens": 0, "generated_tokens": 0, "prefill_ms": 0.0, "decode_ms": 0.0,
+            "iterations": 0, "batched_tokens": 0, "max_batch_seen": 0,
+            "spec_steps": 0, "accepted_tokens": 0, "layers_run": 0, "decode_passes": 0,
+            "alternatives": 0, "warm_prefills": 0, "warm_tokens": 0, "warm_stopped": 0,
+            "warm_ms": 0.0}
+
+
+def engine_stats(counters: dict, settings: EngineSettings, lm=None, ready: bool = False,
+                 load_error: str | None = None, exit_error: str | None = None, drafter=None, store=None,
+                 prompts: dict | None = None, governor=None) -> dict:
+    """What ``Engine.stats`` reports, from its parts (torch-free: the daemon reports it before
+    the engine has started too, ``model.handle``)."""
+    s = dict(counters)
+    s.update(model=lm.name if lm else None, device=str(lm.device) if lm else None,
+             dtype=str(lm.dtype).removeprefix("torch.") if lm else None,
+             template=lm.template.name if lm else None,
+             load_seconds=round(lm.load_seconds, 3) if lm else None,
+             ready=ready and lm is not None, load_error=load_error)
+    s["decode_tokens_per_s"] = (round(1000 * s["generated_tokens"] / s["decode_ms"], 2)
+                                if s["decode_ms"] else None)
+    s["reuse_rate"] = round(s["reused_tokens"] / s["prompt_tokens"], 4) if s["prompt_tokens"] else None
+    s["mean_batch"] = round(s["batched_tokens"] / s["iterations"], 2) if s["iterations"] else None
+    # tokens per verification pass: the accepted drafts plus the token every pass yields
+    s["mean_acceptance_length"] = (round(1 + s["accepted_tokens"] / s["spec_steps"], 3)
+                                   if s["spec_steps"] else None)
+    s["speculation"] = settings.speculation.enabled
+    s["early_exit"] = {"enabled": settings.early_exit.enabled, "error": exit_error,
+                       "mean_layers": (round(s["layers_run"] / s["decode_passes"], 2)  # per decode pass
+                                       if s["decode_passes"] else None)}
+    if drafter is not None:
+        s["drafter"] = dict(drafter.stats, cache_sequences=drafter.cache.sequences)
+    s["kv_store"] = store.snapshot() if store else None
+    s["prompts"] = dict(prompts or {})
+    s["threads"] = governor.snapshot() if governor is not None else None
+    return s

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .api import Completion, CompletionRequest, EngineSettings, ExitSettings
+from .api import Completion, CompletionRequest, EngineSettings, ExitSettings, engine_counters, engine_stats
 from .early_exit import Exits, ExitPolicy, ExitsError, exit_forward, load_exits, self_spec
 from .kvstore import KVStore, Node
 from .loader import LoadedModel, ModelLoadError, load_model, model_identity
@@ -618,20 +618,16 @@ class Engine:
         self._retriever = None  # RepoIndex.lookup, given by the daemon (set_retriever)
         self.governor: ThreadGovernor | None = None  # CPU passes' thread count under contention
         self._default_threads = 0
-        self._stats = {"completions": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
-                       "reused_tokens": 0, "generated_tokens": 0, "prefill_ms": 0.0, "decode_ms": 0.0,
-                       "iterations": 0, "batched_tokens": 0, "max_batch_seen": 0,
-                       "spec_steps": 0, "accepted_tokens": 0, "layers_run": 0, "decode_passes": 0,
-                       "alternatives": 0, "warm_prefills": 0, "warm_tokens": 0, "warm_stopped": 0,
-                       "warm_ms": 0.0}
+        self._stats = engine_counters()
 
     # -- public API (any thread) -------------------------------------------------------
     def start(self) -> "Engine":
         self._thread.start()
         return self
 
-    def submit(self, request: CompletionRequest) -> "Future[Completion]":
-        fut: Future[Completion] = Future()
+    def submit(self, request: CompletionRequest, fut: "Future[Completion] | None" = None) -> "Future[Completion]":
+        """Queue ``request``; its future (``fut``, or a new one) resolves to a ``Completion``."""
+        fut = Future() if fut is None else fut
         self._jobs.put((request, fut))
         return fut
 
@@ -676,30 +672,9 @@ class Engine:
 
     def stats(self) -> dict:
         with self._stats_lock:
-            s = dict(self._stats)
-        lm = self.lm
-        s.update(model=lm.name if lm else None, device=str(lm.device) if lm else None,
-                 dtype=str(lm.dtype).removeprefix("torch.") if lm else None,
-                 template=lm.template.name if lm else None,
-                 load_seconds=round(lm.load_seconds, 3) if lm else None,
-                 ready=self.ready.is_set() and lm is not None, load_error=self.load_error)
-        s["decode_tokens_per_s"] = (round(1000 * s["generated_tokens"] / s["decode_ms"], 2)
-                                    if s["decode_ms"] else None)
-        s["reuse_rate"] = round(s["reused_tokens"] / s["prompt_tokens"], 4) if s["prompt_tokens"] else None
-        s["mean_batch"] = round(s["batched_tokens"] / s["iterations"], 2) if s["iterations"] else None
-        # tokens per verification pass: the accepted drafts plus the token every pass yields
-        s["mean_acceptance_length"] = (round(1 + s["accepted_tokens"] / s["spec_steps"], 3)
-                                       if s["spec_steps"] else None)
-        s["speculation"] = self.settings.speculation.enabled
-        s["early_exit"] = {"enabled": self.settings.early_exit.enabled, "error": self.exit_error,
-                           "mean_layers": (round(s["layers_run"] / s["decode_passes"], 2)  # per decode pass
-                                           if s["decode_passes"] else None)}
-        if self.drafter is not None:
-            s["drafter"] = dict(self.drafter.stats, cache_sequences=self.drafter.cache.sequences)
-        s["kv_store"] = self.store.snapshot() if self.store else None
-        s["prompts"] = dict(self.pool.counts)
-        s["threads"] = self.governor.snapshot() if self.governor is not None else None
-        return s
+            counters = dict(self._stats)
+        return engine_stats(counters, self.settings, self.lm, self.ready.is_set(), self.load_error, self.exit_error,
+                            self.drafter, self.store, self.pool.counts, self.governor)
 
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
