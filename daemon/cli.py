@@ -83,12 +83,13 @@ def serve(argv: list[str]) -> int:
         log.warning("--repo %s is not a directory; serving without a repository", args.repo)
         args.repo = None
     cfg = build_config(args)
-    from codecomplete.lsp.server import create_server
     from codecomplete.model.handle import EngineHandle
 
     # torch is imported and the model loads on the engine's threads while the client connects
-    # and is answered (model/handle.py)
+    # and is answered (model/handle.py); started first, as the first completion waits for it
     engine = EngineHandle(engine_settings(cfg)).start()
+    from codecomplete.lsp.server import create_server
+
     server = create_server(engine, cfg, args.repo.resolve() if args.repo else None, cli_settings(args))
     log.info("codecomplete-daemon %s, repo %s", __version__, args.repo)
     code = 0
