@@ -90,8 +90,31 @@ def test_gguf_is_converted_once_and_serves(tmp_path, monkeypatch):
         result = generate(lm, CompletionRequest("def add(a, b):\n    return a", "\n", max_tokens=8),
                           EngineSettings(token_healing=False))
     assert result.text.strip().startswith("+ b")
+    weights = (converted[0] / "model.safetensors").stat()
     again = load_model(str(gguf), device="cpu", dtype="bfloat16")
-    assert again.path == str(converted[0]) and again.load_seconds < lm.load_seconds
+    assert again.path == str(converted[0]) and list((tmp_path / "models").iterdir()) == converted
+    now = (converted[0] / "model.safetensors").stat()
+    assert (now.st_ino, now.st_mtime_ns) == (weights.st_ino, weights.st_mtime_ns)  # not converted again
+
+
+def test_a_gguf_conversion_reads_the_file_once(tmp_path):
+    """While converting, gguf's reader and tensor-name map are built once and handed out again
+    (transformers asks three times and 397 times), and gguf is left as it was after."""
+    import gguf
+
+    from codecomplete.model.loader import _gguf_read_once
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    path = default_model_path()
+    with _gguf_read_once():
+        first, second = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+        assert first is second
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 30) is gguf.get_tensor_name_map(arch, 30)
+        assert gguf.get_tensor_name_map(arch, 30).mapping == real_map(arch, 30).mapping
+    assert gguf.GGUFReader is real_reader and gguf.get_tensor_name_map is real_map
+    plain = real_reader(path)
+    assert list(plain.fields) == list(first.fields) and len(plain.tensors) == len(first.tensors)
 
 
 def test_the_default_model_is_smollm2_with_the_shipped_fim_adapter():
