@@ -161,12 +161,16 @@ def _gguf_read_once():
         return
     readers: dict = {}
     lock = threading.Lock()
+    fast = _fast_gguf_reader(real_reader)
 
     def reader(path, mode="r"):
         key = (os.fspath(path), mode)
         with lock:
             if key not in readers:
-                readers[key] = real_reader(path, mode)
+                try:
+                    readers[key] = fast(path, mode) if fast is not None else real_reader(path, mode)
+                except Exception:  # noqa: BLE001 - whatever the faster path met, gguf's own reader decides
+                    readers[key] = real_reader(path, mode)
             return readers[key]
 
     gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(real_map)
@@ -174,6 +178,35 @@ def _gguf_read_once():
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+
+
+def _fast_gguf_reader(real_reader):
+    """gguf's reader whose metadata slices are plain numpy arrays over its memmap rather than
+    memmap objects: the same values (a test compares every field and tensor), 2.3 -> 0.7 s for
+    SmolLM2's metadata here (each of its ~740k slices paid memmap's bookkeeping). None where this
+    gguf's reader does not have the ``_get`` it replaces."""
+    import inspect
+
+    import numpy as np
+
+    get = getattr(real_reader, "_get", None)
+    try:
+        params = list(inspect.signature(get).parameters) if get is not None else []
+    except (TypeError, ValueError):
+        params = []
+    if params != ["self", "offset", "dtype", "count", "override_order"]:
+        return None
+
+    class FastReader(real_reader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return FastReader
 
 
 def convert_gguf(gguf: Path) -> Path:
