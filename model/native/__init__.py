@@ -75,42 +75,15 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            with tempfile.TemporaryDirectory(dir=out.parent) as objs:
-                _compile(cc, objs, tmp)
+            proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                  timeout=120)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
             os.replace(tmp, out)  # atomic: a concurrent build by another process is harmless
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return configure(ctypes.CDLL(str(out)))
-
-
-def _compile(cc: str, objs: str, out: str) -> None:
-    """Each source to an object file, all at once, then linked: the same code as one gcc call
-    over all of them (each source is its own translation unit either way; their disassembly
-    compared equal), in the time of the longest (decode_attention.c: 3.3 of 5.9 s here)."""
-    compile_flags = [f for f in _FLAGS if f != "-shared"]
-    procs, files = [], []
-    try:
-        for src in _SOURCES:
-            files.append(str(Path(objs) / (src.stem + ".o")))
-            procs.append(subprocess.Popen([cc, *compile_flags, "-c", str(src), "-o", files[-1]],
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        errors = []
-        for proc in procs:
-            _, err = proc.communicate(timeout=120)
-            if proc.returncode != 0:
-                errors.append(err.strip())
-        if errors:
-            raise RuntimeError(f"{cc} failed: {' '.join(errors)[-2000:]}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    proc = subprocess.run([cc, "-shared", "-fopenmp", *files, "-o", out, "-lm"], capture_output=True, text=True,
-                          timeout=120)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
 
 
 def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
