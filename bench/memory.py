@@ -98,7 +98,7 @@ def main() -> None:
     for arm, rs in runs.items():
         loaded = [round(r["loaded"]) for r in rs]
         after = [round(r["after_completion"]) for r in rs]
-        lines.append(f"| {arm} | {rs[0].get('dynamo', '-')} | {rs[0]['onednn_copy']} | {rs[0]['dense']} | "
+        lines.append(f"| {arm} | {rs[0]['dynamo']} | {rs[0]['onednn_copy']} | {rs[0]['dense']} | "
                      f"{' / '.join(map(str, loaded))} | "
                      f"{statistics.median(loaded):.0f} | {' / '.join(map(str, after))} | "
                      f"{statistics.median(after):.0f} | {statistics.median(r['peak'] for r in rs):.0f} | "

@@ -18,7 +18,7 @@ import threading
 from concurrent.futures import Future
 
 from .api import Completion, CompletionRequest, EngineSettings, engine_counters, engine_stats
-from .prompts import SessionPool
+from .prompts import PROMPT_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +61,13 @@ class EngineHandle:
             with self._lock:
                 self.start_error = f"the engine cannot start: {type(exc).__name__}: {exc}"
                 pending, self._pending = self._pending, []
-            for request, fut in pending:
-                self._unavailable(request, fut)
+            for _, fut in pending:
+                self._unavailable(fut)
             return
         with self._lock:
             pending, self._pending = self._pending, []
             if self._closed:
-                for request, fut in pending:
+                for _, fut in pending:
                     self._answer(fut, Completion("", "cancelled"))
                 return
             engine = Engine(self.settings)
@@ -84,7 +84,7 @@ class EngineHandle:
         if fut.set_running_or_notify_cancel():
             fut.set_result(completion)
 
-    def _unavailable(self, request: CompletionRequest, fut: Future) -> None:
+    def _unavailable(self, fut: Future) -> None:
         self._answer(fut, Completion("", "model_unavailable", error=self.start_error))
 
     # -- Engine's API (any thread) -------------------------------------------------------
@@ -98,7 +98,7 @@ class EngineHandle:
                     return fut
         if engine is not None:
             return engine.submit(request, fut)
-        self._unavailable(request, fut)
+        self._unavailable(fut)
         return fut
 
     def complete(self, request: CompletionRequest) -> Completion:
@@ -132,9 +132,8 @@ class EngineHandle:
         engine = self._engine
         if engine is not None:
             return engine.stats()
-        s = self.settings
-        return engine_stats(engine_counters(), s, load_error=self.start_error,
-                            prompts=SessionPool(inc_bound=s.inc_bound, head_lines=s.head_lines).counts)
+        return engine_stats(engine_counters(), self.settings, load_error=self.start_error,
+                            prompts=dict.fromkeys(PROMPT_KINDS, 0))
 
     def close(self, timeout: float = 5.0) -> None:
         with self._lock:

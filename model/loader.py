@@ -166,11 +166,13 @@ def _gguf_read_once():
     def reader(path, mode="r"):
         key = (os.fspath(path), mode)
         with lock:
-            if key not in readers:
+            if key not in readers and fast is not None:
                 try:
-                    readers[key] = fast(path, mode) if fast is not None else real_reader(path, mode)
+                    readers[key] = fast(path, mode)
                 except Exception:  # noqa: BLE001 - whatever the faster path met, gguf's own reader decides
-                    readers[key] = real_reader(path, mode)
+                    pass
+            if key not in readers:
+                readers[key] = real_reader(path, mode)
             return readers[key]
 
     gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(real_map)

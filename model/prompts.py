@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 GRID = 16  # lines: the window's start moves in steps of this many lines
 CHARS_PER_TOKEN = 3  # a cautious estimate for code, used only to size windows
+PROMPT_KINDS = ("psm", "efim", "prefix", "rebase")  # what SessionPool.counts counts
 
 
 @dataclass
@@ -140,7 +141,7 @@ class SessionPool:
         self.inc_bound = inc_bound
         self.head_lines = head_lines  # a new session's prefix0 ends this many lines back
         self._lock = threading.Lock()
-        self.counts = {"psm": 0, "efim": 0, "prefix": 0, "rebase": 0}
+        self.counts = dict.fromkeys(PROMPT_KINDS, 0)
 
     def plan(self, key: str | None, prefix: str, suffix: str, template, toks: Tokens,
              max_prefix_tokens: int, max_suffix_tokens: int, efim: bool = True,

@@ -680,7 +680,6 @@ def _safetensors_header(f, name) -> dict:
     header length, the JSON header, then the data; offsets here are from the file's start).
     Raises ValueError for a file that is not whole (its data past the end, sizes that do not fit)."""
     import json
-    import os
 
     size = os.fstat(f.fileno()).st_size
     head = f.read(8)

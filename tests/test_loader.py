@@ -97,7 +97,7 @@ def test_gguf_is_converted_once_and_serves(tmp_path, monkeypatch):
     assert (now.st_ino, now.st_mtime_ns) == (weights.st_ino, weights.st_mtime_ns)  # not converted again
 
 
-def test_a_gguf_conversion_reads_the_file_once(tmp_path):
+def test_a_gguf_conversion_reads_the_file_once():
     """While converting, gguf's reader and tensor-name map are built once and handed out again
     (transformers asks three times and 397 times), and gguf is left as it was after."""
     import gguf
