@@ -6,7 +6,8 @@ An adapter folder holds ``adapter.json`` (format, base model spec, FIM tokens) a
 embedding rows of the added FIM tokens.  ``merged_checkpoint`` adds the tokens to the
 base tokenizer, writes the rows, folds ``B @ A`` into each weight and saves the result
 once as a Hugging Face checkpoint in the cache (keyed by the adapter's and the base's
-identity), so later loads cost what a plain checkpoint costs.
+identity), so later loads cost what a plain checkpoint costs.  It does that itself where the
+base is a folder the engine reads itself (``_merge_native``), through transformers elsewhere.
 
 The daemon's default model is the base SmolLM2-135M plus the adapter shipped in
 ``codecomplete/model/data/efim-smollm2`` (trained by ``codecomplete.model.train``).
@@ -69,11 +70,15 @@ def merged_checkpoint(path: Path, base: Path, cache: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     meta = read_meta(path)
     t0 = time.perf_counter()
     tensors = load_file(str(path / "adapter.safetensors"))
+    if _merge_native(path, base, meta, tensors, out):
+        log.info("applied adapter %s to %s in %.1f s (cached in %s)", path, base, time.perf_counter() - t0, out)
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(base, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True, dtype=torch.float32)
     fim_tokens = meta.get("fim_tokens") or []
@@ -119,3 +124,88 @@ def merged_checkpoint(path: Path, base: Path, cache: Path) -> Path:
         raise
     log.info("applied adapter %s to %s in %.1f s (cached in %s)", path, base, time.perf_counter() - t0, out)
     return out
+
+
+def _merge_native(path: Path, base: Path, meta: dict, tensors: dict, out: Path) -> bool:
+    """``merged_checkpoint``'s work without transformers (the default model's first start: 4.5 ->
+    ~1 s), for a base whose files the engine reads itself: one model.safetensors, a config.json
+    ``loader.config_from_json`` reads, a tokenizer ``tokenizer.FastTokenizer`` reads, and tied
+    embeddings or no token to add (transformers gives an untied head's new rows random values).
+    The same arithmetic as the transformers path: the FIM tokens added as special tokens, the
+    embedding grown and the rows written, ``B @ A`` added to each weight in float32.  False, with
+    nothing written, where the base is not such a folder; an adapter that does not fit it raises
+    ``AdapterError`` as the transformers path does."""
+    from safetensors.torch import load_file, save_file
+    from tokenizers import AddedToken, Tokenizer
+
+    from .loader import config_from_json
+    from .tokenizer import FastTokenizer
+
+    cfg = config_from_json(base)
+    if (cfg is None or not (base / "model.safetensors").is_file() or FastTokenizer.load(base) is None
+            or len(list(base.glob("*.safetensors"))) != 1):
+        return False
+    try:
+        config = json.loads((base / "config.json").read_text(encoding="utf-8"))
+        tok_config = json.loads((base / "tokenizer_config.json").read_text(encoding="utf-8"))
+        tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    except Exception:  # noqa: BLE001 - a file it cannot read: the transformers path reports it
+        return False
+    fim_tokens = list(meta.get("fim_tokens") or [])
+    rows = tensors.pop("fim_rows", None)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    missing = [t for t in fim_tokens if t not in vocab]
+    if missing and not cfg.tie_word_embeddings:
+        return False
+    state = load_file(str(base / "model.safetensors"))
+    if any(v.dtype != torch.float32 for v in state.values()) or "model.embed_tokens.weight" not in state:
+        return False
+    if fim_tokens:
+        if rows is None or rows.shape[0] != len(fim_tokens):
+            raise AdapterError(f"{path}: fim_rows does not match fim_tokens {fim_tokens}")
+        if missing:
+            tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+            extra = tok_config.get("extra_special_tokens")
+            extra = list(extra) if isinstance(extra, list) else []
+            tok_config["extra_special_tokens"] = extra + [t for t in missing if t not in extra]
+        size = tok.get_vocab_size(with_added_tokens=True)
+        emb = state["model.embed_tokens.weight"]
+        if size > emb.shape[0]:
+            grown = torch.empty(size, emb.shape[1], dtype=emb.dtype)
+            grown[:emb.shape[0]] = emb
+            grown[emb.shape[0]:] = 0.0
+            state["model.embed_tokens.weight"] = emb = grown
+            config["vocab_size"] = size
+        ids = [tok.token_to_id(t) for t in fim_tokens]
+        emb[ids] = rows.float()
+    for name in sorted({k.rsplit(".", 1)[0] for k in tensors}):
+        a, b = tensors.get(f"{name}.lora_a"), tensors.get(f"{name}.lora_b")
+        if a is None or b is None:
+            raise AdapterError(f"{path}: {name} lacks lora_a or lora_b")
+        weight = state.get(f"{name}.weight")
+        if weight is None:
+            raise AdapterError(f"{path}: the base model has no module {name}")
+        if tuple(weight.shape) != (b.shape[0], a.shape[1]):
+            raise AdapterError(f"{path}: {name} is {tuple(weight.shape)} in the base, "
+                               f"{(b.shape[0], a.shape[1])} in the adapter")
+        weight += b.float() @ a.float()
+    from codecomplete.paths import staging_dir
+
+    tmp = staging_dir(out)
+    try:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        tok.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True))
+        for extra_file in ("chat_template.jinja", "generation_config.json"):
+            if (base / extra_file).is_file():
+                shutil.copyfile(base / extra_file, tmp / extra_file)
+        (tmp / "SOURCE").write_text(f"base {base}\nadapter {path}\n")
+        try:
+            tmp.rename(out)
+        except OSError:  # another process merged it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return True
