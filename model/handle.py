@@ -45,6 +45,11 @@ class EngineHandle:
         return self._engine.lm if self._engine is not None else None
 
     def start(self) -> "EngineHandle":
+        if not str(self.settings.device).startswith("cuda"):
+            # the kernels' compile (a first start's longest step) begins before torch's import
+            from . import native_build
+
+            native_build.prebuild()
         self._thread.start()
         return self
 

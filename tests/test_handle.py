@@ -90,3 +90,43 @@ def test_the_daemon_reads_its_client_before_importing_torch():
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.strip() == "[]"
+
+
+def test_the_handle_starts_the_kernels_build_before_torch_and_it_runs_once(tmp_path):
+    """A first start compiles the native kernels (~6 s): the handle starts that before importing
+    torch, and the engine's own request for the kernels waits for that build instead of compiling
+    a second time."""
+    code = (
+        "import sys, time\n"
+        "from codecomplete.model import native_build\n"
+        "from codecomplete.model.api import EngineSettings\n"
+        "from codecomplete.model.handle import EngineHandle\n"
+        "calls = []\n"
+        "real = native_build.subprocess.run\n"
+        "def run(cmd, *a, **k):\n"
+        "    if '-shared' in cmd:  # the compiler (platform.processor() runs uname through here too)\n"
+        "        calls.append(('torch' in sys.modules, time.monotonic()))\n"
+        "    return real(cmd, *a, **k)\n"
+        "native_build.subprocess.run = run\n"
+        "h = EngineHandle(EngineSettings(model=sys.argv[1], device='cpu')).start()\n"
+        "while h.engine is None and h.start_error is None:\n"
+        "    time.sleep(0.005)\n"
+        "t_engine = time.monotonic()  # torch imported and the engine made\n"
+        "h.wait_started(300)\n"
+        "deadline = time.monotonic() + 300\n"
+        "while h.engine.stats()['load_error'] is None and time.monotonic() < deadline:\n"
+        "    time.sleep(0.1)\n"
+        "from codecomplete.model import native\n"
+        "print(native.available(), native_build.library_path().exists(), len(calls), calls[0][1] < t_engine)\n"
+        "h.close()\n"
+    )
+    env = {**__import__("os").environ, "CODECOMPLETE_NATIVE_DIR": str(tmp_path / "native"),
+           "CODECOMPLETE_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("CODECOMPLETE_NATIVE", None)
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "no-such-model")], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    available, built, compiles, before = out.stdout.split()
+    assert (available, built) == ("True", "True")
+    assert compiles == "1"  # the prebuild's; the engine's load waited for it
+    assert before == "True"  # the compiler started before torch was imported and the engine made

@@ -14,14 +14,10 @@ required: without a C compiler, with ``CODECOMPLETE_NATIVE=0``, or when building
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import math
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -30,10 +26,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("decode_attention.c", "step_ops.c", "linear.c")]
-_HEADERS = [Path(__file__).with_name(n) for n in ("common.h", "attention.h")]  # included by the sources
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast", "-fno-math-errno",
-          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
+from codecomplete.model import native_build  # noqa: E402 - torch-free: the daemon builds before importing torch
+
+_SOURCES, _HEADERS, _FLAGS = native_build.SOURCES, native_build.HEADERS, native_build.FLAGS
 _ELSIZE = {torch.float32: 4, torch.bfloat16: 2}
 KV_DTYPES = tuple(_ELSIZE)  # cache dtypes the kernel reads
 CHUNK = 256  # cache positions per work item (split-K); 128-512 measured alike here
@@ -45,45 +40,15 @@ _lock = threading.Lock()
 
 
 def _cpu_key() -> str:
-    model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                model += line
-    except OSError:
-        pass
-    return model
+    return native_build.cpu_key()
 
 
 def _cache_dir() -> Path:
-    if os.environ.get("CODECOMPLETE_NATIVE_DIR"):
-        return Path(os.environ["CODECOMPLETE_NATIVE_DIR"])
-    from codecomplete.paths import cache_dir
-
-    return cache_dir()
+    return native_build.cache_dir()
 
 
 def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if not cc:
-        raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    src = b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"codecomplete_native-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
-                                  timeout=120)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
-            os.replace(tmp, out)  # atomic: a concurrent build by another process is harmless
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return configure(ctypes.CDLL(str(out)))
+    return configure(ctypes.CDLL(str(native_build.build())))
 
 
 def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -142,7 +107,7 @@ def available() -> bool:
         return _lib is not None
     with _lock:
         if not _tried:
-            if os.environ.get("CODECOMPLETE_NATIVE", "1") == "0":
+            if not native_build.enabled():
                 _error = "disabled by CODECOMPLETE_NATIVE=0"
             else:
                 try:

@@ -1,0 +1,103 @@
+"""Building the native kernels' shared library, torch-free.
+
+``model.native`` loads the library with ctypes and needs torch; building it needs only the C
+compiler (about 6 s, once per source version and CPU, cached).  The daemon starts the build
+here (``prebuild``) before it imports torch, so that on a first start the compiler runs while
+torch is imported and the checkpoint converted, rather than after the import
+(docs/decisions.md).  ``build`` is what ``model.native`` calls: it waits for a build in flight
+in this process and compiles only where the library for these sources, flags and CPU is not
+in the cache yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_DIR = Path(__file__).resolve().parent / "native"
+SOURCES = [_DIR / n for n in ("decode_attention.c", "step_ops.c", "linear.c")]
+HEADERS = [_DIR / n for n in ("common.h", "attention.h")]  # included by the sources
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast", "-fno-math-errno",
+         "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    return os.environ.get("CODECOMPLETE_NATIVE", "1") != "0"
+
+
+def cpu_key() -> str:
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                model += line
+    except OSError:
+        pass
+    return model
+
+
+def cache_dir() -> Path:
+    if os.environ.get("CODECOMPLETE_NATIVE_DIR"):
+        return Path(os.environ["CODECOMPLETE_NATIVE_DIR"])
+    from codecomplete.paths import cache_dir as shared
+
+    return shared()
+
+
+def library_path() -> Path:
+    """Where the library for these sources, flags and CPU lives (built or not)."""
+    src = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(src + " ".join(FLAGS).encode() + cpu_key().encode()).hexdigest()[:16]
+    return cache_dir() / f"codecomplete_native-{key}.so"
+
+
+def build() -> Path:
+    """The built library's path, compiling it first where it is not in the cache (raises
+    RuntimeError with the compiler's message where that fails)."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    out = library_path()
+    with _lock:  # a build in flight in this process (the daemon's prebuild): wait for it
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                  timeout=120)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+            os.replace(tmp, out)  # atomic: a concurrent build by another process is harmless
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return out
+
+
+def prebuild() -> threading.Thread | None:
+    """Start ``build`` on a thread of its own (None where the kernels are turned off); a failure
+    is left for ``model.native.available`` to meet again and report."""
+    if not enabled():
+        return None
+
+    def run():
+        try:
+            build()
+        except Exception as exc:  # noqa: BLE001 - reported when the engine asks for the kernels
+            log.debug("prebuilding the native kernels failed: %s", exc)
+
+    thread = threading.Thread(target=run, name="native-prebuild", daemon=True)
+    thread.start()
+    return thread
