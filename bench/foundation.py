@@ -106,6 +106,11 @@ def main() -> int:
     fresh_env = {**base_env, "CODECOMPLETE_CACHE_DIR": str(work / "fresh-cache")}
     first_ever = asyncio.run(lsp_session(repo, file, args.model, fresh_env))
     print(f"first start (empty cache): {first_ever['cold_start_s']:.2f} s", file=sys.stderr)
+    # The first start builds the common datastore in the background after the model loads; a
+    # daemon that lives a few seconds may exit before it is done, and the next start would build
+    # it again.  A user's daemon lives long enough: the later starts are measured with it built.
+    subprocess.run([sys.executable, "-m", "codecomplete.daemon", "index", "--repo", str(repo), "--common",
+                    "--model", args.model, "--json"], capture_output=True, text=True, env=fresh_env, check=True)
     warm_env = {**base_env, "CODECOMPLETE_CACHE_DIR": str(work / "fresh-cache")}
     sessions = [asyncio.run(lsp_session(repo, file, args.model, warm_env)) for _ in range(args.runs)]
     for s in sessions:
@@ -122,7 +127,10 @@ def main() -> int:
              "## Cold start (process start to first completion, real LSP client over stdio)", "",
              "| case | seconds |", "|---|---|",
              f"| first start after install (GGUF converted and cached) | {first_ever['cold_start_s']:.2f} |"]
+    notes = ["", "The later starts find the common datastore built (`index --common` after the first start: a "
+             "user's first daemon builds it in the background once the model has loaded)."]
     lines += [f"| start {i + 1}, checkpoint cached | {c:.2f} |" for i, c in enumerate(cold)]
+    lines += notes
     lines += ["", f"Of which the `initialize` round trip: {statistics.median(s['initialize_s'] for s in sessions):.2f} s "
               "(the model loads on the engine thread meanwhile).", "",
               "## Warm requests in a running daemon (inlineCompletion round trip)", "",
