@@ -29,6 +29,7 @@ HEADERS = [_DIR / n for n in ("common.h", "attention.h")]  # included by the sou
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 _lock = threading.Lock()
+_failed: dict[Path, str] = {}  # a build that failed in this process: not tried again
 
 
 def enabled() -> bool:
@@ -71,6 +72,8 @@ def build() -> Path:
     with _lock:  # a build in flight in this process (the daemon's prebuild): wait for it
         if out.exists():
             return out
+        if out in _failed:  # the prebuild's compile failed: the same sources fail the same way
+            raise RuntimeError(_failed[out])
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
@@ -78,7 +81,8 @@ def build() -> Path:
             proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
                                   timeout=120)
             if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+                _failed[out] = f"{cc} failed: {proc.stderr.strip()[-2000:]}"
+                raise RuntimeError(_failed[out])
             os.replace(tmp, out)  # atomic: a concurrent build by another process is harmless
         finally:
             if os.path.exists(tmp):

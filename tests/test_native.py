@@ -207,19 +207,24 @@ def test_without_a_compiler_the_model_keeps_its_torch_path(tmp_path):
 
 def test_a_source_that_fails_to_compile_is_reported_and_leaves_nothing(tmp_path):
     """A source that does not compile: the build fails with the compiler's message, and no
-    half-built library is left in the cache folder (the model keeps its PyTorch path)."""
+    half-built library is left in the cache folder (the model keeps its PyTorch path).  The
+    daemon's prebuild met the failure first: the compiler is not run a second time."""
     cc = tmp_path / "cc"
-    cc.write_text('#!/bin/sh\ncase "$*" in *linear.c*) echo "linear.c: boom" >&2; exit 1;; esac\n'
+    calls = tmp_path / "calls"
+    cc.write_text(f'#!/bin/sh\necho run >> {calls}\n'
+                  'case "$*" in *linear.c*) echo "linear.c: boom" >&2; exit 1;; esac\n'
                   'exec gcc "$@"\n')
     cc.chmod(0o755)
     cache = tmp_path / "cache"
-    code = "from codecomplete.model import native\nprint(native.available(), '|', native.error())\n"
+    code = ("from codecomplete.model import native_build\nnative_build.prebuild().join()\n"
+            "from codecomplete.model import native\nprint(native.available(), '|', native.error())\n")
     env = dict(os.environ, CC=str(cc), CODECOMPLETE_NATIVE_DIR=str(cache))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     head, _, why = out.stdout.strip().partition(" | ")
     assert head == "False" and "linear.c: boom" in why
     assert list(cache.iterdir()) == []
+    assert calls.read_text().split() == ["run"]
 
 
 # --- the fused step ops and the native linear layer -------------------------------------------------
