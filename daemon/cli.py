@@ -171,10 +171,15 @@ def complete(argv: list[str]) -> int:
     except (SourceError, PositionError) as exc:
         print(f"codecomplete-daemon complete: {exc}", file=sys.stderr)
         return 2
+    from codecomplete.model import native_build
     from codecomplete.model.api import CompletionRequest
+
+    settings = engine_settings(cfg)
+    if not str(settings.device).startswith("cuda"):
+        native_build.prebuild()  # the kernels compile (first run only) while torch is imported
     from codecomplete.model.engine import Engine
 
-    engine = Engine(engine_settings(cfg)).start()
+    engine = Engine(settings).start()
     c = cfg.completion
     request = CompletionRequest(cursor.prefix, cursor.suffix, request_id="cli",
                                 mode=args.mode or c.mode, max_tokens=args.max_tokens or c.max_tokens,
