@@ -152,7 +152,7 @@ def _merge_native(path: Path, base: Path, meta: dict, tensors: dict, out: Path) 
     except Exception:  # noqa: BLE001 - a file it cannot read: the transformers path reports it
         return False
     fim_tokens = list(meta.get("fim_tokens") or [])
-    rows = tensors.pop("fim_rows", None)
+    rows = tensors.get("fim_rows")  # not popped: where this returns False, the caller reads it again
     vocab = tok.get_vocab(with_added_tokens=True)
     missing = [t for t in fim_tokens if t not in vocab]
     if missing and not cfg.tie_word_embeddings:
@@ -183,7 +183,7 @@ def _merge_native(path: Path, base: Path, meta: dict, tensors: dict, out: Path) 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for name in sorted({k.rsplit(".", 1)[0] for k in tensors}):
+        for name in sorted({k.rsplit(".", 1)[0] for k in tensors if k != "fim_rows"}):
             a, b = tensors.get(f"{name}.lora_a"), tensors.get(f"{name}.lora_b")
             if a is None or b is None:
                 raise AdapterError(f"{path}: {name} lacks lora_a or lora_b")

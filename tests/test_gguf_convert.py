@@ -268,6 +268,16 @@ def test_an_untied_base_that_needs_new_tokens_is_merged_by_transformers(tmp_path
     tensors = {"fim_rows": torch.ones(3, 64)}
     assert adapter._merge_native(ad, base, meta, tensors, tmp_path / "never") is False
     assert not (tmp_path / "never").exists()
+    assert set(tensors) == {"fim_rows"}  # left as it was for transformers' merge
+    # and through the loader's entry: transformers merges it, the tokens added and their rows written
+    merged = adapter.merged_checkpoint(ad, base, tmp_path / "merged")
+    from safetensors.torch import load_file
+
+    state = load_file(str(merged / "model.safetensors"))
+    n = len(_byte_vocab()[0])
+    assert state["model.embed_tokens.weight"].shape[0] == n + 3 == state["lm_head.weight"].shape[0]
+    assert torch.equal(state["model.embed_tokens.weight"][n:], torch.ones(3, 64))
+    assert "transformers_version" in json.loads((merged / "config.json").read_text())
 
 
 def test_a_first_start_on_an_empty_cache_imports_no_transformers(tmp_path):

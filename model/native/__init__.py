@@ -7,7 +7,8 @@ call (docs/decisions.md has the measurements).
 
 The shared library is built once per source version and CPU into a cache directory
 (``$CODECOMPLETE_NATIVE_DIR``, else the daemon's cache folder, ``codecomplete.paths``)
-and reused; building takes about 2 s.  Nothing here is
+and reused; building takes about 6 s (``model/native_build.py``, which the daemon starts
+before it imports torch).  Nothing here is
 required: without a C compiler, with ``CODECOMPLETE_NATIVE=0``, or when building fails,
 ``available()`` is False and the model keeps its PyTorch path.
 """
@@ -24,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
+from .. import native_build  # torch-free: the daemon starts the build before importing torch
 
-from codecomplete.model import native_build  # noqa: E402 - torch-free: the daemon builds before importing torch
+log = logging.getLogger(__name__)
 
 _SOURCES, _HEADERS, _FLAGS = native_build.SOURCES, native_build.HEADERS, native_build.FLAGS
 _ELSIZE = {torch.float32: 4, torch.bfloat16: 2}
