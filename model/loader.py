@@ -241,11 +241,21 @@ def _convert_gguf_native(gguf: Path, out: Path) -> Path | None:
     if not done:
         shutil.rmtree(tmp, ignore_errors=True)
         return None
+    _publish(tmp, out, "converted from ", str(gguf))
+    return out
+
+
+def _publish(tmp: Path, out: Path, kind: str, source: str) -> None:
+    """Rename a finished staging folder onto ``out``, then remove the folders it replaces
+    (``paths.prune_replaced``); where another process published ``out`` first, drop ours."""
+    from codecomplete.paths import prune_replaced
+
     try:
         tmp.rename(out)
     except OSError:  # another process converted it first
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
+        return
+    prune_replaced(out, kind, source)
 
 
 def convert_gguf(gguf: Path) -> Path:
@@ -284,13 +294,10 @@ def convert_gguf(gguf: Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tok.save_pretrained(tmp)
         (tmp / "SOURCE").write_text(f"converted from {gguf}\n")
-        try:
-            tmp.rename(out)
-        except OSError:  # another process converted it first
-            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _publish(tmp, out, "converted from ", str(gguf))
     log.info("converted in %.1f s", time.perf_counter() - t0)
     return out
 

@@ -303,3 +303,19 @@ def test_a_first_start_on_an_empty_cache_imports_no_transformers(tmp_path):
     assert "b" in text
     models = sorted(p.name for p in (tmp_path / "models").iterdir())
     assert len(models) == 2 and any(m.startswith("efim-smollm2-") for m in models)
+
+
+def test_a_reinstalled_gguf_replaces_its_old_conversion(tmp_path, monkeypatch):
+    """A reinstalled wheel gives the same GGUF path a new mtime, and so a new cache key: the new
+    conversion removes the old one instead of leaving ~540 MB behind at each upgrade."""
+    import os
+
+    monkeypatch.setenv("CODECOMPLETE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path)
+    first = loader.convert_gguf(path)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    second = loader.convert_gguf(path)
+    assert second != first and second.is_dir() and not first.exists()
+    assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == [second.name]

@@ -58,3 +58,36 @@ def test_staging_folders_left_by_a_stopped_process_are_removed_when_stale(tmp_pa
     got = paths.staging_dir(out)
     assert got.is_dir() and got.parent == out.parent and got.name.startswith(out.name + ".")
     assert not stale.exists() and young.exists() and not out.exists()
+
+
+def test_a_new_checkpoint_removes_the_ones_it_replaces_and_no_other(tmp_path):
+    from codecomplete.paths import prune_replaced
+
+    models = tmp_path / "models"
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"new")
+    elsewhere = tmp_path / "other-venv.gguf"
+    elsewhere.write_bytes(b"x")
+
+    def folder(name, source):
+        f = models / name
+        f.mkdir(parents=True)
+        (f / "model.safetensors").write_bytes(b"w")
+        if source is not None:
+            (f / "SOURCE").write_text(f"converted from {source}\n")
+        return f
+
+    out = folder("m-" + "a" * 16, gguf)
+    same = folder("m-" + "b" * 16, gguf)  # the same file before it was reinstalled
+    gone = folder("m-" + "c" * 16, tmp_path / "deleted.gguf")  # its file is gone
+    other = folder("m-" + "d" * 16, elsewhere)  # another installation's: stays
+    unknown = folder("m-" + "e" * 16, None)  # no SOURCE: not ours to judge
+    staging = folder("m-" + "a" * 16 + ".tmp123", gguf)  # a staging folder: staging_dir's business
+    other_name = folder("n-" + "f" * 16, gguf)  # another model's name
+    trained = folder("m-" + "0" * 16, gguf)
+    (trained / "exits").mkdir()  # exit heads a user trained for it
+    removed = prune_replaced(out, "converted from ", str(gguf))
+    assert sorted(removed) == sorted([same, gone])
+    assert not same.exists() and not gone.exists()
+    for kept in (out, other, unknown, staging, other_name, trained):
+        assert kept.is_dir(), kept
