@@ -11,6 +11,7 @@ in the cache yet.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -36,8 +37,9 @@ def enabled() -> bool:
     return os.environ.get("CODECOMPLETE_NATIVE", "1") != "0"
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_key() -> str:
-    model = platform.processor()
+    model = platform.processor()  # runs `uname -p`: once per process
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("model name", "flags")):
