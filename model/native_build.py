@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ def build() -> Path:
         if out in _failed:  # the prebuild's compile failed: the same sources fail the same way
             raise RuntimeError(_failed[out])
         out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(out.parent)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
@@ -90,6 +92,18 @@ def build() -> Path:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return out
+
+
+def _remove_stale_partials(folder: Path, stale_s: float = 600.0) -> None:
+    """Remove libraries left half-built by a process that exited while its compiler ran (the
+    compiler finishes on its own, into a temporary name nothing renames): older than ``stale_s``."""
+    now = time.time()
+    for p in folder.glob("tmp*.so"):
+        try:
+            if now - p.stat().st_mtime > stale_s:
+                p.unlink()
+        except OSError:
+            pass
 
 
 def prebuild() -> threading.Thread | None:

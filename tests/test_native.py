@@ -225,6 +225,14 @@ def test_a_source_that_fails_to_compile_is_reported_and_leaves_nothing(tmp_path)
     assert head == "False" and "linear.c: boom" in why
     assert list(cache.iterdir()) == []
     assert calls.read_text().split() == ["run"]
+    # a library left half-built by a process that exited mid-compile is removed once stale
+    stale, fresh = cache / "tmpabc123.so", cache / "tmpdef456.so"
+    stale.write_bytes(b"partial")
+    fresh.write_bytes(b"partial")  # maybe another process's compile in progress: stays
+    os.utime(stale, (1, 1))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in cache.iterdir()) == [fresh.name]
 
 
 # --- the fused step ops and the native linear layer -------------------------------------------------
