@@ -495,7 +495,7 @@ class CodecompleteServer(LanguageServer):
             return True, f"model unavailable: {stats['load_error']}"
         if stats.get("ready"):
             return True, f"{stats.get('model') or 'model'} ready ({stats.get('load_seconds') or 0:.1f} s)"
-        return False, str(stats.get("model") or "")
+        return False, str(stats.get("loading") or "loading the weights")
 
     def _index_state(self) -> tuple[bool, str]:
         indexes = self.folders.all()

@@ -82,6 +82,13 @@ def merged_checkpoint(path: Path, base: Path, cache: Path) -> Path:
     out = cache / f"{path.name}-{_identity(path, base)}"
     if (out / "config.json").is_file():
         return out
+    from .loader import _staged
+
+    with _staged("applying the fine-tune (once)"):
+        return _merge(path, base, out)
+
+
+def _merge(path: Path, base: Path, out: Path) -> Path:
     from safetensors.torch import load_file
 
     meta = read_meta(path)

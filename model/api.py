@@ -150,7 +150,7 @@ def engine_counters() -> dict:
 
 def engine_stats(counters: dict, settings: EngineSettings, lm=None, ready: bool = False,
                  load_error: str | None = None, exit_error: str | None = None, drafter=None, store=None,
-                 prompts: dict | None = None, governor=None) -> dict:
+                 prompts: dict | None = None, governor=None, loading: str | None = None) -> dict:
     """What ``Engine.stats`` reports, from its parts (torch-free: the daemon reports it before
     the engine has started too, ``model.handle``)."""
     s = dict(counters)
@@ -158,7 +158,8 @@ def engine_stats(counters: dict, settings: EngineSettings, lm=None, ready: bool 
              dtype=str(lm.dtype).removeprefix("torch.") if lm else None,
              template=lm.template.name if lm else None,
              load_seconds=round(lm.load_seconds, 3) if lm else None,
-             ready=ready and lm is not None, load_error=load_error)
+             ready=ready and lm is not None, load_error=load_error,
+             loading=loading or None)  # what a load in progress is doing where it takes seconds
     s["decode_tokens_per_s"] = (round(1000 * s["generated_tokens"] / s["decode_ms"], 2)
                                 if s["decode_ms"] else None)
     s["reuse_rate"] = round(s["reused_tokens"] / s["prompt_tokens"], 4) if s["prompt_tokens"] else None

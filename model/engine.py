@@ -31,7 +31,7 @@ import torch
 from .api import Completion, CompletionRequest, EngineSettings, ExitSettings, engine_counters, engine_stats
 from .early_exit import Exits, ExitPolicy, ExitsError, exit_forward, load_exits, self_spec
 from .kvstore import KVStore, Node
-from .loader import LoadedModel, ModelLoadError, load_model, model_identity
+from .loader import LoadedModel, ModelLoadError, load_model, load_stage, model_identity
 from .native import STACK_ROWS
 from .prompts import PromptPlan, SessionPool, Tokens
 from .sampling import greedy_tokens
@@ -673,8 +673,10 @@ class Engine:
     def stats(self) -> dict:
         with self._stats_lock:
             counters = dict(self._stats)
-        return engine_stats(counters, self.settings, self.lm, self.ready.is_set(), self.load_error, self.exit_error,
-                            self.drafter, self.store, self.pool.counts, self.governor)
+        ready = self.ready.is_set()
+        return engine_stats(counters, self.settings, self.lm, ready, self.load_error, self.exit_error,
+                            self.drafter, self.store, self.pool.counts, self.governor,
+                            loading=None if ready else load_stage())
 
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:

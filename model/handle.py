@@ -137,8 +137,12 @@ class EngineHandle:
         engine = self._engine
         if engine is not None:
             return engine.stats()
+        from . import native_build
+
         return engine_stats(engine_counters(), self.settings, load_error=self.start_error,
-                            prompts=dict.fromkeys(PROMPT_KINDS, 0))
+                            prompts=dict.fromkeys(PROMPT_KINDS, 0),
+                            loading=None if self.start_error else
+                            native_build.BUILDING if native_build.building() else "starting the engine")
 
     def close(self, timeout: float = 5.0) -> None:
         with self._lock:

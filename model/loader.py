@@ -46,6 +46,27 @@ log = logging.getLogger(__name__)
 # ImportError, "Cannot copy out of meta tensor"; before local checkpoints skipped transformers),
 # so loads take turns
 _LOAD_LOCK = threading.Lock()
+_stage = ""  # what a load in progress is doing, where it takes long (load_stage)
+
+
+def load_stage() -> str:
+    """What the model load in progress is doing where that takes seconds, for the editor's
+    progress report: a first start's conversion, merge or kernel compile; "" otherwise."""
+    if _stage:
+        return _stage
+    from . import native_build
+
+    return native_build.BUILDING if native_build.building() else ""
+
+
+@contextlib.contextmanager
+def _staged(what: str):
+    global _stage
+    before, _stage = _stage, what
+    try:
+        yield
+    finally:
+        _stage = before
 
 DEFAULT_MODEL = "default"
 BASE_MODEL = "smollm2-135m"
@@ -264,6 +285,11 @@ def convert_gguf(gguf: Path) -> Path:
     out = _gguf_cache_path(gguf)
     if (out / "config.json").is_file():
         return out
+    with _staged("converting the model (once)"):
+        return _convert_gguf(gguf, out)
+
+
+def _convert_gguf(gguf: Path, out: Path) -> Path:
     log.info("converting %s to safetensors in %s (once)", gguf, out)
     t0 = time.perf_counter()
     native = _convert_gguf_native(gguf, out)

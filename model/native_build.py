@@ -32,6 +32,13 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 _lock = threading.Lock()
 _failed: dict[Path, str] = {}  # a build that failed in this process: not tried again
+_compiling = 0  # compiles in flight in this process
+BUILDING = "compiling the CPU kernels (once)"  # what the editor's progress report says meanwhile
+
+
+def building() -> bool:
+    """Whether this process is compiling the library now (a first start's longest step)."""
+    return _compiling > 0
 
 
 def enabled() -> bool:
@@ -81,6 +88,8 @@ def build() -> Path:
         _remove_stale_partials(out.parent)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
+        global _compiling
+        _compiling += 1
         try:
             proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
                                   timeout=120)
@@ -89,6 +98,7 @@ def build() -> Path:
                 raise RuntimeError(_failed[out])
             os.replace(tmp, out)  # atomic: a concurrent build by another process is harmless
         finally:
+            _compiling -= 1
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return out

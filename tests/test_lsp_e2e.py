@@ -592,6 +592,29 @@ async def test_startup_progress_while_the_model_loads(repo, model_cache):
         await quiet.stop()
 
 
+async def test_a_first_start_says_what_it_prepares(repo, model_cache, tmp_path, monkeypatch):
+    """A first start on an empty cache takes seconds more than later ones: the progress report
+    says what they go to (converting the model, applying the fine-tune), then that it is ready."""
+    monkeypatch.setenv("CODECOMPLETE_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.delenv("CODECOMPLETE_NATIVE_DIR", raising=False)
+    c = await start_daemon(repo, "default", progress=True)
+    try:
+        for _ in range(1200):
+            reports = c.progress_reports.get("codecomplete/model", [])
+            if reports and isinstance(reports[-1], T.WorkDoneProgressEnd):
+                break
+            await asyncio.sleep(0.1)
+        reports = c.progress_reports["codecomplete/model"]
+        said = [r.message for r in reports if isinstance(r, (T.WorkDoneProgressBegin, T.WorkDoneProgressReport))]
+        assert "converting the model (once)" in said and "applying the fine-tune (once)" in said, said
+        assert said.index("converting the model (once)") < said.index("applying the fine-tune (once)")
+        assert isinstance(reports[-1], T.WorkDoneProgressEnd) and "ready" in reports[-1].message
+        assert (await stats(c))["engine"]["loading"] is None
+    finally:
+        await c.shutdown_session()
+        await c.stop()
+
+
 async def test_invalid_setting_falls_back_with_a_warning(repo, tiny_model, model_cache):
     """Guards typed config: a bad value is reported and replaced by its default."""
     c = await start_daemon(repo, tiny_model, init_options={
