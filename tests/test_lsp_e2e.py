@@ -544,6 +544,16 @@ async def test_clients_without_inline_completions_get_a_menu_item(repo, tiny_mod
         await both.stop()
 
 
+async def model_progress(c, timeout_s: float) -> list:
+    """The model's work-done progress reports, once it has ended (or ``timeout_s`` passed)."""
+    for _ in range(int(timeout_s * 10)):
+        reports = c.progress_reports.get("codecomplete/model", [])
+        if reports and isinstance(reports[-1], T.WorkDoneProgressEnd):
+            break
+        await asyncio.sleep(0.1)
+    return c.progress_reports["codecomplete/model"]
+
+
 async def test_startup_progress_while_the_model_loads(repo, model_cache):
     """Guards work-done progress: a client that supports it sees the model load (the
     default model takes seconds) and the first index scan begin and end, with the end
@@ -553,12 +563,7 @@ async def test_startup_progress_while_the_model_loads(repo, model_cache):
     gate = asyncio.Event()
     c = await start_daemon(repo, "default", progress=True, registrations=registrations, registration_gate=gate)
     try:
-        for _ in range(600):
-            reports = c.progress_reports.get("codecomplete/model", [])
-            if reports and isinstance(reports[-1], T.WorkDoneProgressEnd):
-                break
-            await asyncio.sleep(0.1)
-        reports = c.progress_reports["codecomplete/model"]
+        reports = await model_progress(c, 60)
         assert isinstance(reports[0], T.WorkDoneProgressBegin) and reports[0].title == "codecomplete: loading model"
         assert isinstance(reports[-1], T.WorkDoneProgressEnd) and "ready" in reports[-1].message
         assert not registrations  # still unanswered
@@ -599,12 +604,7 @@ async def test_a_first_start_says_what_it_prepares(repo, model_cache, tmp_path, 
     monkeypatch.delenv("CODECOMPLETE_NATIVE_DIR", raising=False)
     c = await start_daemon(repo, "default", progress=True)
     try:
-        for _ in range(1200):
-            reports = c.progress_reports.get("codecomplete/model", [])
-            if reports and isinstance(reports[-1], T.WorkDoneProgressEnd):
-                break
-            await asyncio.sleep(0.1)
-        reports = c.progress_reports["codecomplete/model"]
+        reports = await model_progress(c, 120)
         said = [r.message for r in reports if isinstance(r, (T.WorkDoneProgressBegin, T.WorkDoneProgressReport))]
         assert "converting the model (once)" in said and "applying the fine-tune (once)" in said, said
         assert said.index("converting the model (once)") < said.index("applying the fine-tune (once)")
