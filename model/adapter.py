@@ -50,11 +50,16 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
-def _identity(path: Path, base: Path) -> str:
+def _identity(path: Path, base: Path | None, base_identity: str | None = None) -> str:
+    """The merge's cache key: the adapter's files, and the base's (its weights' and config's
+    sizes and mtimes, or ``base_identity`` where the caller names the base's source instead)."""
     h = hashlib.sha256()
     h.update((path / "adapter.json").read_bytes())
     st = (path / "adapter.safetensors").stat()
     h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    if base_identity is not None:
+        h.update(base_identity.encode())
+        return h.hexdigest()[:16]
     for f in sorted(base.glob("*.safetensors")) + [base / "config.json"]:
         if f.is_file():
             s = f.stat()
@@ -75,13 +80,19 @@ def _publish(tmp: Path, out: Path, path: Path) -> None:
     prune_replaced(out, "adapter ", str(path))
 
 
-def merged_checkpoint(path: Path, base: Path, cache: Path) -> Path:
+def merged_checkpoint(path: Path, base, cache: Path, base_identity: str | None = None) -> Path:
     """The base checkpoint folder ``base`` with the adapter in ``path`` applied, saved
-    once under ``cache`` (returned as is when already there)."""
+    once under ``cache`` (returned as is when already there).  With ``base_identity`` (what the
+    base is made from, e.g. a GGUF file's identity) the key does not read the base folder, and
+    ``base`` may be a function that makes the folder, called only where the merge is not cached."""
     read_meta(path)
-    out = cache / f"{path.name}-{_identity(path, base)}"
+    if base_identity is None and callable(base):
+        base = base()
+    out = cache / f"{path.name}-{_identity(path, None if callable(base) else base, base_identity)}"
     if (out / "config.json").is_file():
         return out
+    if callable(base):
+        base = base()
     from .loader import _staged
 
     with _staged("applying the fine-tune (once)"):

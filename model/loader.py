@@ -339,12 +339,38 @@ def _with_adapter(path: Path, name: str) -> tuple[str, Path]:
         base_path = Path(str(base_spec)).expanduser()
         if base_path.is_dir() and (base_path / "adapter.json").is_file():
             raise AdapterError(f"{path}: its base {base_spec} is itself an adapter")
+        gguf = default_model_path() if base_spec == BASE_MODEL else (
+            base_path if base_path.suffix == ".gguf" and base_path.is_file() else None)
+        if gguf is not None:
+            return name, _merge_onto_gguf(path, gguf)
         _, base = resolve_checkpoint(str(base_spec))
         if not isinstance(base, Path):
             raise AdapterError(f"{path}: its base {base_spec} is not a local checkpoint")
         return name, merged_checkpoint(path, base, cache_dir() / "models")
     except AdapterError as exc:
         raise ModelLoadError(str(exc)) from exc
+
+
+def _merge_onto_gguf(path: Path, gguf: Path) -> Path:
+    """The adapter merged onto a GGUF file's conversion, keyed by the file's identity: the
+    conversion is made only where the merge is not cached, and where it was made for this merge
+    alone it goes afterwards (the default model's cache: 1.08 -> 0.54 GB).  A conversion that was
+    there (someone serves the base itself) stays."""
+    from .adapter import merged_checkpoint
+
+    converted = _gguf_cache_path(gguf)
+    made = []
+
+    def base() -> Path:
+        if not (converted / "config.json").is_file():
+            made.append(converted)
+        return convert_gguf(gguf)
+
+    try:
+        return merged_checkpoint(path, base, cache_dir() / "models", base_identity=f"gguf {converted.name}")
+    finally:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def resolve_checkpoint(spec: str) -> tuple[str, Path | str]:

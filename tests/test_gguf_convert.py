@@ -302,7 +302,8 @@ def test_a_first_start_on_an_empty_cache_imports_no_transformers(tmp_path):
     assert imported == "False"
     assert "b" in text
     models = sorted(p.name for p in (tmp_path / "models").iterdir())
-    assert len(models) == 2 and any(m.startswith("efim-smollm2-") for m in models)
+    # the merged model alone: the base's conversion was made for the merge and went after it
+    assert len(models) == 1 and models[0].startswith("efim-smollm2-"), models
 
 
 def test_a_reinstalled_gguf_replaces_its_old_conversion(tmp_path, monkeypatch):
@@ -319,3 +320,45 @@ def test_a_reinstalled_gguf_replaces_its_old_conversion(tmp_path, monkeypatch):
     second = loader.convert_gguf(path)
     assert second != first and second.is_dir() and not first.exists()
     assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == [second.name]
+
+
+
+def test_an_adapter_on_a_gguf_keeps_only_the_merged_model(tmp_path, monkeypatch):
+    """An adapter whose base is a GGUF file (the default model's case): the merge is keyed by the
+    file's identity, the conversion made for it goes after it, a cached merge converts nothing,
+    and a conversion someone else made (serving the base itself) stays."""
+    from safetensors.torch import save_file
+
+    monkeypatch.setenv("CODECOMPLETE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path)
+    ad = tmp_path / "tiny-adapter"
+    ad.mkdir()
+    (ad / "adapter.json").write_text(json.dumps({"format": adapter.FORMAT, "base": str(path), "fim_tokens": []}))
+    torch.manual_seed(0)
+    save_file({"model.layers.0.self_attn.q_proj.lora_a": torch.randn(4, 64),
+               "model.layers.0.self_attn.q_proj.lora_b": torch.randn(64, 4)}, str(ad / "adapter.safetensors"))
+    models = tmp_path / "cache" / "models"
+    _, merged = loader.resolve_checkpoint(str(ad))
+    assert [p.name for p in models.iterdir()] == [merged.name]
+    # the merge is the conversion plus B @ A
+    monkeypatch.setenv("CODECOMPLETE_CACHE_DIR", str(tmp_path / "other"))
+    base = loader.convert_gguf(path)
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(merged / "model.safetensors")), load_file(str(base / "model.safetensors"))
+    lora = load_file(str(ad / "adapter.safetensors"))
+    name = "model.layers.0.self_attn.q_proj"
+    assert torch.equal(a[f"{name}.weight"], b[f"{name}.weight"] + lora[f"{name}.lora_b"] @ lora[f"{name}.lora_a"])
+    assert all(torch.equal(a[k], b[k]) for k in b if k != f"{name}.weight")
+    monkeypatch.setenv("CODECOMPLETE_CACHE_DIR", str(tmp_path / "cache"))
+    with monkeypatch.context() as m:  # cached: nothing is converted again
+        m.setattr(loader, "convert_gguf", lambda g: (_ for _ in ()).throw(AssertionError("converted")))
+        assert loader.resolve_checkpoint(str(ad))[1] == merged
+    # someone serves the base itself: its conversion stays when the merge is made again
+    kept = loader.convert_gguf(path)
+    import shutil
+
+    shutil.rmtree(merged)
+    assert loader.resolve_checkpoint(str(ad))[1] == merged and merged.is_dir()
+    assert kept.is_dir() and sorted(p.name for p in models.iterdir()) == sorted([kept.name, merged.name])
