@@ -366,8 +366,17 @@ def _merge_onto_gguf(path: Path, gguf: Path) -> Path:
             made.append(converted)
         return convert_gguf(gguf)
 
+    identity = f"gguf {converted.name}"
     try:
-        return merged_checkpoint(path, base, cache_dir() / "models", base_identity=f"gguf {converted.name}")
+        try:
+            return merged_checkpoint(path, base, cache_dir() / "models", base_identity=identity)
+        except Exception:
+            if (converted / "config.json").is_file():
+                raise
+            # two first starts at once: the other one's merge finished and removed the conversion
+            # this one was reading; its merge is this one's (or this one converts again)
+            log.info("the conversion of %s went while merging onto it; once more", gguf)
+            return merged_checkpoint(path, base, cache_dir() / "models", base_identity=identity)
     finally:
         for folder in made:
             shutil.rmtree(folder, ignore_errors=True)

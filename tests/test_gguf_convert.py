@@ -362,3 +362,47 @@ def test_an_adapter_on_a_gguf_keeps_only_the_merged_model(tmp_path, monkeypatch)
     shutil.rmtree(merged)
     assert loader.resolve_checkpoint(str(ad))[1] == merged and merged.is_dir()
     assert kept.is_dir() and sorted(p.name for p in models.iterdir()) == sorted([kept.name, merged.name])
+
+
+
+def test_a_merge_whose_conversion_another_start_removed_is_made_again(tmp_path, monkeypatch):
+    """Two first starts at once: one's merge finishes and removes the conversion the other is
+    still reading.  The other merges once more instead of failing."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    monkeypatch.setenv("CODECOMPLETE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path)
+    ad = tmp_path / "tiny-adapter"
+    ad.mkdir()
+    (ad / "adapter.json").write_text(json.dumps({"format": adapter.FORMAT, "base": str(path), "fim_tokens": []}))
+    save_file({"model.layers.0.self_attn.q_proj.lora_a": torch.ones(4, 64),
+               "model.layers.0.self_attn.q_proj.lora_b": torch.ones(64, 4)}, str(ad / "adapter.safetensors"))
+    real, calls = adapter._merge, []
+
+    def racing(path_, base, out):
+        calls.append(base)
+        if len(calls) == 1:  # the other start's cleanup, while this one reads
+            shutil.rmtree(base)
+            raise FileNotFoundError(base / "model.safetensors")
+        return real(path_, base, out)
+
+    monkeypatch.setattr(adapter, "_merge", racing)
+    _, merged = loader.resolve_checkpoint(str(ad))
+    assert len(calls) == 2 and (merged / "model.safetensors").is_file()
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [merged.name]
+    # an error that is not the race (the conversion still there) is not retried
+    shutil.rmtree(merged)
+    failed = []
+
+    def bad(*args):
+        failed.append(args)
+        raise adapter.AdapterError("bad")
+
+    monkeypatch.setattr(adapter, "_merge", bad)
+    with pytest.raises(loader.ModelLoadError, match="bad"):
+        loader.resolve_checkpoint(str(ad))
+    assert len(failed) == 1
+    assert list((tmp_path / "cache" / "models").iterdir()) == []  # the conversion made for it went too
