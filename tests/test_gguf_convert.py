@@ -323,21 +323,28 @@ def test_a_reinstalled_gguf_replaces_its_old_conversion(tmp_path, monkeypatch):
 
 
 
-def test_an_adapter_on_a_gguf_keeps_only_the_merged_model(tmp_path, monkeypatch):
-    """An adapter whose base is a GGUF file (the default model's case): the merge is keyed by the
-    file's identity, the conversion made for it goes after it, a cached merge converts nothing,
-    and a conversion someone else made (serving the base itself) stays."""
+
+def _gguf_and_adapter(tmp_path: Path) -> tuple[Path, Path]:
+    """A small GGUF, and an adapter on it (one random LoRA pair, no FIM tokens)."""
     from safetensors.torch import save_file
 
-    monkeypatch.setenv("CODECOMPLETE_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"
     _write_gguf(path)
     ad = tmp_path / "tiny-adapter"
     ad.mkdir()
     (ad / "adapter.json").write_text(json.dumps({"format": adapter.FORMAT, "base": str(path), "fim_tokens": []}))
-    torch.manual_seed(0)
-    save_file({"model.layers.0.self_attn.q_proj.lora_a": torch.randn(4, 64),
-               "model.layers.0.self_attn.q_proj.lora_b": torch.randn(64, 4)}, str(ad / "adapter.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    save_file({"model.layers.0.self_attn.q_proj.lora_a": torch.randn(4, 64, generator=g),
+               "model.layers.0.self_attn.q_proj.lora_b": torch.randn(64, 4, generator=g)},
+              str(ad / "adapter.safetensors"))
+    return path, ad
+
+def test_an_adapter_on_a_gguf_keeps_only_the_merged_model(tmp_path, monkeypatch):
+    """An adapter whose base is a GGUF file (the default model's case): the merge is keyed by the
+    file's identity, the conversion made for it goes after it, a cached merge converts nothing,
+    and a conversion someone else made (serving the base itself) stays."""
+    monkeypatch.setenv("CODECOMPLETE_CACHE_DIR", str(tmp_path / "cache"))
+    path, ad = _gguf_and_adapter(tmp_path)
     models = tmp_path / "cache" / "models"
     _, merged = loader.resolve_checkpoint(str(ad))
     assert [p.name for p in models.iterdir()] == [merged.name]
@@ -370,16 +377,8 @@ def test_a_merge_whose_conversion_another_start_removed_is_made_again(tmp_path, 
     still reading.  The other merges once more instead of failing."""
     import shutil
 
-    from safetensors.torch import save_file
-
     monkeypatch.setenv("CODECOMPLETE_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "tiny.gguf"
-    _write_gguf(path)
-    ad = tmp_path / "tiny-adapter"
-    ad.mkdir()
-    (ad / "adapter.json").write_text(json.dumps({"format": adapter.FORMAT, "base": str(path), "fim_tokens": []}))
-    save_file({"model.layers.0.self_attn.q_proj.lora_a": torch.ones(4, 64),
-               "model.layers.0.self_attn.q_proj.lora_b": torch.ones(64, 4)}, str(ad / "adapter.safetensors"))
+    _, ad = _gguf_and_adapter(tmp_path)
     real, calls = adapter._merge, []
 
     def racing(path_, base, out):
