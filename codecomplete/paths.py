@@ -82,6 +82,17 @@ def staging_dir(out: Path, stale_s: float = 600.0) -> Path:
     return Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
 
 
+def publish(tmp: Path, out: Path, kind: str, source: str) -> None:
+    """Rename a finished staging folder (``staging_dir``) onto ``out``, then remove the folders
+    it replaces (``prune_replaced``); where another process published ``out`` first, drop ours."""
+    try:
+        tmp.rename(out)
+    except OSError:  # another process built it first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    prune_replaced(out, kind, source)
+
+
 def prune_replaced(out: Path, kind: str, source: str) -> list[Path]:
     """Remove what the newly built ``out`` replaces: folders beside it named as it is but for
     the key (``NAME-<16 hex digits>``) whose SOURCE file has the line ``kind + source`` (built from

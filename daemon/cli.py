@@ -175,8 +175,7 @@ def complete(argv: list[str]) -> int:
     from codecomplete.model.api import CompletionRequest
 
     settings = engine_settings(cfg)
-    if not str(settings.device).startswith("cuda"):
-        native_build.prebuild()  # the kernels compile (first run only) while torch is imported
+    native_build.prebuild(settings.device)  # the kernels compile (first run only) while torch is imported
     from codecomplete.model.engine import Engine
 
     engine = Engine(settings).start()

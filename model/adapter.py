@@ -70,14 +70,35 @@ def _identity(path: Path, base: Path | None, base_identity: str | None = None) -
 def _publish(tmp: Path, out: Path, path: Path) -> None:
     """The finished merge onto ``out``; then the merges of this adapter it replaces go (an
     upgrade's new adapter file, or one whose adapter folder is gone: ``paths.prune_replaced``)."""
-    from codecomplete.paths import prune_replaced
+    from codecomplete.paths import publish
 
-    try:
-        tmp.rename(out)
-    except OSError:  # another process merged it first
-        shutil.rmtree(tmp, ignore_errors=True)
-        return
-    prune_replaced(out, "adapter ", str(path))
+    publish(tmp, out, "adapter ", str(path))
+
+
+def _fim_rows(path: Path, meta: dict, tensors: dict) -> tuple[list[str], "torch.Tensor | None"]:
+    """The FIM tokens the adapter adds and their embedding rows (checked against each other)."""
+    fim_tokens = list(meta.get("fim_tokens") or [])
+    rows = tensors.get("fim_rows")
+    if fim_tokens and (rows is None or rows.shape[0] != len(fim_tokens)):
+        raise AdapterError(f"{path}: fim_rows does not match fim_tokens {fim_tokens}")
+    return fim_tokens, rows
+
+
+def _fold_lora(path: Path, tensors: dict, weight_of) -> None:
+    """Add ``B @ A`` to each adapted weight, ``weight_of(name)`` (None: the base has no such
+    module), after checking the pair against it."""
+    for name in sorted({k.rsplit(".", 1)[0] for k in tensors if k != "fim_rows"}):
+        a, b = tensors.get(f"{name}.lora_a"), tensors.get(f"{name}.lora_b")
+        if a is None or b is None:
+            raise AdapterError(f"{path}: {name} lacks lora_a or lora_b")
+        weight = weight_of(name)
+        if weight is None:
+            raise AdapterError(f"{path}: the base model has no module {name}")
+        if tuple(weight.shape) != (b.shape[0], a.shape[1]):
+            raise AdapterError(f"{path}: {name} is {tuple(weight.shape)} in the base, "
+                               f"{(b.shape[0], a.shape[1])} in the adapter")
+        with torch.no_grad():
+            weight += b.float() @ a.float()
 
 
 def merged_checkpoint(path: Path, base, cache: Path, base_identity: str | None = None) -> Path:
@@ -85,10 +106,10 @@ def merged_checkpoint(path: Path, base, cache: Path, base_identity: str | None =
     once under ``cache`` (returned as is when already there).  With ``base_identity`` (what the
     base is made from, e.g. a GGUF file's identity) the key does not read the base folder, and
     ``base`` may be a function that makes the folder, called only where the merge is not cached."""
-    read_meta(path)
+    meta = read_meta(path)
     if base_identity is None and callable(base):
         base = base()
-    out = cache / f"{path.name}-{_identity(path, None if callable(base) else base, base_identity)}"
+    out = cache / f"{path.name}-{_identity(path, base, base_identity)}"  # a base_identity: base unread
     if (out / "config.json").is_file():
         return out
     if callable(base):
@@ -96,13 +117,12 @@ def merged_checkpoint(path: Path, base, cache: Path, base_identity: str | None =
     from .loader import _staged
 
     with _staged("applying the fine-tune (once)"):
-        return _merge(path, base, out)
+        return _merge(path, base, out, meta)
 
 
-def _merge(path: Path, base: Path, out: Path) -> Path:
+def _merge(path: Path, base: Path, out: Path, meta: dict) -> Path:
     from safetensors.torch import load_file
 
-    meta = read_meta(path)
     t0 = time.perf_counter()
     tensors = load_file(str(path / "adapter.safetensors"))
     if _merge_native(path, base, meta, tensors, out):
@@ -112,11 +132,8 @@ def _merge(path: Path, base: Path, out: Path) -> Path:
 
     tok = AutoTokenizer.from_pretrained(base, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True, dtype=torch.float32)
-    fim_tokens = meta.get("fim_tokens") or []
-    rows = tensors.pop("fim_rows", None)
+    fim_tokens, rows = _fim_rows(path, meta, tensors)
     if fim_tokens:
-        if rows is None or rows.shape[0] != len(fim_tokens):
-            raise AdapterError(f"{path}: fim_rows does not match fim_tokens {fim_tokens}")
         vocab = tok.get_vocab()
         missing = [t for t in fim_tokens if t not in vocab]
         if missing:
@@ -125,20 +142,13 @@ def _merge(path: Path, base: Path, out: Path) -> Path:
         ids = [tok.convert_tokens_to_ids(t) for t in fim_tokens]
         with torch.no_grad():
             model.get_input_embeddings().weight[ids] = rows.float()
-    modules = {k.rsplit(".", 1)[0] for k in tensors}
-    for name in sorted(modules):
-        a, b = tensors.get(f"{name}.lora_a"), tensors.get(f"{name}.lora_b")
-        if a is None or b is None:
-            raise AdapterError(f"{path}: {name} lacks lora_a or lora_b")
+    def weight_of(name: str):
         try:
-            lin = model.get_submodule(name)
-        except AttributeError as exc:
-            raise AdapterError(f"{path}: the base model has no module {name}") from exc
-        if tuple(lin.weight.shape) != (b.shape[0], a.shape[1]):
-            raise AdapterError(f"{path}: {name} is {tuple(lin.weight.shape)} in the base, "
-                               f"{(b.shape[0], a.shape[1])} in the adapter")
-        with torch.no_grad():
-            lin.weight += b.float() @ a.float()
+            return model.get_submodule(name).weight
+        except AttributeError:
+            return None
+
+    _fold_lora(path, tensors, weight_of)
     from codecomplete.paths import staging_dir
 
     tmp = staging_dir(out)
@@ -179,8 +189,7 @@ def _merge_native(path: Path, base: Path, meta: dict, tensors: dict, out: Path) 
         tok = Tokenizer.from_file(str(base / "tokenizer.json"))
     except Exception:  # noqa: BLE001 - a file it cannot read: the transformers path reports it
         return False
-    fim_tokens = list(meta.get("fim_tokens") or [])
-    rows = tensors.get("fim_rows")  # not popped: where this returns False, the caller reads it again
+    fim_tokens, rows = _fim_rows(path, meta, tensors)
     vocab = tok.get_vocab(with_added_tokens=True)
     missing = [t for t in fim_tokens if t not in vocab]
     if missing and not cfg.tie_word_embeddings:
@@ -189,8 +198,6 @@ def _merge_native(path: Path, base: Path, meta: dict, tensors: dict, out: Path) 
     if any(v.dtype != torch.float32 for v in state.values()) or "model.embed_tokens.weight" not in state:
         return False
     if fim_tokens:
-        if rows is None or rows.shape[0] != len(fim_tokens):
-            raise AdapterError(f"{path}: fim_rows does not match fim_tokens {fim_tokens}")
         if missing:
             tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
             extra = tok_config.get("extra_special_tokens")
@@ -211,17 +218,7 @@ def _merge_native(path: Path, base: Path, meta: dict, tensors: dict, out: Path) 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for name in sorted({k.rsplit(".", 1)[0] for k in tensors if k != "fim_rows"}):
-            a, b = tensors.get(f"{name}.lora_a"), tensors.get(f"{name}.lora_b")
-            if a is None or b is None:
-                raise AdapterError(f"{path}: {name} lacks lora_a or lora_b")
-            weight = state.get(f"{name}.weight")
-            if weight is None:
-                raise AdapterError(f"{path}: the base model has no module {name}")
-            if tuple(weight.shape) != (b.shape[0], a.shape[1]):
-                raise AdapterError(f"{path}: {name} is {tuple(weight.shape)} in the base, "
-                                   f"{(b.shape[0], a.shape[1])} in the adapter")
-            weight += b.float() @ a.float()
+        _fold_lora(path, tensors, lambda name: state.get(f"{name}.weight"))
     finally:
         torch.set_num_threads(threads)
     from codecomplete.paths import staging_dir

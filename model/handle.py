@@ -45,11 +45,9 @@ class EngineHandle:
         return self._engine.lm if self._engine is not None else None
 
     def start(self) -> "EngineHandle":
-        if not str(self.settings.device).startswith("cuda"):
-            # the kernels' compile (a first start's longest step) begins before torch's import
-            from . import native_build
+        from . import native_build
 
-            native_build.prebuild()
+        native_build.prebuild(self.settings.device)  # a first start's longest step, before torch's import
         self._thread.start()
         return self
 
@@ -141,8 +139,7 @@ class EngineHandle:
 
         return engine_stats(engine_counters(), self.settings, load_error=self.start_error,
                             prompts=dict.fromkeys(PROMPT_KINDS, 0),
-                            loading=None if self.start_error else
-                            native_build.BUILDING if native_build.building() else "starting the engine")
+                            loading=None if self.start_error else native_build.stage() or "starting the engine")
 
     def close(self, timeout: float = 5.0) -> None:
         with self._lock:

@@ -52,11 +52,9 @@ _stage = ""  # what a load in progress is doing, where it takes long (load_stage
 def load_stage() -> str:
     """What the model load in progress is doing where that takes seconds, for the editor's
     progress report: a first start's conversion, merge or kernel compile; "" otherwise."""
-    if _stage:
-        return _stage
     from . import native_build
 
-    return native_build.BUILDING if native_build.building() else ""
+    return _stage or native_build.stage()
 
 
 @contextlib.contextmanager
@@ -238,7 +236,7 @@ def _convert_gguf_native(gguf: Path, out: Path) -> Path | None:
     the same files), or None where that module leaves the file to transformers."""
     import gguf as gguf_lib
 
-    from codecomplete.paths import staging_dir
+    from codecomplete.paths import publish, staging_dir
 
     from . import gguf_convert
 
@@ -262,21 +260,8 @@ def _convert_gguf_native(gguf: Path, out: Path) -> Path | None:
     if not done:
         shutil.rmtree(tmp, ignore_errors=True)
         return None
-    _publish(tmp, out, "converted from ", str(gguf))
+    publish(tmp, out, "converted from ", str(gguf))
     return out
-
-
-def _publish(tmp: Path, out: Path, kind: str, source: str) -> None:
-    """Rename a finished staging folder onto ``out``, then remove the folders it replaces
-    (``paths.prune_replaced``); where another process published ``out`` first, drop ours."""
-    from codecomplete.paths import prune_replaced
-
-    try:
-        tmp.rename(out)
-    except OSError:  # another process converted it first
-        shutil.rmtree(tmp, ignore_errors=True)
-        return
-    prune_replaced(out, kind, source)
 
 
 def convert_gguf(gguf: Path) -> Path:
@@ -306,7 +291,7 @@ def _convert_gguf(gguf: Path, out: Path) -> Path:
                                                          dtype=torch.float32)
     except Exception as exc:  # transformers raises many types for a bad file
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {exc}") from exc
-    from codecomplete.paths import staging_dir
+    from codecomplete.paths import publish, staging_dir
 
     tmp = staging_dir(out)
     try:
@@ -323,7 +308,7 @@ def _convert_gguf(gguf: Path, out: Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _publish(tmp, out, "converted from ", str(gguf))
+    publish(tmp, out, "converted from ", str(gguf))
     log.info("converted in %.1f s", time.perf_counter() - t0)
     return out
 

@@ -41,6 +41,11 @@ def building() -> bool:
     return _compiling > 0
 
 
+def stage() -> str:
+    """``BUILDING`` while a compile runs in this process, else "" (the load's progress report)."""
+    return BUILDING if building() else ""
+
+
 def enabled() -> bool:
     return os.environ.get("CODECOMPLETE_NATIVE", "1") != "0"
 
@@ -116,10 +121,12 @@ def _remove_stale_partials(folder: Path, stale_s: float = 600.0) -> None:
             pass
 
 
-def prebuild() -> threading.Thread | None:
-    """Start ``build`` on a thread of its own (None where the kernels are turned off); a failure
-    is left for ``model.native.available`` to meet again and report."""
-    if not enabled():
+def prebuild(device: str = "auto") -> threading.Thread | None:
+    """Start ``build`` on a thread of its own, for a model on ``device`` (None where the kernels
+    are turned off or the device is CUDA, which they do not serve); a failure is left for
+    ``model.native.available`` to meet again and report.  With "auto" on a machine with CUDA they
+    are built once and not used: the device is known only after torch's import."""
+    if not enabled() or str(device).startswith("cuda"):
         return None
 
     def run():

@@ -7,6 +7,7 @@ the engine reads: every tensor, the tokenizer (its file, and token ids on text),
 model keys."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -295,7 +296,7 @@ def test_a_first_start_on_an_empty_cache_imports_no_transformers(tmp_path):
         "print(repr(r.text))\n"
         "print('transformers' in sys.modules)\n"
     )
-    env = {**__import__("os").environ, "CODECOMPLETE_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "CODECOMPLETE_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     text, imported = out.stdout.strip().splitlines()[-2:]
@@ -309,8 +310,6 @@ def test_a_first_start_on_an_empty_cache_imports_no_transformers(tmp_path):
 def test_a_reinstalled_gguf_replaces_its_old_conversion(tmp_path, monkeypatch):
     """A reinstalled wheel gives the same GGUF path a new mtime, and so a new cache key: the new
     conversion removes the old one instead of leaving ~540 MB behind at each upgrade."""
-    import os
-
     monkeypatch.setenv("CODECOMPLETE_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"
     _write_gguf(path)
@@ -381,12 +380,12 @@ def test_a_merge_whose_conversion_another_start_removed_is_made_again(tmp_path, 
     _, ad = _gguf_and_adapter(tmp_path)
     real, calls = adapter._merge, []
 
-    def racing(path_, base, out):
+    def racing(path_, base, out, meta):
         calls.append(base)
         if len(calls) == 1:  # the other start's cleanup, while this one reads
             shutil.rmtree(base)
             raise FileNotFoundError(base / "model.safetensors")
-        return real(path_, base, out)
+        return real(path_, base, out, meta)
 
     monkeypatch.setattr(adapter, "_merge", racing)
     _, merged = loader.resolve_checkpoint(str(ad))
