@@ -486,6 +486,8 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
                     cfg = None
             net = from_safetensors(ckpt, cfg, dt, dev) if cfg is not None else None
         if net is None:
+            if isinstance(ckpt, Path):
+                log.info("%s: the direct read does not know this checkpoint; loading it through transformers", ckpt)
             model = _hf().AutoModelForCausalLM.from_pretrained(ckpt, dtype=dt, **local_only)
             model.to(dev).eval()
             try:

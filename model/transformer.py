@@ -648,8 +648,11 @@ def from_safetensors(path, cfg, dtype: torch.dtype, device) -> Transformer | Non
     from pathlib import Path
 
     path = Path(path)
+    # No architectures (transformers' own GGUF conversions write null): AutoModelForCausalLM
+    # picks the model type's causal LM then, and so does this path.
+    archs = getattr(cfg, "architectures", None)
     if (cfg.model_type not in SUPPORTED or getattr(cfg, "quantization_config", None)
-            or not any(a.endswith("ForCausalLM") for a in getattr(cfg, "architectures", None) or [])):
+            or (archs and not any(a.endswith("ForCausalLM") for a in archs))):
         return None
     index = path / "model.safetensors.index.json"
     try:

@@ -414,13 +414,41 @@ def test_config_json_read_here_gives_the_model_autoconfig_gives(spec, tiny_model
         assert config_from_json(part) is None, drop
 
 
-def test_loading_a_local_checkpoint_does_not_import_transformers(tiny_model):
+@pytest.mark.parametrize("architectures", ["as saved", "null"])
+def test_loading_a_local_checkpoint_does_not_import_transformers(architectures, tiny_model, tmp_path):
     """The tokenizer, config and weights of a local checkpoint come from its files: a process that
     loads the model and completes never imports transformers (1-2 s and ~100 MB of a start), nor
-    torch._dynamo, which PyTorch's reference ops on the meta device pull in (1-1.7 s)."""
+    torch._dynamo, which PyTorch's reference ops on the meta device pull in (1-1.7 s).  Also where
+    config.json names no architectures, as transformers' own GGUF conversions write it (a GGUF the
+    built-in conversion declines, a conversion cached by an earlier version, and a merge onto one)."""
+    import json
+    import shutil
     import subprocess
     import sys
 
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from codecomplete.model.transformer import from_hf, from_safetensors
+
+    if architectures == "null":
+        ckpt = tmp_path / "ckpt"
+        shutil.copytree(tiny_model, ckpt)
+        raw = json.loads((ckpt / "config.json").read_text())
+        assert raw["architectures"]
+        (ckpt / "config.json").write_text(json.dumps({**raw, "architectures": None}))
+        direct = from_safetensors(ckpt, AutoConfig.from_pretrained(ckpt, local_files_only=True), torch.float32,
+                                  torch.device("cpu"))
+        assert direct is not None
+        hf = from_hf(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, local_files_only=True).eval())
+        a, b = direct.state_dict(), hf.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        tiny_model = ckpt
+        (tmp_path / "model").mkdir()  # architectures that name no causal LM: Hugging Face's path still
+        (tmp_path / "model" / "config.json").write_text(json.dumps({**raw, "architectures": ["LlamaModel"]}))
+        shutil.copy(ckpt / "model.safetensors", tmp_path / "model")
+        cfg = AutoConfig.from_pretrained(tmp_path / "model", local_files_only=True)
+        assert from_safetensors(tmp_path / "model", cfg, torch.float32, torch.device("cpu")) is None
     code = ("import sys\n"
             "from codecomplete.model.loader import load_model\n"
             "from codecomplete.model.api import CompletionRequest, EngineSettings\n"
