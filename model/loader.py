@@ -367,6 +367,20 @@ def _merge_onto_gguf(path: Path, gguf: Path) -> Path:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def _hub_snapshot(repo_id: str) -> Path | None:
+    """The folder of ``repo_id``'s snapshot in the local Hugging Face cache (its default
+    revision), or None where it is not there whole enough to say (transformers then looks, and
+    says what is missing)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception as exc:  # not cached, an invalid id, no huggingface_hub: transformers' path decides
+        log.debug("%s: no local snapshot (%s)", repo_id, exc)
+        return None
+    return folder if (folder / "config.json").is_file() else None
+
+
 def resolve_checkpoint(spec: str) -> tuple[str, Path | str]:
     """Map a ``--model`` value to (display name, checkpoint directory or hub id)."""
     name, ckpt, _ = _resolve(spec)
@@ -402,7 +416,9 @@ def _resolve(spec: str) -> tuple[str, Path | str, Path | str]:
     if path.exists():
         raise ModelLoadError(f"{path} is neither a checkpoint directory nor a .gguf file")
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        return spec, spec, ""  # a hub id: only the local HF cache is consulted
+        # a hub id: only the local HF cache is consulted; its snapshot folder is a local
+        # checkpoint like any other (read without transformers where the engine knows it)
+        return spec, _hub_snapshot(spec) or spec, ""
     raise ModelLoadError(f"model not found: {spec}")
 
 

@@ -489,3 +489,55 @@ def test_a_damaged_checkpoint_is_a_model_load_error_that_names_it(tiny_model, tm
         fn(ckpt)
         with pytest.raises(ModelLoadError, match=str(ckpt)):
             load_model(str(ckpt), dtype="float32")
+
+
+def _hub_cache(root, repo_id: str, ckpt) -> str:
+    """``ckpt``'s files laid out as Hugging Face's cache holds a downloaded model: content in
+    blobs/, the snapshot's names as symbolic links to them, refs/main naming the snapshot."""
+    import hashlib
+
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snap = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in sorted(ckpt.iterdir()):
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snap / f.name).symlink_to(f"../../blobs/{blob.name}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return str(snap)
+
+
+def test_a_hub_id_in_the_local_cache_is_read_as_a_local_checkpoint(tiny_model, tmp_path):
+    """``--model org/name`` of a model in the local Hugging Face cache serves its snapshot folder:
+    read directly (no transformers import), the same completion as the folder itself gives; an
+    id that is not cached is a clear ModelLoadError, and nothing is downloaded."""
+    import os
+    import subprocess
+    import sys
+
+    snap = _hub_cache(tmp_path / "hub", "acme/tiny-coder", tiny_model)
+    code = ("import sys\n"
+            "from codecomplete.model.loader import load_model, ModelLoadError\n"
+            "from codecomplete.model.api import CompletionRequest, EngineSettings\n"
+            "from codecomplete.model.engine import generate\n"
+            "req = CompletionRequest('def add(a, b):\\n    return', '\\n', max_tokens=8)\n"
+            "lm = load_model('acme/tiny-coder', dtype='float32')\n"
+            "print(lm.name, lm.path, type(lm.tokenizer).__name__, "
+            "any(m.split('.')[0] == 'transformers' for m in sys.modules))\n"
+            "print(generate(lm, req, EngineSettings()).token_ids)\n"
+            f"print(generate(load_model({str(tiny_model)!r}, dtype='float32'), req, EngineSettings()).token_ids)\n"
+            "try:\n"
+            "    load_model('acme/not-cached')\n"
+            "except ModelLoadError as exc:\n"
+            "    print('error', exc)\n")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert got.returncode == 0, got.stderr[-2000:]
+    lines = got.stdout.strip().split("\n")
+    assert lines[0] == f"acme/tiny-coder {snap} FastTokenizer False"
+    assert lines[1] == lines[2] and lines[1] != "[]"
+    assert lines[3].startswith("error ") and "acme/not-cached" in lines[3]
