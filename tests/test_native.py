@@ -205,10 +205,42 @@ def test_without_a_compiler_the_model_keeps_its_torch_path(tmp_path):
     assert out.stdout.strip() == "False False 4 (1, 50) | disabled by CODECOMPLETE_NATIVE=0"
 
 
+@needs_kernel
+def test_the_sources_compiled_at_once_make_the_library_one_command_makes(tmp_path, monkeypatch):
+    """``native_build`` compiles each source into an object, several at once where cores are
+    free, then links: the library is the same bytes as one compiler command over every source
+    makes."""
+    import shutil
+    import subprocess
+
+    from codecomplete.model import native_build
+
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    one = tmp_path / "one.so"
+    proc = subprocess.run([cc, *native_build.FLAGS, *map(str, native_build.SOURCES), "-o", str(one), "-lm"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert 1 <= native_build._jobs() <= len(native_build.SOURCES)  # here: the cores less one
+    monkeypatch.setattr(native_build, "_jobs", lambda: len(native_build.SOURCES))
+    at_once = tmp_path / "at_once.so"
+    assert native_build._compile(cc, str(at_once)) == ""
+    assert at_once.read_bytes() == one.read_bytes()
+    failing, log = tmp_path / "cc", tmp_path / "runs"  # one source fails: its message, and no link
+    failing.write_text(f'#!/bin/sh\necho "$*" >> {log}\n'
+                       'case "$*" in *linear.c*) echo "linear.c: boom" >&2; exit 1;; esac\n'
+                       f'exec {cc} "$@"\n')
+    failing.chmod(0o755)
+    assert "linear.c: boom" in native_build._compile(str(failing), str(tmp_path / "failed.so"))
+    runs = log.read_text().splitlines()
+    assert len(runs) == len(native_build.SOURCES) and all(" -c " in r for r in runs)
+    assert not (tmp_path / "failed.so").exists()
+
+
 def test_a_source_that_fails_to_compile_is_reported_and_leaves_nothing(tmp_path):
     """A source that does not compile: the build fails with the compiler's message, and no
     half-built library is left in the cache folder (the model keeps its PyTorch path).  The
-    daemon's prebuild met the failure first: the compiler is not run a second time."""
+    daemon's prebuild met the failure first: the compiler is not run a second time (nor, where the
+    sources compile at once, the link)."""
     cc = tmp_path / "cc"
     calls = tmp_path / "calls"
     cc.write_text(f'#!/bin/sh\necho run >> {calls}\n'
@@ -224,7 +256,10 @@ def test_a_source_that_fails_to_compile_is_reported_and_leaves_nothing(tmp_path)
     head, _, why = out.stdout.strip().partition(" | ")
     assert head == "False" and "linear.c: boom" in why
     assert list(cache.iterdir()) == []
-    assert calls.read_text().split() == ["run"]
+    from codecomplete.model import native_build
+
+    runs = 1 if native_build._jobs() == 1 else len(native._SOURCES)  # one command, or each source's compile
+    assert calls.read_text().split() == ["run"] * runs
     # a library left half-built by a process that exited mid-compile is removed once stale
     stale, fresh = cache / "tmpabc123.so", cache / "tmpdef456.so"
     stale.write_bytes(b"partial")
