@@ -119,6 +119,8 @@ class IndexConfig:
     # modified files: ~6 bytes a token in memory, ~60 while it is built
     max_draft_tokens: int = field(default=32_000_000, metadata=_range(1000, None))
     debounce_ms: int = field(default=50, metadata=_range(0, 10000))  # quiet time before a reconcile
+    # background indexing waits while a completion is computed, at most this long at a time (0: never)
+    yield_ms: int = field(default=500, metadata=_range(0, 60000))
     common: bool = True  # the common-code datastore (built once per tokenizer, memory-mapped)
     snippet_budget_ms: int = field(default=40, metadata=_range(1, 5000))
     # the client's other workspace folders (multi-root workspaces) are indexed too

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 EXCLUDED = {"test", "tests", "idlelib", "turtledemo", "lib2to3", "encodings", "pydoc_data",
             "ensurepip", "site-packages", "dist-packages", "__pycache__", "config-3"}
 MAX_FILE_BYTES = 200_000
+PIECE = 64  # files tokenized between two pauses (build_common's pause)
 
 
 def cache_root() -> Path:
@@ -50,8 +51,9 @@ def stdlib_sources() -> list[Path]:
 
 
 def build_common(tokenizer: TokenizerInfo, folder: Path, sources: list[Path] | None = None,
-                 licence: str = "PSF-2.0 (Python standard library)") -> dict:
-    """Tokenize ``sources`` (default: the standard library) into a saved segment."""
+                 licence: str = "PSF-2.0 (Python standard library)", pause=None) -> dict:
+    """Tokenize ``sources`` (default: the standard library) into a saved segment.  ``pause``
+    (or None): called between pieces of the tokenizing (the index yields to completions there)."""
     t0 = time.perf_counter()
     files = sources if sources is not None else stdlib_sources()
     texts, names = [], []
@@ -61,7 +63,13 @@ def build_common(tokenizer: TokenizerInfo, folder: Path, sources: list[Path] | N
             names.append(str(path))
         except SourceError:
             continue
-    ids = tokenizer.encode_batch(texts)
+    ids = []
+    for i in range(0, len(texts), PIECE):  # the same ids: each text is encoded on its own
+        if pause is not None and i:
+            pause()
+        ids.extend(tokenizer.encode_batch(texts[i:i + PIECE]))
+    if pause is not None:
+        pause()
     seg = Segment.build(list(zip(names, ids)), width_for(tokenizer.vocab_size))
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -25,6 +25,7 @@ import sqlite3
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_DRAFT_TOKENS = 32_000_000  # the draft index's start-up budget (see _draft_files)
 
 BATCH_FILES = 256  # files per transaction
+YIELD_FILES = 32  # files between two looks at whether completions are computing (RepoIndex._yield)
 MINIFIED_LINE = 1000  # a file whose average line is longer than this is generated/minified
 
 
@@ -76,6 +78,8 @@ class IndexStats:
     tokens_seconds: float = 0.0
     errors: int = 0
     rebuilds: int = 0  # the database found damaged while running and built anew
+    yields: int = 0  # times the work waited for the engine's completions (``RepoIndex.foreground``)
+    yield_ms: float = 0.0  # time it waited
     skipped: dict = field(default_factory=dict)  # reason -> count
 
 
@@ -89,7 +93,8 @@ class RepoIndex:
                  watch: bool = True, debounce_ms: int = 50, max_delay_ms: int = 1000,
                  common: Segment | None = None, want_common: bool = False, check_s: float = 5.0,
                  poll_s: float = 30.0, max_files: int = DEFAULT_MAX_FILES,
-                 max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS):
+                 max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+                 foreground: Callable[[], bool] | None = None, yield_ms: int = 500):
         self.root = Path(root).resolve()
         self.index_dir = Path(index_dir) if index_dir else default_index_dir(self.root)
         self.db_path = self.index_dir / "index.sqlite"
@@ -129,6 +134,13 @@ class RepoIndex:
         self._deferred: dict[str, tuple] = {}
         self._overlay_due: dict[str, float] = {}
         self.want_common = want_common  # load (or build once) the common datastore for the tokenizer
+        # Background work yields to completions: while ``foreground()`` says the engine computes
+        # one, the work waits before its next few files (at most ``yield_ms`` at a time, so that
+        # it still moves while requests follow each other).  The indexer runs at a lower nice,
+        # but on two cores it still shares one with the engine's threads, which wait for each
+        # other at every barrier of a pass (docs/decisions.md, nineteenth session).
+        self.foreground = foreground
+        self.yield_ms = yield_ms
         self.stats_ = IndexStats()
         self.store: Store | None = None
         self.drafts: DraftIndex | None = None
@@ -374,6 +386,7 @@ class RepoIndex:
         return batch
 
     def _apply(self, batch: list) -> None:
+        self._yield()
         paths: set[str] = set()
         rescan = False
         overlays = {value[0]: value for kind, value in batch if kind == "overlay"}
@@ -491,7 +504,9 @@ class RepoIndex:
     def _write(self, entries: list[Entry], removed: list[str], known: dict) -> None:
         """Read, hash, tokenize and store a batch of files in one transaction."""
         upserts, texts = [], []
-        for e in entries:
+        for n, e in enumerate(entries):
+            if n % YIELD_FILES == 0:
+                self._yield()
             try:
                 data = (self.root / e.path).read_bytes()
             except OSError as exc:
@@ -526,9 +541,7 @@ class RepoIndex:
         full = [u for u in upserts if not u.get("touch_only")]
         tok = self.tokenizer
         if tok is not None and full:
-            t0 = time.perf_counter()
-            ids = tok.encode_batch(texts)
-            self.stats_.tokens_seconds += time.perf_counter() - t0
+            ids = self._encode(texts)
             for u, arr in zip(full, ids):
                 u["ids"] = ids_to_blob(arr)
         self.store.write_batch(upserts, removed, tok.id if tok else None)
@@ -540,6 +553,36 @@ class RepoIndex:
             gone = [p for p in removed if p not in self.overlays]
             if docs or gone:
                 self.drafts.update_many(docs, gone)
+
+    def _yield(self) -> None:
+        """Wait while the engine computes a completion (``foreground``), at most ``yield_ms``."""
+        busy = self.foreground
+        if busy is None or self.yield_ms <= 0 or self._stop.is_set():
+            return
+        try:
+            if not busy():
+                return
+            t0 = time.monotonic()
+            deadline = t0 + self.yield_ms / 1000
+            while not self._stop.wait(0.005) and time.monotonic() < deadline and busy():
+                pass
+        except Exception:  # noqa: BLE001 - a broken probe must not stop the index
+            log.debug("the foreground probe failed", exc_info=True)
+            return
+        self.stats_.yields += 1
+        self.stats_.yield_ms += (time.monotonic() - t0) * 1000
+
+    def _encode(self, texts: list[str]) -> list:
+        """``encode_batch`` in pieces of YIELD_FILES texts, yielding to completions between them
+        (the same ids: each text is encoded on its own)."""
+        tok, out = self.tokenizer, []
+        t0 = time.perf_counter()
+        for i in range(0, len(texts), YIELD_FILES):
+            if i:
+                self._yield()
+            out.extend(tok.encode_batch(texts[i:i + YIELD_FILES]))
+        self.stats_.tokens_seconds += time.perf_counter() - t0
+        return out
 
     def _skip(self, path: str, reason: str, exc) -> None:
         self.stats_.files_skipped += 1
@@ -554,7 +597,9 @@ class RepoIndex:
         for i in range(0, len(missing), BATCH_FILES):
             part = missing[i:i + BATCH_FILES]
             rows, texts = [], []
-            for path, h in part:
+            for n, (path, h) in enumerate(part):
+                if n % YIELD_FILES == 0:
+                    self._yield()
                 try:
                     data = (self.root / path).read_bytes()
                     if _hash(data) != h:
@@ -564,9 +609,7 @@ class RepoIndex:
                     rows.append((path, h))
                 except (OSError, SourceError):
                     self.notify(path)
-            t1 = time.perf_counter()
-            ids = tok.encode_batch(texts)
-            self.stats_.tokens_seconds += time.perf_counter() - t1
+            ids = self._encode(texts)
             self.store.write_tokens([(p, tok.id, h, ids_to_blob(a)) for (p, h), a in zip(rows, ids)])
         dropped = self.store.drop_other_tokenizers(tok.id)
         if dropped:
@@ -575,6 +618,7 @@ class RepoIndex:
         drafts = self._load_saved_drafts(hashes)
         self.drafts_source = "mapped" if drafts is not None else "built"
         if drafts is None:
+            self._yield()
             docs = [(p, blob_to_ids(b)) for p, b in self.store.all_tokens(tok.id) if p in hashes]
             drafts = DraftIndex.from_documents(docs, width_for(tok.vocab_size))
             self._save_drafts(drafts, hashes)
@@ -660,7 +704,7 @@ class RepoIndex:
         seg = load_common(self.tokenizer)
         if seg is None:
             try:
-                build_common(self.tokenizer, common_dir(self.tokenizer))
+                build_common(self.tokenizer, common_dir(self.tokenizer), pause=self._yield)
             except OSError as exc:
                 log.warning("cannot build the common datastore: %s", exc)
                 return
@@ -965,7 +1009,7 @@ class RepoIndex:
                "events": s.events, "client_events": s.client_events,
                "last_reconcile_ms": round(s.last_reconcile_ms, 2), "scan_seconds": round(s.scan_seconds, 3),
                "tokens_seconds": round(s.tokens_seconds, 3), "errors": s.errors, "rebuilds": s.rebuilds,
-               "capped": self.capped,
+               "yields": s.yields, "yield_ms": round(s.yield_ms, 1), "capped": self.capped,
                "draft_tokens_left_out": self.draft_tokens_left_out,
                "rebuilt_from": self.store.rebuilt if self.store else None}
         if self.drafts is not None:

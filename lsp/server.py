@@ -317,7 +317,8 @@ class CodecompleteServer(LanguageServer):
             index_dir = index_dir / "folders" / default_index_dir(root).name
         index = RepoIndex(root, index_dir, max_file_bytes=cfg.max_file_bytes, watch=cfg.watch,
                           debounce_ms=cfg.debounce_ms, want_common=cfg.common and primary,
-                          max_files=cfg.max_files, max_draft_tokens=cfg.max_draft_tokens).start()
+                          max_files=cfg.max_files, max_draft_tokens=cfg.max_draft_tokens,
+                          foreground=getattr(self.engine, "busy", None), yield_ms=cfg.yield_ms).start()
         log.info("indexing %s into %s", root, index.db_path)
         return index
 
@@ -536,6 +537,8 @@ class CodecompleteServer(LanguageServer):
         self.shown.clear()  # completions made under the old settings
         self.cache.clear()
         self.cache.resize(cfg.completion.cache_entries)
+        for index in self.folders.all():  # the rest of [index] applies to indexes made from now on
+            index.yield_ms = cfg.index.yield_ms
         for w in warnings:
             log.warning("%s", w)
             self.window_log_message(types.LogMessageParams(types.MessageType.Warning, w))

@@ -619,11 +619,20 @@ class Engine:
         self.governor: ThreadGovernor | None = None  # CPU passes' thread count under contention
         self._default_threads = 0
         self._stats = engine_counters()
+        # set while the engine works (loading, a request or warm-up in flight), clear while it
+        # waits for one: background work (the repository index) yields to it (``busy``)
+        self._working = threading.Event()
+        self._working.set()
 
     # -- public API (any thread) -------------------------------------------------------
     def start(self) -> "Engine":
         self._thread.start()
         return self
+
+    def busy(self) -> bool:
+        """Whether the engine is working now (loading, or a request or warm-up in flight) rather
+        than waiting for one."""
+        return self._working.is_set()
 
     def submit(self, request: CompletionRequest, fut: "Future[Completion] | None" = None) -> "Future[Completion]":
         """Queue ``request``; its future (``fut``, or a new one) resolves to a ``Completion``."""
@@ -687,13 +696,22 @@ class Engine:
             # Admit: block when idle; otherwise take what has arrived, up to max_batch.
             while reload_to is None and len(live) < max(1, self.settings.max_batch):
                 try:
-                    job = self._jobs.get(block=not live)
+                    if live:
+                        job = self._jobs.get(block=False)
+                    else:
+                        try:
+                            job = self._jobs.get(block=False)
+                        except queue.Empty:
+                            self._working.clear()  # idle until the next job
+                            job = self._jobs.get()
+                            self._working.set()
                 except queue.Empty:
                     break
                 if job is None:
                     for lv in live:
                         lv.request.cancel.set()
                     self._drain(live)
+                    self._working.clear()  # closed: nothing more to yield to
                     if self._default_threads and torch.get_num_threads() != self._default_threads:
                         # torch keeps the last count for threads started later (other engines in
                         # this process): leave the count this engine found

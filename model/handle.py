@@ -131,6 +131,14 @@ class EngineHandle:
         if engine is not None:
             engine.set_retriever(retriever)
 
+    def busy(self) -> bool:
+        """Whether the engine is working (``Engine.busy``); while torch is still being imported,
+        it is: the model's load comes next, and the first completion waits for it."""
+        engine = self._engine
+        if engine is None:
+            return self.start_error is None and not self._closed
+        return engine.busy()
+
     def stats(self) -> dict:
         engine = self._engine
         if engine is not None:

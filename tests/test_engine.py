@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -333,6 +334,47 @@ def test_engine_thread_serves_and_counts(tiny_model):
         assert engine.complete(cancelled).stop_reason == "cancelled"
     finally:
         engine.close()
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_the_engine_says_when_it_works_and_when_it_waits(tiny_model):
+    """``Engine.busy`` (what background indexing yields to): set while the model loads and while a
+    request is in flight, clear once the engine waits for the next one; the handle says busy
+    while torch is imported, and not once the engine could not start."""
+    from codecomplete.model.handle import EngineHandle
+
+    engine = Engine(EngineSettings(model=str(tiny_model), dtype="float32"))
+    assert engine.busy()  # the load comes first
+    engine.start()
+    try:
+        seen = []
+        fut = engine.submit(CompletionRequest("import os\nimport ", "", max_tokens=4))
+        fut.add_done_callback(lambda f: seen.append(engine.busy()))  # runs on the engine thread, in flight
+        assert fut.result(timeout=120).error is None
+        assert seen == [True]
+        assert wait_until(lambda: not engine.busy(), 10)
+    finally:
+        engine.close()
+    handle = EngineHandle(EngineSettings(model=str(tiny_model), dtype="float32"))
+    assert handle.busy()  # not started: torch and the load are still ahead
+    handle.start()
+    try:
+        assert handle.complete(CompletionRequest("import os\nimport ", "", max_tokens=4)).error is None
+        assert wait_until(lambda: not handle.busy(), 10)
+    finally:
+        handle.close()
+    assert not handle.busy() and not engine.busy()  # closed
+    broken = EngineHandle(EngineSettings(model=str(tiny_model)))
+    broken.start_error = "the engine cannot start: ImportError: torch"
+    assert not broken.busy()
 
 
 def test_a_huge_line_is_windowed_like_a_long_file(tiny_model):

@@ -946,3 +946,78 @@ def test_the_index_folder_inside_the_repository_is_not_watched_back(tmp_path: Pa
         assert 1 <= idx.stats()["events"] <= 6
     finally:
         idx.close()
+
+
+def test_indexing_waits_while_completions_are_computed_and_still_finishes(tmp_path: Path, tokenizer: TokenizerInfo):
+    """``RepoIndex.foreground``: while it says the engine computes a completion, the index's work
+    waits before its next few files, at most ``yield_ms`` at a time; the index it makes is the one
+    made without waiting."""
+    root = tmp_path / "repo"
+    for i in range(100):
+        write(root, f"m{i}.py", f"def handler_{i}(request):\n    return request.get('key_{i}')\n")
+    plain = RepoIndex(root, tmp_path / "plain", tokenizer=tokenizer, watch=False)
+    plain.build()
+    busy = threading.Event()
+    busy.set()
+    idx = RepoIndex(root, tmp_path / "idx", tokenizer=tokenizer, watch=False, foreground=busy.is_set,
+                    yield_ms=60_000).start()
+    try:
+        time.sleep(1.0)
+        assert not idx.ready.is_set() and idx.stats()["files_indexed"] == 0  # waiting for the engine
+        busy.clear()
+        assert idx.tokens_ready.wait(30)
+        s = idx.stats()
+        assert s["files_indexed"] == 100 and s["yields"] >= 1 and s["yield_ms"] >= 900
+        tokens = dict(idx.store.all_tokens(tokenizer.id))
+        assert len(tokens) == 100 and tokens == dict(plain.store.all_tokens(tokenizer.id))
+        assert drafts_after(idx, tokenizer, "def handler_7(request):\n    return request.get('key_7')\n",
+                            "def handler_7(request):\n    return request")
+    finally:
+        idx.close()
+        plain.close()
+    # an engine that never rests: the work still moves, waiting at most yield_ms before each piece
+    slow = RepoIndex(root, tmp_path / "slow", tokenizer=tokenizer, watch=False, foreground=lambda: True,
+                     yield_ms=20)
+    t0 = time.monotonic()
+    s = slow.build()
+    assert s["files_indexed"] == 100 and s["yields"] >= 4 and time.monotonic() - t0 < 20
+    slow.close()
+    # a probe that fails is ignored, and without one (the index command) nothing waits
+    broken = RepoIndex(root, tmp_path / "broken", tokenizer=tokenizer, watch=False, foreground=lambda: 1 / 0)
+    assert broken.build()["files_indexed"] == 100 and broken.stats()["yields"] == 0
+    broken.close()
+    assert plain.stats()["yields"] == 0
+
+
+def test_the_daemons_indexes_yield_to_its_engine(tmp_path: Path):
+    """The server gives each index it makes the engine's ``busy`` (the repository's and other
+    workspace folders'), and ``index.yield_ms`` from the editor reaches the indexes already made."""
+    from codecomplete.daemon.config import Config
+    from codecomplete.lsp.server import create_server
+
+    class Engine:
+        settings = []
+
+        def busy(self) -> bool:
+            return False
+
+        def configure(self, settings) -> None:
+            self.settings.append(settings)
+
+    root = tmp_path / "repo"
+    write(root, "a.py", "import os\n")
+    write(tmp_path / "other", "b.py", "import sys\n")
+    cfg = Config()
+    cfg.index_dir = str(tmp_path / "idx")
+    engine = Engine()
+    server = create_server(engine, cfg, root)
+    try:
+        made = [server.folders.add(root), server.folders.add(tmp_path / "other")]
+        assert all(i is not None for i in made) and len(server.folders.all()) == 2
+        for index in made:
+            assert index.foreground == engine.busy and index.yield_ms == 500
+        server.apply_settings({"index": {"yieldMs": 0}}, "test")
+        assert [i.yield_ms for i in made] == [0, 0]
+    finally:
+        for index in server.folders.all():
+            index.close()
