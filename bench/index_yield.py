@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -123,9 +122,11 @@ def main() -> int:
              "|---|---|---|---|---|---|---|---|"]
     for mode in (0, 500):
         lines.append(f"| {mode} | {med(mode, 'first_completion_s'):.2f} | {med_later(mode):.0f} | "
-                     f"{med(mode, 'prefill_ms'):.0f} | {med(mode, 'decode_ms'):.0f} | {med(mode, 'index_ready_s'):.1f} | "
+                     f"{med(mode, 'prefill_ms'):.0f} | {med(mode, 'decode_ms'):.0f} | "
+                     f"{med(mode, 'index_ready_s'):.1f} | "
                      f"{med(mode, 'yields'):.0f} | {med(mode, 'yield_wait_ms'):.0f} |")
-    lines += ["", "Per run:", "", "| yield_ms | first s | later ms | prefill ms | decode ms | index s |", "|---|---|---|---|---|---|"]
+    lines += ["", "Per run:", "", "| yield_ms | first s | later ms | prefill ms | decode ms | index s |",
+              "|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['yield_ms']} | {r['first_completion_s']} | {', '.join(str(x) for x in r['later_ms'])} | "
                      f"{r['prefill_ms']} | {r['decode_ms']} | {r['index_ready_s']} |")
