@@ -120,7 +120,7 @@ def _compile(cc: str, target: str) -> str:
     if jobs == 1:  # one command: no link step of its own (0.2-0.4 s of a first start on two cores)
         proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", target, "-lm"], capture_output=True, text=True,
                               timeout=120)
-        return proc.stderr.strip() if proc.returncode != 0 else ""
+        return _failure(proc.returncode, proc.stderr)
     compile_flags = [f for f in FLAGS if f != "-shared"]
     with tempfile.TemporaryDirectory(prefix="codecomplete-build-") as work:
         objects = [os.path.join(work, f"{src.stem}.o") for src in SOURCES]
@@ -135,7 +135,7 @@ def _compile(cc: str, target: str) -> str:
                 _, err = proc.communicate()
                 err = f"{err}\ntimed out after 120 s"
             if proc.returncode != 0:
-                errors.append(err.strip())
+                errors.append(_failure(proc.returncode, err))
 
         # the longest first, so that the others run beside it
         order = sorted(range(len(SOURCES)), key=lambda i: -SOURCES[i].stat().st_size)
@@ -150,7 +150,14 @@ def _compile(cc: str, target: str) -> str:
             return "\n".join(errors)
         proc = subprocess.run([cc, *FLAGS, *objects, "-o", target, "-lm"], capture_output=True, text=True,
                               timeout=120)
-        return proc.stderr.strip() if proc.returncode != 0 else ""
+        return _failure(proc.returncode, proc.stderr)
+
+
+def _failure(returncode: int, stderr: str) -> str:
+    """A compiler run's error ("" where it succeeded; never "" where it did not)."""
+    if returncode == 0:
+        return ""
+    return stderr.strip() or f"exit status {returncode}"
 
 
 def _jobs() -> int:

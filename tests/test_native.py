@@ -234,6 +234,13 @@ def test_the_sources_compiled_at_once_make_the_library_one_command_makes(tmp_pat
     runs = log.read_text().splitlines()
     assert len(runs) == len(native_build.SOURCES) and all(" -c " in r for r in runs)
     assert not (tmp_path / "failed.so").exists()
+    silent = tmp_path / "silent-cc"  # a compiler that fails without a word fails the build all the same
+    silent.write_text("#!/bin/sh\nexit 3\n")
+    silent.chmod(0o755)
+    for jobs in (1, len(native_build.SOURCES)):
+        monkeypatch.setattr(native_build, "_jobs", lambda jobs=jobs: jobs)
+        got = native_build._compile(str(silent), str(tmp_path / "silent.so"))
+        assert set(got.split("\n")) == {"exit status 3"}
 
 
 def test_a_source_that_fails_to_compile_is_reported_and_leaves_nothing(tmp_path):
