@@ -131,6 +131,20 @@ def test_next_key_shows_an_alternative_and_accepts_it(builtin, tmp_path, tiny_mo
 
 
 @pytest.mark.parametrize("builtin", [True, False], ids=["builtin", "plugin-ghost"])
+def test_the_plugin_tells_the_daemon_where_the_cursor_rests_at_attach(builtin, tmp_path, tiny_model, model_cache):
+    """Guards the attach-time codecomplete/didMoveCursor: a file opened on a line, the cursor left
+    there while the daemon starts; without any motion the daemon learns where it rests and
+    prefills the prompt there, so the first completion there does not wait for a cold prompt."""
+    text = FILE + "".join(f"\ndef f{i}(x):\n    return x + {i}\n" for i in range(20))
+    result, log = run_nvim(tmp_path, tiny_model, builtin, "attach_warms.lua", text, CC_ROW="30")
+    assert result["attached"] and result["row"] == 30, log
+    stats = result["stats"]
+    assert stats["counters"]["warmups"] >= 1 and stats["engine"]["warm_prefills"] >= 1, log
+    assert stats["counters"]["requests"] == 0 and stats["engine"]["completions"] == 0
+    assert stats["engine"]["warm_tokens"] > 100, log
+
+
+@pytest.mark.parametrize("builtin", [True, False], ids=["builtin", "plugin-ghost"])
 def test_the_plugin_tells_the_daemon_where_the_cursor_rests(builtin, tmp_path, tiny_model, model_cache):
     """Guards the plugin's codecomplete/didMoveCursor: moving the cursor in normal mode (no
     edit, no request) makes the daemon prefill the prompt there (a warm-up)."""

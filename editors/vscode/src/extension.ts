@@ -131,10 +131,33 @@ async function start(context: vscode.ExtensionContext): Promise<void> {
   const editor = vscode.window.activeTextEditor;
   if (editor && lastEdit && lastEdit.uri === editor.document.uri.toString() && Date.now() - lastEdit.at < 5000) {
     void vscode.commands.executeCommand('editor.action.inlineSuggest.trigger');
+  } else {
+    // where the cursor rests as the daemon starts (no selection change tells it until the user
+    // moves): the daemon prefills the prompt there while the model loads
+    lastCursor = {};
+    tellCursor(editor);
   }
   await pollStatus();
   poller = setInterval(() => void pollStatus(), 2000);
   context.subscriptions.push({ dispose: () => poller && clearInterval(poller) });
+}
+
+/** codecomplete/didMoveCursor for `editor`'s cursor, where it is the active editor and the
+ * cursor is on another line than last said. */
+function tellCursor(editor: vscode.TextEditor | undefined): void {
+  if (!editor || !client || !client.isRunning() || vscode.window.activeTextEditor !== editor) {
+    return;
+  }
+  const pos = editor.selection.active;
+  const uri = client.code2ProtocolConverter.asUri(editor.document.uri);
+  if (uri === lastCursor.uri && pos.line === lastCursor.line) {
+    return;
+  }
+  lastCursor = { uri, line: pos.line };
+  void client.sendNotification('codecomplete/didMoveCursor', {
+    textDocument: { uri },
+    position: { line: pos.line, character: pos.character },
+  });
 }
 
 async function stop(): Promise<void> {
@@ -178,22 +201,7 @@ export async function activate(context: vscode.ExtensionContext): Promise<void> 
       if (cursorTimer) {
         clearTimeout(cursorTimer);
       }
-      cursorTimer = setTimeout(() => {
-        const editor = e.textEditor;
-        if (!client || !client.isRunning() || vscode.window.activeTextEditor !== editor) {
-          return;
-        }
-        const pos = editor.selection.active;
-        const uri = client.code2ProtocolConverter.asUri(editor.document.uri);
-        if (uri === lastCursor.uri && pos.line === lastCursor.line) {
-          return;
-        }
-        lastCursor = { uri, line: pos.line };
-        void client.sendNotification('codecomplete/didMoveCursor', {
-          textDocument: { uri },
-          position: { line: pos.line, character: pos.character },
-        });
-      }, 150);
+      cursorTimer = setTimeout(() => tellCursor(e.textEditor), 150);
     }),
     vscode.workspace.onDidChangeTextDocument((e) => {
       if (e.contentChanges.length && e.document === vscode.window.activeTextEditor?.document) {

@@ -73,21 +73,26 @@ local function track_cursor(client, bufnr)
     last = params.position.line
     require('codecomplete.ghost').call(client, 'notify', 'codecomplete/didMoveCursor', params)
   end
+  local function send_once_still()
+    seq = seq + 1
+    local mine = seq
+    vim.defer_fn(function()
+      if mine == seq then
+        send()
+      end
+    end, wait)
+  end
   local group = vim.api.nvim_create_augroup('codecomplete_cursor_' .. bufnr, { clear = true })
   vim.api.nvim_create_autocmd({ 'CursorMoved', 'BufEnter' }, {
     group = group,
     buffer = bufnr,
-    callback = function()
-      seq = seq + 1
-      local mine = seq
-      vim.defer_fn(function()
-        if mine == seq then
-          send()
-        end
-      end, wait)
-    end,
+    callback = send_once_still,
   })
   vim.api.nvim_create_autocmd('InsertEnter', { group = group, buffer = bufnr, callback = send })
+  -- and where it rests as the daemon attaches (the file was opened there, before the daemon
+  -- answered): no motion tells it until the user moves, and the first completion there would
+  -- wait for a cold prompt
+  send_once_still()
 end
 
 local function on_attach(client, bufnr)
