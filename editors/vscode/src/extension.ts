@@ -203,6 +203,13 @@ export async function activate(context: vscode.ExtensionContext): Promise<void> 
       }
       cursorTimer = setTimeout(() => tellCursor(e.textEditor), 150);
     }),
+    // another editor (a tab switched to, a file opened): no selection change fires for it
+    vscode.window.onDidChangeActiveTextEditor((editor) => {
+      if (cursorTimer) {
+        clearTimeout(cursorTimer);
+      }
+      cursorTimer = setTimeout(() => tellCursor(editor), 150);
+    }),
     vscode.workspace.onDidChangeTextDocument((e) => {
       if (e.contentChanges.length && e.document === vscode.window.activeTextEditor?.document) {
         lastEdit = { uri: e.document.uri.toString(), at: Date.now() };
