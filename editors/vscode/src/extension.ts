@@ -133,9 +133,11 @@ async function start(context: vscode.ExtensionContext): Promise<void> {
     void vscode.commands.executeCommand('editor.action.inlineSuggest.trigger');
   } else {
     // where the cursor rests as the daemon starts (no selection change tells it until the user
-    // moves): the daemon prefills the prompt there while the model loads
+    // moves): the daemon prefills the prompt there while the model loads; after the same pause
+    // as a motion's, so the client's didOpen for that document has gone first (the daemon
+    // ignores a cursor in a document it does not have)
     lastCursor = {};
-    tellCursor(editor);
+    cursorTimer = setTimeout(() => tellCursor(editor), 150);
   }
   await pollStatus();
   poller = setInterval(() => void pollStatus(), 2000);
