@@ -187,6 +187,7 @@ class CodecompleteServer(LanguageServer):
         self._warm_line: dict[str, int] = {}  # uri -> the line of its last request or warm-up
         self._warm_timer: asyncio.TimerHandle | None = None
         self._warming: CompletionRequest | None = None  # the warm-up the engine may be running
+        self._cursor_before_open: tuple[str, int, int] | None = None  # didMoveCursor ahead of didOpen
 
     # -- stdio: messages read in chunks ------------------------------------------------
     def _start_io_async(self, stdin=None, stdout=None) -> None:
@@ -779,9 +780,20 @@ class CodecompleteServer(LanguageServer):
             return
         if not isinstance(uri, str):
             return
+        if line < 0 or character < 0:
+            return
         doc = self.workspace.text_documents.get(unquote(uri))
-        if doc is not None and line >= 0 and character >= 0:
-            self._schedule_warm(uri, doc.version, line, character)
+        if doc is None:  # its didOpen may still be on the way: the warm-up waits for it
+            self._cursor_before_open = (unquote(uri), line, character)
+            return
+        self._schedule_warm(uri, doc.version, line, character)
+
+    def opened(self, uri: str) -> None:
+        """A document opened: the warm-up a cursor asked for before it was open (the last such)."""
+        pending, self._cursor_before_open = self._cursor_before_open, None
+        doc = self.workspace.text_documents.get(unquote(uri))
+        if pending is not None and doc is not None and pending[0] == unquote(uri):
+            self._schedule_warm(uri, doc.version, pending[1], pending[2])
 
     def _schedule_warm(self, uri: str, version: int | None, line: int, character: int) -> None:
         """A warm-up at (line, character) ``completion.warm_ms`` from now, unless warm-ups are
@@ -1243,6 +1255,7 @@ def create_server(engine, config: Config, repo: Path | None = None,
         log.debug("open %s (%s)", params.text_document.uri,
                   params.text_document.language_id or language_of(params.text_document.uri))
         ls.overlay(params.text_document.uri)
+        ls.opened(params.text_document.uri)
 
     @server.feature(types.TEXT_DOCUMENT_DID_CHANGE)
     def did_change(ls: CodecompleteServer, params: types.DidChangeTextDocumentParams):

@@ -924,6 +924,22 @@ async def test_an_edit_on_a_new_line_warms_the_prompt_before_the_request(repo, t
         await complete(c, uri, 9, 4)
         record = (await stats(c, recent=True))["recent"][-1]
         assert record["status"] == "answered" and record["reused_tokens"] >= record["prompt_tokens"] - 3
+        # a cursor said before its document's didOpen (a client's start): the warm-up waits for the open
+        other = (repo / "later.py").as_uri()
+        c.protocol.notify("codecomplete/didMoveCursor", {"textDocument": {"uri": other},
+                                                         "position": {"line": 20, "character": 4}})
+        await asyncio.sleep(0.3)
+        assert (await stats(c))["engine"]["warm_prefills"] == 2  # nothing to warm yet
+        open_doc(c, other, body)
+        for _ in range(1200):
+            s = await stats(c)
+            if s["engine"]["warm_prefills"] == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert s["counters"]["warmups"] == 3 and s["engine"]["warm_prefills"] == 3
+        await complete(c, other, 20, 4)
+        record = (await stats(c, recent=True))["recent"][-1]
+        assert record["status"] == "answered" and record["reused_tokens"] >= record["prompt_tokens"] - 3
     finally:
         await c.shutdown_session()
         await c.stop()
