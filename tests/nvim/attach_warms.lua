@@ -10,10 +10,7 @@ cc.setup({ cmd = vim.json.decode(env.CC_CMD), builtin = env.CC_BUILTIN == '1', c
 local helpers = dofile(debug.getinfo(1, 'S').source:sub(2):match('(.*/)') .. 'helpers.lua')
 
 local function stats()
-  local client = cc.client(0)
-  local res = vim.fn.has('nvim-0.11') == 1 and client:request_sync('codecomplete/stats', {}, 5000, 0)
-    or client.request_sync('codecomplete/stats', {}, 5000, 0)
-  return res and res.result
+  return helpers.stats(cc.client(0))
 end
 
 local result = {}

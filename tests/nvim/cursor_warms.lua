@@ -12,10 +12,7 @@ local function poll(cond, done, timeout)
 end
 
 local function stats()
-  local client = cc.client(0)
-  local res = vim.fn.has('nvim-0.11') == 1 and client:request_sync('codecomplete/stats', {}, 5000, 0)
-    or client.request_sync('codecomplete/stats', {}, 5000, 0)
-  return res and res.result
+  return helpers.stats(cc.client(0))
 end
 
 local result = {}

@@ -15,6 +15,13 @@ function M.poll(cond, done, timeout, every)
   end))
 end
 
+--- The daemon's codecomplete/stats through `client` (nil if it did not answer in 5 s).
+function M.stats(client)
+  local res = vim.fn.has('nvim-0.11') == 1 and client:request_sync('codecomplete/stats', {}, 5000, 0)
+    or client.request_sync('codecomplete/stats', {}, 5000, 0)
+  return res and res.result
+end
+
 --- Write `result` (with the buffer's lines) to $CC_OUT as JSON, and quit.
 function M.finish(result)
   result.lines = vim.api.nvim_buf_get_lines(0, 0, -1, false)

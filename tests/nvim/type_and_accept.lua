@@ -37,9 +37,7 @@ local result = { builtin = cc.use_builtin() }
 local function finish()
   local client = cc.client(0)
   if client then
-    local res = vim.fn.has('nvim-0.11') == 1 and client:request_sync('codecomplete/stats', {}, 5000, 0)
-      or client.request_sync('codecomplete/stats', {}, 5000, 0)
-    result.stats = res and res.result
+    result.stats = helpers.stats(client)
     -- what a completion-menu plugin (nvim-cmp) attached to the same client would get
     local params = vim.lsp.util.make_position_params(0, client.offset_encoding)
     local menu = vim.fn.has('nvim-0.11') == 1 and client:request_sync('textDocument/completion', params, 5000, 0)
