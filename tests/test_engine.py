@@ -355,9 +355,11 @@ def test_the_engine_says_when_it_works_and_when_it_waits(tiny_model):
     assert engine.busy()  # the load comes first
     engine.start()
     try:
-        seen = []
-        fut = engine.submit(CompletionRequest("import os\nimport ", "", max_tokens=4))
+        from concurrent.futures import Future
+
+        seen, fut = [], Future()
         fut.add_done_callback(lambda f: seen.append(engine.busy()))  # runs on the engine thread, in flight
+        engine.submit(CompletionRequest("import os\nimport ", "", max_tokens=4), fut)
         assert fut.result(timeout=120).error is None
         assert seen == [True]
         assert wait_until(lambda: not engine.busy(), 10)
