@@ -696,17 +696,13 @@ class Engine:
             # Admit: block when idle; otherwise take what has arrived, up to max_batch.
             while reload_to is None and len(live) < max(1, self.settings.max_batch):
                 try:
-                    if live:
-                        job = self._jobs.get(block=False)
-                    else:
-                        try:
-                            job = self._jobs.get(block=False)
-                        except queue.Empty:
-                            self._working.clear()  # idle until the next job
-                            job = self._jobs.get()
-                            self._working.set()
+                    job = self._jobs.get(block=False)
                 except queue.Empty:
-                    break
+                    if live:
+                        break
+                    self._working.clear()  # idle until the next job
+                    job = self._jobs.get()
+                    self._working.set()
                 if job is None:
                     for lv in live:
                         lv.request.cancel.set()
