@@ -877,6 +877,16 @@ async def test_a_request_for_text_seen_before_is_answered_from_the_cache(repo, t
         await client.stop()
 
 
+async def stats_when(c, ready, tries: int = 1200) -> dict:
+    """The daemon's stats once ``ready(stats)`` holds (polled every 50 ms), or the last ones."""
+    for _ in range(tries):
+        s = await stats(c)
+        if ready(s):
+            break
+        await asyncio.sleep(0.05)
+    return s
+
+
 async def test_an_edit_on_a_new_line_warms_the_prompt_before_the_request(repo, tiny_model, model_cache,
                                                                           reference_engine):
     """Guards warm-ups (completion.warmMs): an edit on a line with no request yet prefills the
@@ -884,21 +894,14 @@ async def test_an_edit_on_a_new_line_warms_the_prompt_before_the_request(repo, t
     gets the completion a fresh session gets; more typing on that line warms nothing more."""
     c = await start_daemon(repo, tiny_model, init_options={"codecomplete": {"completion": {"warmMs": 1}}})
     try:
-        for _ in range(1200):  # the model loads first (a warm-up would wait for it)
-            if (await stats(c))["engine"]["ready"]:
-                break
-            await asyncio.sleep(0.05)
+        await stats_when(c, lambda s: s["engine"]["ready"])  # the model loads first (a warm-up would wait for it)
         uri = (repo / "warm.py").as_uri()
         body = "import os\n\n" + "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(30))
         open_doc(c, uri, body)
         lines = body.split("\n")
         end = len(lines) - 1  # the empty last line
         insert(c, uri, 2, end, 0, "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self")
-        for _ in range(1200):  # the warm-up runs in the background
-            s = await stats(c)
-            if s["engine"]["warm_prefills"]:
-                break
-            await asyncio.sleep(0.05)
+        s = await stats_when(c, lambda s: s["engine"]["warm_prefills"])  # the warm-up runs in the background
         assert s["counters"]["warmups"] == 1 and s["engine"]["warm_prefills"] == 1
         warmed = s["engine"]["warm_tokens"]
         assert warmed > 100  # the whole prompt: the document was never prefilled
@@ -915,11 +918,7 @@ async def test_an_edit_on_a_new_line_warms_the_prompt_before_the_request(repo, t
         c.protocol.notify("codecomplete/didMoveCursor", {"textDocument": {"uri": uri}})  # malformed: ignored
         c.protocol.notify("codecomplete/didMoveCursor", {"textDocument": {"uri": uri},
                                                          "position": {"line": 9, "character": 4}})
-        for _ in range(1200):
-            s = await stats(c)
-            if s["engine"]["warm_prefills"] == 2:
-                break
-            await asyncio.sleep(0.05)
+        s = await stats_when(c, lambda s: s["engine"]["warm_prefills"] == 2)
         assert s["counters"]["warmups"] == 2 and s["counters"]["server_errors"] == 0
         await complete(c, uri, 9, 4)
         record = (await stats(c, recent=True))["recent"][-1]
@@ -931,11 +930,7 @@ async def test_an_edit_on_a_new_line_warms_the_prompt_before_the_request(repo, t
         await asyncio.sleep(0.3)
         assert (await stats(c))["engine"]["warm_prefills"] == 2  # nothing to warm yet
         open_doc(c, other, body)
-        for _ in range(1200):
-            s = await stats(c)
-            if s["engine"]["warm_prefills"] == 3:
-                break
-            await asyncio.sleep(0.05)
+        s = await stats_when(c, lambda s: s["engine"]["warm_prefills"] == 3)
         assert s["counters"]["warmups"] == 3 and s["engine"]["warm_prefills"] == 3
         await complete(c, other, 20, 4)
         record = (await stats(c, recent=True))["recent"][-1]
