@@ -486,6 +486,8 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
     name, ckpt, home = _resolve(spec)
     dt = resolve_dtype(dtype, dev, native)
     local_only = {"local_files_only": True}
+    kept = None  # the packed weights' cache entry (model/packcache.py)
+    adopted = False  # whether the model's native copies came from it
     try:
         # A local checkpoint goes straight into the engine's forward: its tokenizer.json through
         # the tokenizers library, its config.json read here, its safetensors copied in (no
@@ -502,7 +504,19 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
                     cfg = _hf().AutoConfig.from_pretrained(ckpt, **local_only)
                 except (ValueError, KeyError):  # a config transformers cannot read: its own path says why
                     cfg = None
-            net = from_safetensors(ckpt, cfg, dt, dev) if cfg is not None else None
+            kept = _pack_entry(ckpt, dt, dev, native, wait=False) if cfg is not None else None
+            prepacked = kept.read() if kept is not None else None
+            net = from_safetensors(ckpt, cfg, dt, dev, linear=prepacked is None) if cfg is not None else None
+            if net is None:
+                kept = None  # the next load goes through transformers too: nothing it could read
+            if net is not None and prepacked is not None:
+                try:
+                    net.native_decode(native, prepacked)
+                    adopted = True
+                except ValueError as exc:  # read whole, but not for this model: pack again
+                    log.warning("packed weights %s not used (%s): packing again", kept.path, exc)
+                    net = from_safetensors(ckpt, cfg, dt, dev)
+        direct = net is not None  # read by from_safetensors: a later load can take the packed weights
         if net is None:
             if isinstance(ckpt, Path):
                 log.info("%s: the direct read does not know this checkpoint; loading it through transformers", ckpt)
@@ -520,7 +534,14 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
     except (ValueError, RuntimeError, SafetensorError) as exc:  # a damaged file, weights that do not fit the config
         raise ModelLoadError(f"cannot load model {spec!r} from {ckpt}: the checkpoint is damaged or does not "
                              f"match its config ({type(exc).__name__}: {exc})") from exc
-    net.native_decode(native)
+    if adopted:
+        log.info("packed weights read from %s", kept.path)
+    else:
+        net.native_decode(native)
+        if direct and net.native_arena is not None:
+            kept = kept or _pack_entry(ckpt, dt, dev, native, wait=True)
+            if kept is not None:
+                kept.write(net)  # on a thread of its own; the next load reads it
     net.pack_where_read(pack)
     net.release_dense()  # where the native copies serve every pass
     trim_heap()  # the copies made on the way (the HF model, conversions, dense weights) were freed above
@@ -536,6 +557,20 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
              ", weights packed" if net.packed else "",
              ", native decode attention" if net.layers[0].attn.native else "")
     return loaded
+
+
+def _pack_entry(ckpt: Path, dtype: torch.dtype, device: torch.device, native: bool, wait: bool):
+    """The packed weights' cache entry of a local checkpoint (model/packcache.py), where the
+    native bf16 stack serves it.  ``wait=False``: only where the kernels' library is built
+    already (a first build is not waited for: it runs while the checkpoint is read)."""
+    if not (native and device.type == "cpu" and dtype == torch.bfloat16):
+        return None
+    from . import native as kernels
+    from . import native_build, packcache
+
+    if not packcache.enabled() or not (wait or kernels.ready() or native_build.library_path().is_file()):
+        return None
+    return packcache.entry(ckpt, dtype)
 
 
 def _hf():

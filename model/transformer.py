@@ -18,6 +18,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import native
+
+if TYPE_CHECKING:
+    from .packcache import Prepacked
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +149,12 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     native_weight: torch.Tensor | None = None  # in native.linear's layout (Transformer.native_decode)
     _released: bool | None = None  # the dense weight was dropped (its requires_grad): release_dense
+
+    def reset_parameters(self) -> None:
+        # a meta weight gets its numbers from the checkpoint or the native copy: kaiming_uniform_ on
+        # the meta device goes through torch._decomp, 75 ms of every load for numbers never kept
+        if not self.weight.is_meta:
+            super().reset_parameters()
 
     def release_dense(self) -> bool:
         """Drop the dense weight where ``native_weight`` holds the same numbers (bf16, repacked
@@ -409,6 +419,7 @@ class Transformer(nn.Module):
         self.head = Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
         self.native_stack: native.Stack | None = None  # Transformer.native_decode
+        self.native_arena: torch.Tensor | None = None  # the one buffer of the native copies (native_decode)
         self.native_prefill = True  # long causal prompts in native pieces (forward; set by native_decode)
         self.greedy_head = True  # forward(greedy=True) may use native's greedy head (exact argmax, half the bytes)
         # called before every pass (and every piece of a long prompt): the engine sets the thread
@@ -435,29 +446,43 @@ class Transformer(nn.Module):
                 mod.packed = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), None) if on else None
         return on
 
-    def native_decode(self, on: bool = True) -> bool:
+    def native_decode(self, on: bool = True, prepacked: "Prepacked | None" = None) -> bool:
         """Run few-token steps (decode steps, speculation's verification: up to 64 new tokens
         per sequence, causal or masked) through the native CPU kernels (``model/native``,
         built on first use): attention with its rotary embedding, the norms and the MLP's
         gate fused into one call each, and, for bf16 weights, the whole step of up to
         ``native.STACK_ROWS`` rows (every layer, the norm and the head) in one call with its own
         linear kernel on a repacked copy of the weights (one more copy in memory).
-        ``on=False``: PyTorch throughout.  Call it again after changing the weights.  Returns whether the kernels are in use: CPU and a C compiler."""
+        ``on=False``: PyTorch throughout.  Call it again after changing the weights.  Returns whether the kernels are in use: CPU and a C compiler.
+
+        ``prepacked``: the native copies as an earlier load made them (model/packcache.py), for a
+        model built without its linear weights (``from_safetensors(linear=False)``): they are used
+        as they are, and a dense weight read later is unpacked from them.  ValueError where they do
+        not fit this model and this CPU's layout (nothing is changed then)."""
         on = on and self.device.type == "cpu" and native.available()
-        for layer in self.layers:
-            layer.native = layer.attn.native = on
         lin = on and self.dtype == torch.bfloat16
         mats = [m for m in self.modules() if isinstance(m, Linear)]
-        for mod in mats:
-            mod.restore_dense()  # its native copy is about to be replaced or dropped
-            mod.native_weight = None
         # every matrix on AMX tiles where the CPU has them (linear.c: up to 16 rows at the cost of
         # one, and faster at one) and every matrix's K allows their layout
         amx = lin and native.amx() and all(m.in_features % 32 == 0 for m in mats)
-        if lin:  # every step streams them all: one buffer on huge pages, each matrix packed into its room in turn
-            shapes = [native.pack_linear(torch.empty(m.out_features, m.in_features, dtype=torch.bfloat16,
-                                                     device="meta"), amx=amx) for m in mats]
-            for mod, room in zip(mats, native.huge_views(shapes)):
+        shapes = [native.pack_linear(torch.empty(m.out_features, m.in_features, dtype=torch.bfloat16,
+                                                 device="meta"), amx=amx) for m in mats] if lin else []
+        if prepacked is not None:
+            prepacked.check(lin, shapes, self.head)
+        for layer in self.layers:
+            layer.native = layer.attn.native = on
+        for mod in mats:
+            mod.restore_dense()  # its native copy is about to be replaced or dropped
+            mod.native_weight = None
+        self.native_arena = None  # the buffer of every native copy (the packed weights' cache writes it)
+        if lin and prepacked is not None:  # the copies an earlier load packed: used in place
+            for mod, room in zip(mats, native.huge_views(shapes, prepacked.arena)):
+                mod.native_weight = room
+            self.native_arena = prepacked.arena
+            self._drop_unread_weights()
+        elif lin:  # every step streams them all: one buffer on huge pages, each matrix packed into its room in turn
+            self.native_arena = native.huge_empty((native.arena_bytes(shapes),), torch.uint8)
+            for mod, room in zip(mats, native.huge_views(shapes, self.native_arena)):
                 mod.native_weight = room.copy_(native.pack_linear(mod.weight, amx=amx))
         # long prompts: native pieces on CPUs without AMX (1.2-1.8x faster than PyTorch's path
         # there), and on a CPU with AMX where our matrices and attention both run on its tiles
@@ -467,10 +492,27 @@ class Transformer(nn.Module):
         self.native_prefill = not native.amx_cpu() or (amx and native.amx_attention())
         if os.environ.get("CODECOMPLETE_NATIVE_PREFILL") in ("0", "1"):  # a comparison's switch
             self.native_prefill = os.environ["CODECOMPLETE_NATIVE_PREFILL"] == "1"
-        self.native_stack = native.Stack(self) if lin else None  # steps of up to STACK_ROWS rows: one call
+        # steps of up to STACK_ROWS rows: one call
+        self.native_stack = native.Stack(self, prepacked.qhead if prepacked else None) if lin else None
         for layer in self.layers:
             layer.native_stack = self.native_stack
         return on
+
+    def _drop_unread_weights(self) -> None:
+        """The linear layers' weights left on the meta device (``from_safetensors(linear=False)``)
+        marked as dropped (``Linear.release_dense``), an embedding tied to the head too, so that a
+        reader of a ``weight`` gets it unpacked from the native copy."""
+        head, embed = self.head, self.embed
+        tied = embed._parameters.get("weight")
+        if tied is not None and tied.is_meta and head._parameters.get("weight") is tied:
+            del embed._parameters["weight"]
+            object.__setattr__(embed, "rows_from", head)  # not a submodule
+            object.__setattr__(head, "_tied", embed)
+        for mod in self.modules():
+            w = mod._parameters.get("weight") if isinstance(mod, Linear) else None
+            if w is not None and w.is_meta:
+                mod._released = w.requires_grad
+                del mod._parameters["weight"]
 
     def use_greedy_head(self, rows: int) -> bool:
         """Whether a native step with ``rows`` logit rows whose caller reads only the greedy
@@ -638,12 +680,15 @@ def from_hf(hf_model) -> Transformer:
 
 
 @torch.no_grad()
-def from_safetensors(path, cfg, dtype: torch.dtype, device) -> Transformer | None:
+def from_safetensors(path, cfg, dtype: torch.dtype, device, linear: bool = True) -> Transformer | None:
     """Build a ``Transformer`` straight from a checkpoint folder's safetensors (``cfg``: its
     ``AutoConfig``), without building the Hugging Face model first: the same tensors converted
     to ``dtype`` as ``from_pretrained`` then ``from_hf`` give (tests/test_loader.py), in less
     time and memory.  None where this path does not apply (no safetensors, a quantized or
-    unsupported checkpoint, names it does not know): the caller goes through Hugging Face."""
+    unsupported checkpoint, names it does not know): the caller goes through Hugging Face.
+    ``linear=False``: the linear layers' weights (and an embedding tied to the head) stay on the
+    meta device, unread: their native copies come from the packed weights' cache
+    (``Transformer.native_decode(prepacked=...)``)."""
     import json
     from pathlib import Path
 
@@ -671,7 +716,7 @@ def from_safetensors(path, cfg, dtype: torch.dtype, device) -> Transformer | Non
         for f in files:
             handle = files_open.enter_context(open(path / f, "rb"))
             where.update({k: (handle, *v) for k, v in _safetensors_header(handle, path / f).items()})
-        return _from_files(args, where, dtype, device)
+        return _from_files(args, where, dtype, device, linear)
 
 
 # safetensors' dtype names that a checkpoint's floating-point weights come in
@@ -724,7 +769,7 @@ class _Tensors(dict):
         return (torch.frombuffer(buf, dtype=dt) if buf else torch.empty(0, dtype=dt)).reshape(shape).to(self.dtype)
 
 
-def _from_files(args: ModelArgs, where: dict, dtype: torch.dtype, device) -> Transformer | None:
+def _from_files(args: ModelArgs, where: dict, dtype: torch.dtype, device, linear: bool = True) -> Transformer | None:
     need = ["model.embed_tokens.weight", "model.norm.weight"] + [
         f"model.layers.{i}.{n}.weight" for i in range(args.n_layers)
         for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -733,43 +778,49 @@ def _from_files(args: ModelArgs, where: dict, dtype: torch.dtype, device) -> Tra
         need += [f"model.layers.{i}.self_attn.{n}_proj.bias" for i in range(args.n_layers) for n in "qkv"]
     if not all(k in where for k in need):
         return None
-    return _from_state(args, _Tensors(where, dtype), dtype, device)
+    return _from_state(args, _Tensors(where, dtype), dtype, device, linear)
 
 
-def _materialize(model: nn.Module, dtype: torch.dtype, device) -> None:
+def _materialize(model: nn.Module, dtype: torch.dtype, device, skip: frozenset[int] = frozenset()) -> None:
     """Give a model built on the meta device empty storage on ``device``, floating tensors in
     ``dtype``: what ``to_empty(device).to(dtype)`` gives, without its detour (empty_like on the meta
     device goes through torch._refs, which imports sympy and torch.fx: ~0.45 s; the float32
-    empties were then converted to ``dtype``: ~0.5 s)."""
+    empties were then converted to ``dtype``: ~0.5 s).  Tensors whose ``id`` is in ``skip`` stay
+    on the meta device."""
     for mod in model.modules():
         for store in (mod._parameters, mod._buffers):
             for name, t in store.items():
-                if t is None:
+                if t is None or id(t) in skip:
                     continue
                 dt = dtype if t.is_floating_point() else t.dtype
                 new = torch.empty(t.shape, dtype=dt, device=device)
                 store[name] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
 
 
-def _from_state(args: ModelArgs, sd, dtype: torch.dtype, device) -> Transformer:
+def _from_state(args: ModelArgs, sd, dtype: torch.dtype, device, linear: bool = True) -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
-    _materialize(model, dtype, device)
+    tied = args.tie_embeddings or "lm_head.weight" not in sd
+    skip = frozenset() if linear else frozenset(
+        id(m.weight) for m in model.modules() if isinstance(m, Linear)) | ({id(model.embed.weight)} if tied else set())
+    _materialize(model, dtype, device, skip)
     model.inv_freq = rope_frequencies(args).to(device)
-    model.embed.weight.copy_(sd["model.embed_tokens.weight"])
+    if linear or not tied:
+        model.embed.weight.copy_(sd["model.embed_tokens.weight"])
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        layer.attn.wqkv.weight.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+        if linear:
+            layer.attn.wqkv.weight.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+            layer.attn.wo.weight.copy_(sd[p + "self_attn.o_proj.weight"])
+            layer.mlp.w13.weight.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
+            layer.mlp.w2.weight.copy_(sd[p + "mlp.down_proj.weight"])
         if args.qkv_bias:
             layer.attn.wqkv.bias.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
-        layer.attn.wo.weight.copy_(sd[p + "self_attn.o_proj.weight"])
-        layer.mlp.w13.weight.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
-        layer.mlp.w2.weight.copy_(sd[p + "mlp.down_proj.weight"])
         layer.attn_norm.weight.copy_(sd[p + "input_layernorm.weight"])
         layer.mlp_norm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
     model.norm.weight.copy_(sd["model.norm.weight"])
-    if args.tie_embeddings or "lm_head.weight" not in sd:
+    if tied:
         model.head.weight = model.embed.weight
-    else:
+    elif linear:
         model.head.weight.copy_(sd["lm_head.weight"])
     return model.eval()

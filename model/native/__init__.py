@@ -120,6 +120,11 @@ def available() -> bool:
     return _lib is not None
 
 
+def ready() -> bool:
+    """Whether the kernels are loaded in this process already (``available`` answered True)."""
+    return _tried and _lib is not None
+
+
 def error() -> str | None:
     """Why ``available()`` is False, if it is."""
     return _error
@@ -282,18 +287,31 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return view.view(dtype).view(shape)
 
 
-def huge_views(like: list[torch.Tensor]) -> list[torch.Tensor]:
+def huge_views(like: list[torch.Tensor], arena: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Uninitialised contiguous tensors shaped and typed as ``like``, one after another (64-byte
     aligned) in one ``huge_empty`` buffer: room for a model's packed weights, which every step
     streams from memory.  ``like`` may be meta tensors: ``native_decode`` packs each matrix
-    straight into its room in turn, so the copies never hold twice the weights in memory."""
-    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in like]
-    arena = huge_empty((sum(sizes),), torch.uint8)
+    straight into its room in turn, so the copies never hold twice the weights in memory.
+    ``arena``: the buffer to lay them in (``arena_bytes(like)`` uint8, e.g. filled from the packed
+    weights' cache) instead of a new one."""
+    if arena is None:
+        arena = huge_empty((arena_bytes(like),), torch.uint8)
+    elif arena.dtype != torch.uint8 or arena.numel() != arena_bytes(like):
+        raise ValueError(f"an arena of {arena.numel()} bytes does not hold these tensors ({arena_bytes(like)})")
     out, off = [], 0
-    for t, size in zip(like, sizes):
+    for t in like:
         out.append(arena[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
-        off += size
+        off += _room(t)
     return out
+
+
+def _room(t: torch.Tensor) -> int:
+    return -(-t.numel() * t.element_size() // 64) * 64
+
+
+def arena_bytes(like: list[torch.Tensor]) -> int:
+    """The bytes of the buffer ``huge_views(like)`` lays its tensors in."""
+    return sum(_room(t) for t in like)
 
 
 def linear_bf16_path() -> int:
@@ -573,6 +591,13 @@ def greedy_head_rows(stack: "Stack") -> int:
     return GREEDY_HEAD_ROWS_AMX if stack.amx and amx_greedy_head() else GREEDY_HEAD_ROWS
 
 
+def greedy_head_like(v: int, k: int) -> list[torch.Tensor]:
+    """Meta tensors shaped and typed as the ones ``pack_greedy_head`` makes for a head [v, k]."""
+    vp, kp = -(-v // 16) * 16, -(-k // 64) * 64
+    return [torch.empty(vp // 16, kp // 4, 16, 4, dtype=torch.uint8, device="meta")] + [
+        torch.empty(vp, device="meta") for _ in range(3)]
+
+
 def pack_greedy_head(weight: torch.Tensor, chunk: int = 2048) -> tuple[QHead, list[torch.Tensor]] | None:
     """The int8 copy of a head weight [V, K] that linear.c's greedy head reads (rows scaled by
     max|w| / 127, stored + 128 as u8, packed [V/16, K/4, 16, 4], K padded with zeros to a multiple of
@@ -585,7 +610,7 @@ def pack_greedy_head(weight: torch.Tensor, chunk: int = 2048) -> tuple[QHead, li
     chunk = max(16, chunk // 16 * 16)
     # the results are allocated first and filled in place: kept pieces between the temporaries
     # would fragment the heap (it grew ~290 MB over the default model's head that way)
-    keep = [torch.empty(vp // 16, kp // 4, 16, 4, dtype=torch.uint8)] + [torch.empty(vp) for _ in range(3)]
+    keep = [torch.empty(t.shape, dtype=t.dtype) for t in greedy_head_like(v, k)]
     for i in range(0, vp, chunk):
         w = weight.detach()[i:i + chunk].to(torch.float32)
         if not torch.isfinite(w).all():
@@ -612,7 +637,9 @@ class Stack:
     calls), the final norm and the repacked head.  Built by ``Transformer.native_decode``; it
     holds the weights' tensors so the addresses stay valid."""
 
-    def __init__(self, model):
+    def __init__(self, model, qhead: list[torch.Tensor] | None = None):
+        """``qhead``: the greedy head's tensors as ``pack_greedy_head`` made them for this head
+        (from the packed weights' cache), instead of packing them here."""
         a = model.args
         self.dims = (a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim)
         self.eps = a.norm_eps
@@ -629,7 +656,10 @@ class Stack:
         if len(layouts) != 1:
             raise ValueError("every matrix of the stack needs the same native layout")
         self.amx = layouts.pop()  # every matrix runs on AMX tiles (linear.c), the greedy head's exact rows too
-        packed = pack_greedy_head(model.head.weight) if greedy_head_available() else None
+        if qhead is not None:
+            packed = QHead(*[t.data_ptr() for t in qhead], qhead[0].shape[1] * 4), qhead
+        else:
+            packed = pack_greedy_head(model.head.weight) if greedy_head_available() else None
         self.qhead, self._qkeep = packed if packed is not None else (None, [])
         # what the C code reads: the norms, the biases and the repacked weights (not the linear
         # layers' dense weights, which Transformer.release_dense may drop)

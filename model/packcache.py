@@ -1,0 +1,251 @@
+"""The native stack's packed weights, kept between starts.
+
+A load of a bf16 model on the CPU copies every linear weight into the native kernels' layout
+(``Transformer.native_decode``: one arena on huge pages) and, where the greedy head is built,
+makes the head's int8 copy (``native.pack_greedy_head``).  On the default model that is most of
+a later start's load: the checkpoint's fp32 linear weights read and rounded to bf16, packed,
+and the head quantized.  This module keeps the result in one file per checkpoint and CPU
+layout under ``<cache>/packed/``.  A later load reads that file straight into a new arena and
+builds the model without reading the linear weights (``from_safetensors(linear=False)``);
+a weight read later is unpacked from its native copy (``Linear.restore_dense``).
+
+A file is used only where its key equals the load's: the checkpoint's files (name, size,
+modification time, inode), the dtype, the native library (its name hashes the C sources, their
+flags and the CPU), the packing code (the Python files that lay the weights out), the AMX layout,
+the bf16 kernel's path and whether a greedy head is built.  Any other file (another key, short,
+damaged, not this format) is ignored: the load packs as before and writes a new one.  A file is
+written by a background thread under a temporary name, flushed to disk and then renamed, so a
+reader sees a whole file or none; a folder that cannot be written, or a disk with less than
+``MIN_FREE`` left after the file, costs nothing but the log line.  ``CODECOMPLETE_PACK_CACHE=0``
+turns the cache off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import native, native_build
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"CCPACK01"
+FORMAT = 1
+ALIGN = 4096  # the data starts on a page
+MIN_FREE = 1 << 30  # bytes a write leaves free on the cache's disk, at least
+_CODE = [Path(__file__), Path(native.__file__), Path(__file__).with_name("transformer.py")]
+_writers: list[threading.Thread] = []
+_writers_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    return os.environ.get("CODECOMPLETE_PACK_CACHE", "1") != "0"
+
+
+def folder() -> Path:
+    from codecomplete.paths import cache_dir
+
+    return cache_dir() / "packed"
+
+
+@dataclass
+class Prepacked:
+    """A cache file's contents: the arena of every native copy (``huge_views``' layout) and the
+    greedy head's tensors (None where the head is not built), as ``native_decode`` adopts them."""
+
+    arena: torch.Tensor
+    qhead: list[torch.Tensor] | None
+    shapes: list[list[int]] = field(default_factory=list)  # of the arena's matrices, as written
+
+    def check(self, lin: bool, shapes: list[torch.Tensor], head) -> None:
+        """ValueError unless these copies fit a model whose native matrices are ``shapes``
+        (``pack_linear``'s, in ``native_decode``'s order) and whose head is ``head`` here."""
+        if not lin:
+            raise ValueError("packed weights serve only the native bf16 stack")
+        if self.shapes != [list(s.shape) for s in shapes] or self.arena.numel() != native.arena_bytes(shapes):
+            raise ValueError("the packed weights do not fit this model's matrices")
+        want = native.greedy_head_like(head.out_features, head.in_features) if native.greedy_head_available() else None
+        got = self.qhead
+        if (want is None) != (got is None) or (want is not None and [(t.shape, t.dtype) for t in want]
+                                                != [(t.shape, t.dtype) for t in got]):
+            raise ValueError("the packed greedy head does not fit this model's head")
+
+
+@dataclass
+class Entry:
+    """Where a checkpoint's packed weights live on this CPU, and the key a file there must hold."""
+
+    path: Path
+    key: dict
+    checkpoint: str
+
+    def read(self) -> Prepacked | None:
+        """The file's contents where it holds this key, else None (no file, another key, a short
+        or damaged file: the reason logged)."""
+        try:
+            with open(self.path, "rb") as f:
+                head = f.read(16)
+                if len(head) != 16 or head[:8] != MAGIC:
+                    raise ValueError("not a packed weights file")
+                n = int.from_bytes(head[8:], "little")
+                if not 2 <= n <= 1 << 20:
+                    raise ValueError(f"a header of {n} bytes")
+                meta = json.loads(f.read(n))
+                if meta.get("key") != self.key:
+                    log.info("packed weights %s were made for another checkpoint, CPU or code: packing again",
+                             self.path.name)
+                    return None
+                arena_n, qshapes = int(meta["arena"]), meta["qhead"]
+                qlike = [torch.empty(s, dtype=getattr(torch, d), device="meta") for s, d in qshapes] \
+                    if qshapes is not None else []
+                want = _data_start(n) + _room(arena_n) + sum(_room(t.numel() * t.element_size()) for t in qlike)
+                size = os.fstat(f.fileno()).st_size
+                if size != want:
+                    raise ValueError(f"{size} bytes where its header says {want}")
+                arena = native.huge_empty((arena_n,), torch.uint8)
+                f.seek(_data_start(n))
+                _read_into(f, arena, _room(arena_n))
+                qhead = []
+                for t in qlike:
+                    got = torch.empty(t.shape, dtype=t.dtype)
+                    _read_into(f, got.view(-1).view(torch.uint8), _room(t.numel() * t.element_size()))
+                    qhead.append(got)
+                return Prepacked(arena, qhead if qshapes is not None else None, meta["shapes"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
+            log.warning("packed weights %s not used (%s): packing again", self.path, exc)
+            return None
+
+    def write(self, model, background: bool = True) -> threading.Thread | None:
+        """Keep ``model``'s native copies (after ``native_decode``) in this entry's file, on a
+        thread of its own (returned) unless ``background`` is False.  Nothing where the model has
+        no native stack."""
+        stack, arena = model.native_stack, model.native_arena
+        if stack is None or arena is None:
+            return None
+        mats = [m.native_weight for m in model.modules() if getattr(m, "native_weight", None) is not None]
+        qhead = list(stack._qkeep) if stack.qhead is not None else None
+        meta = {"key": self.key, "checkpoint": self.checkpoint, "arena": arena.numel(),
+                "shapes": [list(t.shape) for t in mats],
+                "qhead": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in qhead] if qhead else None}
+
+        def run():
+            try:
+                _write(self.path, meta, arena, qhead or [])
+            except OSError as exc:
+                log.warning("packed weights not kept in %s: %s", self.path.parent, exc)
+
+        if not background:
+            run()
+            return None
+        thread = threading.Thread(target=run, name="pack-cache-write", daemon=True)
+        with _writers_lock:
+            _writers[:] = [t for t in _writers if t.is_alive()] + [thread]
+        thread.start()
+        return thread
+
+
+def entry(ckpt: Path, dtype: torch.dtype) -> Entry | None:
+    """The cache entry of a local checkpoint folder for this CPU, or None where the cache is off
+    or the native kernels are not available (this waits for their build)."""
+    if not enabled() or not native.available():
+        return None
+    try:
+        ckpt = ckpt.resolve()
+        files = sorted(p for p in ckpt.iterdir() if p.suffix in (".safetensors", ".json"))
+        stats = [[p.name, st.st_size, st.st_mtime_ns, st.st_ino] for p in files for st in [p.stat()]]
+        code = hashlib.sha256(b"".join(p.read_bytes() for p in _CODE)).hexdigest()[:16]
+    except OSError as exc:
+        log.debug("no packed weights for %s: %s", ckpt, exc)
+        return None
+    layout = {"dtype": str(dtype), "amx": native.amx(), "path": native.linear_bf16_path(),
+              "greedy": native.greedy_head_available()}
+    key = {"format": FORMAT, "files": stats, "library": native_build.library_path().name, "code": code, **layout}
+    name = hashlib.sha256(json.dumps([str(ckpt), layout], sort_keys=True).encode()).hexdigest()[:16]
+    return Entry(folder() / f"{name}.pack", key, str(ckpt))
+
+
+def wait(timeout: float | None = None) -> None:
+    """Wait for the writes in flight in this process (tests; a caller about to read them)."""
+    with _writers_lock:
+        pending = list(_writers)
+    for t in pending:
+        t.join(timeout)
+
+
+def _room(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def _data_start(header: int) -> int:
+    return -(-(16 + header) // ALIGN) * ALIGN
+
+
+def _read_into(f, t: torch.Tensor, room: int) -> None:
+    """Fill the uint8 tensor ``t`` from the file, then skip to the end of its ``room``."""
+    view, got = memoryview(t.numpy()).cast("B"), 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise ValueError("the file ended early")
+        got += n
+    if room > len(view):
+        f.seek(room - len(view), os.SEEK_CUR)
+
+
+def _write(path: Path, meta: dict, arena: torch.Tensor, qhead: list[torch.Tensor]) -> None:
+    start = time.perf_counter()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(path.parent)
+    header = json.dumps(meta).encode()
+    parts = [arena] + [t.reshape(-1).view(torch.uint8) for t in qhead]
+    total = _data_start(len(header)) + sum(_room(p.numel()) for p in parts)
+    import shutil
+
+    if shutil.disk_usage(path.parent).free < total + MIN_FREE:
+        raise OSError(f"less than {MIN_FREE >> 20} MB would be left on the disk")
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + len(header).to_bytes(8, "little") + header)
+            f.write(bytes(_data_start(len(header)) - 16 - len(header)))
+            for p in parts:
+                f.write(memoryview(p.numpy()).cast("B"))
+                f.write(bytes(_room(p.numel()) - p.numel()))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    log.info("packed weights kept in %s (%d MB, %.2f s)", path, total >> 20, time.perf_counter() - start)
+
+
+def _remove_stale(where: Path, stale_s: float = 600.0) -> None:
+    """Remove what no load will read: files of checkpoints that are gone, and temporary files a
+    process left when it exited while writing (older than ``stale_s``)."""
+    now = time.time()
+    for p in where.iterdir():
+        try:
+            if p.suffix == ".tmp":
+                if now - p.stat().st_mtime > stale_s:
+                    p.unlink()
+            elif p.suffix == ".pack":
+                with open(p, "rb") as f:
+                    head = f.read(16)
+                    n = int.from_bytes(head[8:], "little") if head[:8] == MAGIC else 0
+                    ckpt = json.loads(f.read(n)).get("checkpoint") if 2 <= n <= 1 << 20 else None
+                if ckpt and not Path(ckpt).is_dir():
+                    p.unlink()
+                    log.info("packed weights of %s removed: the checkpoint is gone", ckpt)
+        except (OSError, ValueError, AttributeError):
+            pass

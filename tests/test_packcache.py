@@ -1,0 +1,212 @@
+"""The packed weights' cache (model/packcache.py): a later load takes the native copies an
+earlier load made, reads none of the linear weights, and computes what a load without the
+cache computes; a changed checkpoint, a damaged or foreign file, a folder that cannot be
+written: the load packs as before."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from codecomplete.model import native, packcache
+from codecomplete.model.api import CompletionRequest, EngineSettings
+from codecomplete.model.engine import generate
+from codecomplete.model.loader import load_model
+from codecomplete.model.transformer import Linear, _Tensors
+
+REQ = CompletionRequest("def add(a, b):\n    return", "\n", max_tokens=12)
+
+pytestmark = pytest.mark.skipif(not native.available() or not native.linear_bf16_simd(),
+                                reason="the native bf16 stack is not built here")
+
+
+@pytest.fixture
+def ckpt(tiny_model, tmp_path, monkeypatch):
+    """A copy of the tiny checkpoint, and a packed weights' folder of this test's own."""
+    out = tmp_path / "ckpt"
+    shutil.copytree(tiny_model, out)
+    monkeypatch.setattr(packcache, "folder", lambda: tmp_path / "packed")
+    monkeypatch.delenv("CODECOMPLETE_PACK_CACHE", raising=False)
+    return out
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The checkpoint tensors each load reads (names)."""
+    seen: list[str] = []
+    real = _Tensors.__getitem__
+
+    def spy(self, key):
+        seen.append(key)
+        return real(self, key)
+
+    monkeypatch.setattr(_Tensors, "__getitem__", spy)
+    return seen
+
+
+def load(path):
+    lm = load_model(str(path), dtype="bfloat16")
+    packcache.wait()
+    return lm
+
+
+def outputs(lm) -> tuple:
+    """What a load computes: a greedy completion's tokens, and a forward's logits of every row."""
+    ids = generate(lm, REQ, EngineSettings(dtype="bfloat16")).token_ids
+    with torch.no_grad():
+        logits = lm.model(torch.tensor([[1, 2, 3, 100, 200, 300, 1000]]), [lm.model.new_cache(16)], logits_for="all")
+    return tuple(ids), logits.float()
+
+
+def same(a, b) -> bool:
+    return a[0] == b[0] and torch.equal(a[1], b[1])
+
+
+def packed_files(ckpt):
+    where = packcache.folder()
+    return sorted(where.glob("*.pack")) if where.is_dir() else []
+
+
+def test_a_later_load_reads_the_packed_weights_and_computes_the_same(ckpt, reads, monkeypatch):
+    monkeypatch.setenv("CODECOMPLETE_PACK_CACHE", "0")
+    off = load(ckpt)
+    assert not packed_files(ckpt)  # turned off: nothing written
+    monkeypatch.delenv("CODECOMPLETE_PACK_CACHE")
+    first = load(ckpt)
+    assert first.model.native_stack is not None
+    assert len(packed_files(ckpt)) == 1
+    reads.clear()
+    later = load(ckpt)
+    # nothing of the linear layers (nor the embedding, tied to the head) was read from the checkpoint
+    assert reads and not [k for k in reads if k.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight"))]
+    assert {k for k in reads} >= {"model.norm.weight", "model.layers.0.input_layernorm.weight"}
+    want = outputs(off)
+    assert same(outputs(first), want) and same(outputs(later), want)
+    # every dense weight a reader asks for is the checkpoint's, unpacked from the native copy
+    plain = dict(off.model.named_modules())
+    for name, mod in later.model.named_modules():
+        if isinstance(mod, Linear):
+            assert torch.equal(mod.weight, plain[name].weight), name
+    assert later.model.embed.weight is later.model.head.weight  # still tied once read
+    assert torch.equal(later.model.embed.weight, off.model.embed.weight)
+
+
+def test_an_untied_head_and_its_embedding(ckpt, reads):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(ckpt / "model.safetensors")
+    torch.manual_seed(0)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] + 0.01 * torch.randn_like(
+        tensors["model.embed_tokens.weight"])
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    first = load(ckpt)
+    assert first.model.head.weight is not first.model.embed.weight
+    reads.clear()
+    later = load(ckpt)
+    assert "model.embed_tokens.weight" in reads and "lm_head.weight" not in reads
+    assert same(outputs(later), outputs(first))
+    assert torch.equal(later.model.head.weight, first.model.head.weight)
+
+
+def test_a_changed_checkpoint_is_packed_again(ckpt, reads):
+    from safetensors.torch import load_file, save_file
+
+    load(ckpt)
+    (before,) = packed_files(ckpt)
+    stamp = before.stat().st_mtime_ns
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"] *= 2
+    time.sleep(0.01)
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    reads.clear()
+    changed = load(ckpt)
+    assert "model.layers.1.mlp.down_proj.weight" in reads  # read again, not taken from the old pack
+    (after,) = packed_files(ckpt)
+    assert after == before and after.stat().st_mtime_ns != stamp  # the same entry, written anew
+    plain = load_model(str(ckpt), dtype="bfloat16", native=False)  # PyTorch's path: no native copies at all
+    assert torch.equal(changed.model.layers[1].mlp.w2.weight, plain.model.layers[1].mlp.w2.weight)
+    reads.clear()
+    later = load(ckpt)
+    assert not [k for k in reads if k.endswith("proj.weight")]
+    assert same(outputs(later), outputs(changed))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "header", "foreign key", "wrong shapes",
+                                    "a folder"])
+def test_a_damaged_or_foreign_file_is_packed_again(damage, ckpt, reads, caplog):
+    want = outputs(load(ckpt))
+    (path,) = packed_files(ckpt)
+    data = path.read_bytes()
+    n = int.from_bytes(data[8:16], "little")
+    meta = json.loads(data[16:16 + n])
+    if damage == "truncated":
+        path.write_bytes(data[:len(data) // 2])
+    elif damage == "garbage":
+        path.write_bytes(os.urandom(len(data)))
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "header":
+        path.write_bytes(data[:16] + b"{not json" + data[16 + 9:])
+    elif damage == "a folder":
+        path.unlink()
+        path.mkdir()
+    else:  # whole files that are not for this load: another key, or the right key with other shapes
+        if damage == "foreign key":
+            meta["key"]["code"] = "0" * 16
+        else:
+            meta["shapes"][0][0] += 1
+        lm = load(ckpt)
+        packcache._write(path, meta, lm.model.native_arena, list(lm.model.native_stack._qkeep or []))
+    reads.clear()
+    with caplog.at_level(logging.INFO, logger="codecomplete.model"):
+        got = load(ckpt)
+    assert "model.layers.0.mlp.down_proj.weight" in reads  # packed again from the checkpoint
+    assert same(outputs(got), want)
+    if damage != "a folder":
+        assert "packed weights" in caplog.text
+        reads.clear()
+        assert same(outputs(load(ckpt)), want) and not [k for k in reads if k.endswith("proj.weight")]  # rewritten
+
+
+def test_a_folder_that_cannot_be_written_costs_nothing(ckpt, tmp_path, monkeypatch, caplog):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the folder would be")
+    monkeypatch.setattr(packcache, "folder", lambda: blocked / "packed")
+    with caplog.at_level(logging.WARNING, logger="codecomplete.model"):
+        lm = load(ckpt)
+    assert "packed weights not kept" in caplog.text
+    assert outputs(lm)[0]
+
+
+def test_files_of_vanished_checkpoints_and_stale_partials_are_removed(ckpt, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(ckpt, other)
+    load(other)
+    (gone,) = packed_files(ckpt)
+    shutil.rmtree(other)
+    stale = packcache.folder() / ".abc.1.2.tmp"
+    stale.write_bytes(b"x")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    fresh = packcache.folder() / ".def.1.2.tmp"  # a write in flight elsewhere: kept
+    fresh.write_bytes(b"x")
+    load(ckpt)
+    files = packed_files(ckpt)
+    assert len(files) == 1 and files[0] != gone
+    assert not stale.exists() and fresh.exists()
+
+
+def test_float32_and_pytorch_loads_write_nothing(ckpt):
+    load_model(str(ckpt), dtype="float32")
+    load_model(str(ckpt), dtype="bfloat16", native=False)
+    packcache.wait()
+    assert not packed_files(ckpt)
