@@ -158,6 +158,7 @@ def engine_stats(counters: dict, settings: EngineSettings, lm=None, ready: bool 
              dtype=str(lm.dtype).removeprefix("torch.") if lm else None,
              template=lm.template.name if lm else None,
              load_seconds=round(lm.load_seconds, 3) if lm else None,
+             load_prepacked=lm.prepacked if lm else None,  # the packed weights' cache served the load
              ready=ready and lm is not None, load_error=load_error,
              loading=loading or None)  # what a load in progress is doing where it takes seconds
     s["decode_tokens_per_s"] = (round(1000 * s["generated_tokens"] / s["decode_ms"], 2)

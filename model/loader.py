@@ -87,6 +87,7 @@ class LoadedModel:
     stop_ids: frozenset[int]
     load_seconds: float
     home: str = ""  # where files stored with the model live (an adapter's own folder); "": none
+    prepacked: bool = False  # the native copies came from the packed weights' cache (model/packcache.py)
 
 
 def cache_dir() -> Path:
@@ -493,10 +494,7 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
         # the tokenizers library, its config.json read here, its safetensors copied in (no
         # transformers import, no Hugging Face model on the way: bench/results/memory_avx512.md).
         # Anything these do not know goes through transformers as before.
-        tok = FastTokenizer.load(ckpt) if isinstance(ckpt, Path) else None
-        if tok is None:
-            tok = _hf().AutoTokenizer.from_pretrained(ckpt, **local_only)
-        net = None
+        net = cfg = prepacked = None
         if isinstance(ckpt, Path):
             cfg = config_from_json(ckpt)
             if cfg is None:
@@ -505,16 +503,22 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
                 except (ValueError, KeyError):  # a config transformers cannot read: its own path says why
                     cfg = None
             kept = _pack_entry(ckpt, dt, dev, native, wait=False) if cfg is not None else None
-            prepacked = kept.read() if kept is not None else None
-            net = from_safetensors(ckpt, cfg, dt, dev, linear=prepacked is None) if cfg is not None else None
+            prepacked = kept.read() if kept is not None else None  # its bytes come in while the rest is built
+        tok = FastTokenizer.load(ckpt) if isinstance(ckpt, Path) else None
+        if tok is None:
+            tok = _hf().AutoTokenizer.from_pretrained(ckpt, **local_only)
+        if cfg is not None:
+            net = from_safetensors(ckpt, cfg, dt, dev, linear=prepacked is None)
             if net is None:
                 kept = None  # the next load goes through transformers too: nothing it could read
             if net is not None and prepacked is not None:
                 try:
                     net.native_decode(native, prepacked)
                     adopted = True
-                except ValueError as exc:  # read whole, but not for this model: pack again
+                except ValueError as exc:  # whole, but not for this model: pack again
                     log.warning("packed weights %s not used (%s): packing again", kept.path, exc)
+                if not (adopted and prepacked.wait()):  # not adopted, or its bytes could not be read
+                    adopted = False
                     net = from_safetensors(ckpt, cfg, dt, dev)
         direct = net is not None  # read by from_safetensors: a later load can take the packed weights
         if net is None:
@@ -534,9 +538,7 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
     except (ValueError, RuntimeError, SafetensorError) as exc:  # a damaged file, weights that do not fit the config
         raise ModelLoadError(f"cannot load model {spec!r} from {ckpt}: the checkpoint is damaged or does not "
                              f"match its config ({type(exc).__name__}: {exc})") from exc
-    if adopted:
-        log.info("packed weights read from %s", kept.path)
-    else:
+    if not adopted:
         net.native_decode(native)
         if direct and net.native_arena is not None:
             kept = kept or _pack_entry(ckpt, dt, dev, native, wait=True)
@@ -551,7 +553,7 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
         log.warning("FIM template: %s", choice.reason)
     loaded = LoadedModel(model=net, tokenizer=tok, name=name, path=str(ckpt), home=str(home), device=dev,
                          dtype=dt, template=choice, stop_ids=stop_token_ids(tok, choice, vocab),
-                         load_seconds=time.perf_counter() - t0)
+                         load_seconds=time.perf_counter() - t0, prepacked=adopted)
     log.info("model %s loaded from %s on %s/%s in %.2f s, template %s%s%s", name, ckpt, dev,
              str(dt).removeprefix("torch."), loaded.load_seconds, choice.name,
              ", weights packed" if net.packed else "",

@@ -22,6 +22,7 @@ turns the cache off.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -64,6 +65,15 @@ class Prepacked:
     arena: torch.Tensor
     qhead: list[torch.Tensor] | None
     shapes: list[list[int]] = field(default_factory=list)  # of the arena's matrices, as written
+    filling: threading.Thread | None = None  # reading the tensors' bytes in (Entry.read); wait() for it
+    error: str | None = None  # why the bytes could not be read
+
+    def wait(self) -> bool:
+        """Wait until the tensors hold the file's bytes; False where they could not be read (the
+        model built on them must not be used then)."""
+        if self.filling is not None:
+            self.filling.join()
+        return self.error is None
 
     def check(self, lin: bool, shapes: list[torch.Tensor], head) -> None:
         """ValueError unless these copies fit a model whose native matrices are ``shapes``
@@ -89,9 +99,20 @@ class Entry:
 
     def read(self) -> Prepacked | None:
         """The file's contents where it holds this key, else None (no file, another key, a short
-        or damaged file: the reason logged)."""
+        or damaged file: the reason logged).  The header is checked here; the tensors' bytes are
+        read on a thread of their own (their page faults are most of the time), while the caller
+        builds the rest of the model: ``Prepacked.wait()`` before the tensors are used."""
+        start = time.perf_counter()
         try:
-            with open(self.path, "rb") as f:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("packed weights %s not used (%s): packing again", self.path, exc)
+            return None
+        try:
+            with contextlib.ExitStack() as closing:
+                closing.callback(f.close)
                 head = f.read(16)
                 if len(head) != 16 or head[:8] != MAGIC:
                     raise ValueError("not a packed weights file")
@@ -111,16 +132,28 @@ class Entry:
                 if size != want:
                     raise ValueError(f"{size} bytes where its header says {want}")
                 arena = native.huge_empty((arena_n,), torch.uint8)
-                f.seek(_data_start(n))
-                _read_into(f, arena, _room(arena_n))
-                qhead = []
-                for t in qlike:
-                    got = torch.empty(t.shape, dtype=t.dtype)
-                    _read_into(f, got.view(-1).view(torch.uint8), _room(t.numel() * t.element_size()))
-                    qhead.append(got)
-                return Prepacked(arena, qhead if qshapes is not None else None, meta["shapes"])
-        except FileNotFoundError:
-            return None
+                qhead = [torch.empty(t.shape, dtype=t.dtype) for t in qlike]
+                out = Prepacked(arena, qhead if qshapes is not None else None, meta["shapes"])
+                parts = [(arena, _room(arena_n))] + [
+                    (t.view(-1).view(torch.uint8), _room(t.numel() * t.element_size())) for t in qhead]
+
+                def fill():
+                    try:
+                        f.seek(_data_start(n))
+                        for t, room in parts:
+                            _read_into(f, t, room)
+                        log.info("packed weights read from %s (%d MB, %.2f s)", self.path, size >> 20,
+                                 time.perf_counter() - start)
+                    except (OSError, ValueError) as exc:
+                        out.error = str(exc)
+                        log.warning("packed weights %s not used (%s): packing again", self.path, exc)
+                    finally:
+                        f.close()
+
+                out.filling = threading.Thread(target=fill, name="pack-cache-read", daemon=True)
+                out.filling.start()
+                closing.pop_all()  # the file is the thread's to close
+                return out
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
             log.warning("packed weights %s not used (%s): packing again", self.path, exc)
             return None

@@ -83,6 +83,7 @@ def test_a_later_load_reads_the_packed_weights_and_computes_the_same(ckpt, reads
     assert len(packed_files(ckpt)) == 1
     reads.clear()
     later = load(ckpt)
+    assert later.prepacked and not first.prepacked and not off.prepacked
     # nothing of the linear layers (nor the embedding, tied to the head) was read from the checkpoint
     assert reads and not [k for k in reads if k.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight"))]
     assert {k for k in reads} >= {"model.norm.weight", "model.layers.0.input_layernorm.weight"}
@@ -141,8 +142,9 @@ def test_a_changed_checkpoint_is_packed_again(ckpt, reads):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "header", "foreign key", "wrong shapes",
-                                    "a folder"])
-def test_a_damaged_or_foreign_file_is_packed_again(damage, ckpt, reads, caplog):
+                                    "a folder", "read error"])
+def test_a_damaged_or_foreign_file_is_packed_again(damage, ckpt, reads, caplog, monkeypatch):
+    real_read_into = packcache._read_into
     want = outputs(load(ckpt))
     (path,) = packed_files(ckpt)
     data = path.read_bytes()
@@ -159,6 +161,11 @@ def test_a_damaged_or_foreign_file_is_packed_again(damage, ckpt, reads, caplog):
     elif damage == "a folder":
         path.unlink()
         path.mkdir()
+    elif damage == "read error":  # the header whole, its bytes not (a disk error, the file cut meanwhile)
+        def failing(f, t, room):
+            raise OSError("input/output error")
+
+        monkeypatch.setattr(packcache, "_read_into", failing)
     else:  # whole files that are not for this load: another key, or the right key with other shapes
         if damage == "foreign key":
             meta["key"]["code"] = "0" * 16
@@ -171,6 +178,8 @@ def test_a_damaged_or_foreign_file_is_packed_again(damage, ckpt, reads, caplog):
         got = load(ckpt)
     assert "model.layers.0.mlp.down_proj.weight" in reads  # packed again from the checkpoint
     assert same(outputs(got), want)
+    assert not got.prepacked
+    monkeypatch.setattr(packcache, "_read_into", real_read_into)
     if damage != "a folder":
         assert "packed weights" in caplog.text
         reads.clear()
