@@ -114,6 +114,9 @@ def serve(argv: list[str]) -> int:
         if server.index is not None:
             server.index.close(timeout=2)
         engine.close(timeout=2)
+        packed = sys.modules.get("codecomplete.model.packcache")  # imported where a model was loaded
+        if packed is not None:
+            packed.finish()  # a write of the packed weights in flight completes (os._exit skips atexit)
         log.info("codecomplete-daemon exits (%d)", code)
         # Exit now, without the interpreter's teardown: a client that leaves while the
         # model still loads would otherwise have its loader thread torn down under it

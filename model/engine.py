@@ -842,7 +842,7 @@ class Engine:
             torch.set_num_threads(settings.threads or self._default_threads)
         try:
             self.lm = load_model(settings.model, settings.device, settings.dtype, settings.template,
-                                 pack=settings.pack_weights, native=settings.native_attention)
+                                 pack=settings.pack_weights, native=settings.native_attention, busy=self.busy)
             self.lm.model.kv_dtype = kv_dtype(settings.kv_dtype, self.lm.model)
             self._govern(settings)
             self.load_error = None

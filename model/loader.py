@@ -33,6 +33,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -458,18 +459,21 @@ def stop_token_ids(tokenizer, template: TemplateChoice, vocab: dict[str, int] | 
 
 
 def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
-               template: str = "auto", pack: bool = True, native: bool = True) -> LoadedModel:
+               template: str = "auto", pack: bool = True, native: bool = True,
+               busy: Callable[[], bool] | None = None) -> LoadedModel:
     """Load a checkpoint for inference; see the module docstring for ``spec``.  ``pack``:
     prepack the linear layers' weights for oneDNN where that applies (CPU; measured faster,
     same results; costs a second copy of those weights), unless the native stack serves every
     pass (``Transformer.pack_where_read``); there the dense weights go too
     (``Transformer.release_dense``).  ``native``: decode attention through
-    the native CPU kernel where it builds (``Transformer.native_decode``)."""
+    the native CPU kernel where it builds (``Transformer.native_decode``).  ``busy``: the
+    engine's probe, which the packed weights' write waits on (model/packcache.py)."""
     with _LOAD_LOCK:
-        return _load_model(spec, device, dtype, template, pack, native)
+        return _load_model(spec, device, dtype, template, pack, native, busy)
 
 
-def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, native: bool) -> LoadedModel:
+def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, native: bool,
+                busy: Callable[[], bool] | None = None) -> LoadedModel:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default: nothing downloads
     from safetensors import SafetensorError
 
@@ -543,7 +547,7 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
         if direct and net.native_arena is not None:
             kept = kept or _pack_entry(ckpt, dt, dev, native, wait=True)
             if kept is not None:
-                kept.write(net)  # on a thread of its own; the next load reads it
+                kept.write(net, busy=busy)  # on a thread of its own, while the engine rests; the next load reads it
     net.pack_where_read(pack)
     net.release_dense()  # where the native copies serve every pass
     trim_heap()  # the copies made on the way (the HF model, conversions, dense weights) were freed above

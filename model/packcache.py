@@ -22,6 +22,7 @@ turns the cache off.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
@@ -29,6 +30,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,9 +44,12 @@ MAGIC = b"CCPACK01"
 FORMAT = 1
 ALIGN = 4096  # the data starts on a page
 MIN_FREE = 1 << 30  # bytes a write leaves free on the cache's disk, at least
+PIECE = 16 << 20  # bytes written at a time, between looks at the engine (Entry.write's busy)
+MAX_WAIT = 60.0  # seconds a write waits for the engine to rest, in all
 _CODE = [Path(__file__), Path(native.__file__), Path(__file__).with_name("transformer.py")]
 _writers: list[threading.Thread] = []
 _writers_lock = threading.Lock()
+_exiting = threading.Event()  # the process ends: writes stop waiting for the engine (finish)
 
 
 def enabled() -> bool:
@@ -158,10 +163,12 @@ class Entry:
             log.warning("packed weights %s not used (%s): packing again", self.path, exc)
             return None
 
-    def write(self, model, background: bool = True) -> threading.Thread | None:
+    def write(self, model, background: bool = True, busy: Callable[[], bool] | None = None) -> threading.Thread | None:
         """Keep ``model``'s native copies (after ``native_decode``) in this entry's file, on a
         thread of its own (returned) unless ``background`` is False.  Nothing where the model has
-        no native stack."""
+        no native stack.  ``busy``: the engine's probe; the file is written in pieces, each after
+        the engine has come to rest (at most ``MAX_WAIT`` seconds of waiting in all): a write
+        beside a first start's first prefill made it 120-400 ms slower."""
         stack, arena = model.native_stack, model.native_arena
         if stack is None or arena is None:
             return None
@@ -173,7 +180,7 @@ class Entry:
 
         def run():
             try:
-                _write(self.path, meta, arena, qhead or [])
+                _write(self.path, meta, arena, qhead or [], busy)
             except OSError as exc:
                 log.warning("packed weights not kept in %s: %s", self.path.parent, exc)
 
@@ -215,6 +222,20 @@ def wait(timeout: float | None = None) -> None:
         t.join(timeout)
 
 
+@atexit.register
+def finish(timeout: float = 5.0) -> None:
+    """At the process's end: the writes in flight stop waiting for the engine to rest and are
+    given ``timeout`` seconds to complete (a short-lived process, the ``complete`` command or a
+    daemon whose editor closed soon, would otherwise leave a partial file and no cache).  The
+    daemon calls it before its ``os._exit``; atexit calls it on a normal exit."""
+    _exiting.set()
+    deadline = time.monotonic() + timeout
+    with _writers_lock:
+        pending = list(_writers)
+    for t in pending:
+        t.join(max(0.0, deadline - time.monotonic()))
+
+
 def _room(n: int) -> int:
     return -(-n // 64) * 64
 
@@ -235,7 +256,21 @@ def _read_into(f, t: torch.Tensor, room: int) -> None:
         f.seek(room - len(view), os.SEEK_CUR)
 
 
-def _write(path: Path, meta: dict, arena: torch.Tensor, qhead: list[torch.Tensor]) -> None:
+def _rest(busy: Callable[[], bool] | None, deadline: float) -> None:
+    """Wait while ``busy()`` says the engine works, until ``deadline`` (monotonic) at most."""
+    while busy is not None and time.monotonic() < deadline and not _exiting.is_set():
+        try:
+            if not busy():
+                return
+        except Exception:  # noqa: BLE001 - a broken probe does not stop the write
+            return
+        time.sleep(0.05)
+
+
+def _write(path: Path, meta: dict, arena: torch.Tensor, qhead: list[torch.Tensor],
+           busy: Callable[[], bool] | None = None) -> None:
+    deadline = time.monotonic() + MAX_WAIT
+    _rest(busy, deadline)
     start = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(path.parent)
@@ -252,7 +287,10 @@ def _write(path: Path, meta: dict, arena: torch.Tensor, qhead: list[torch.Tensor
             f.write(MAGIC + len(header).to_bytes(8, "little") + header)
             f.write(bytes(_data_start(len(header)) - 16 - len(header)))
             for p in parts:
-                f.write(memoryview(p.numpy()).cast("B"))
+                view = memoryview(p.numpy()).cast("B")
+                for at in range(0, len(view), PIECE):
+                    _rest(busy, deadline)
+                    f.write(view[at:at + PIECE])
                 f.write(bytes(_room(p.numel()) - p.numel()))
             f.flush()
             os.fsync(f.fileno())
@@ -260,7 +298,8 @@ def _write(path: Path, meta: dict, arena: torch.Tensor, qhead: list[torch.Tensor
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    log.info("packed weights kept in %s (%d MB, %.2f s)", path, total >> 20, time.perf_counter() - start)
+    log.info("packed weights kept in %s (%d MB, %.2f s after the engine first came to rest)", path, total >> 20,
+             time.perf_counter() - start)
 
 
 def _remove_stale(where: Path, stale_s: float = 600.0) -> None:

@@ -695,6 +695,37 @@ async def test_bf16_daemon_serves_through_the_native_step(repo, tiny_model, mode
         await c.stop()
 
 
+async def test_the_next_daemon_loads_the_packed_weights_the_first_one_kept(repo, tiny_model, model_cache, tmp_path,
+                                                                            monkeypatch):
+    """Guards the packed weights' cache across daemons (model/packcache.py): the first daemon of
+    a bf16 model keeps its native copies in the cache, a whole file by the time it has exited,
+    and the next one loads from that file and answers the same."""
+    from codecomplete.model import native
+
+    if not native.available():
+        pytest.skip("no native kernels here")
+    monkeypatch.setenv("CODECOMPLETE_NATIVE_DIR", str(model_cache))  # the kernels built already
+    monkeypatch.setenv("CODECOMPLETE_CACHE_DIR", str(tmp_path / "cache"))  # no packed weights yet
+    off = {"speculation": {"enabled": False}}
+    seen = []
+    for _ in range(2):
+        c = await start_daemon(repo, tiny_model, init_options={"codecomplete": off}, extra_args=("--dtype", "bfloat16"))
+        try:
+            uri = (repo / "packed.py").as_uri()
+            open_doc(c, uri, POINT)
+            lines = POINT.split("\n")
+            items = await complete(c, uri, len(lines) - 1, len(lines[-1]))
+            seen.append((proposed(items, LAST), (await stats(c))["engine"]["load_prepacked"]))
+        finally:
+            await c.shutdown_session()
+            await c.stop()
+        kept = sorted(p.name for p in (tmp_path / "cache" / "packed").iterdir())
+        assert len(kept) == 1 and kept[0].endswith(".pack"), kept  # whole: no partial file beside it
+    (first, first_packed), (second, second_packed) = seen
+    assert not first_packed and second_packed
+    assert first == second and first[0].strip()
+
+
 async def test_typing_through_a_completion_keeps_its_rest_without_the_model(repo, tiny_model, model_cache,
                                                                              reference_engine):
     """Guards typing through: typing the start of the shown completion answers with its rest

@@ -219,3 +219,52 @@ def test_float32_and_pytorch_loads_write_nothing(ckpt):
     load_model(str(ckpt), dtype="bfloat16", native=False)
     packcache.wait()
     assert not packed_files(ckpt)
+
+
+def test_the_write_waits_for_the_engine_to_rest(ckpt, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(packcache, "PIECE", 4096)  # many pieces, each after a look at the engine
+    working = threading.Event()
+    working.set()
+    lm = load_model(str(ckpt), dtype="bfloat16", busy=working.is_set)
+    time.sleep(0.4)
+    assert not packed_files(ckpt)  # the engine works: not yet
+    working.clear()
+    packcache.wait()
+    assert len(packed_files(ckpt)) == 1
+    assert load(ckpt).prepacked and same(outputs(load(ckpt)), outputs(lm))
+
+
+@pytest.mark.parametrize("probe", ["always busy", "broken"])
+def test_an_engine_that_never_rests_or_a_broken_probe_still_gets_the_file_written(probe, ckpt, monkeypatch):
+    def broken():
+        raise RuntimeError("probe failed")
+
+    monkeypatch.setattr(packcache, "MAX_WAIT", 0.3)
+    load_model(str(ckpt), dtype="bfloat16", busy=(lambda: True) if probe == "always busy" else broken)
+    packcache.wait()
+    assert len(packed_files(ckpt)) == 1 and load(ckpt).prepacked
+
+
+def test_a_process_that_ends_while_the_engine_works_still_writes_the_file(ckpt, tmp_path):
+    """The write waits for an engine at rest; a process that ends first (the ``complete``
+    command, a daemon whose editor closed soon) finishes it on the way out instead of leaving
+    a partial file and no cache."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time\n"
+        "from codecomplete.model import packcache\n"
+        "from codecomplete.model.loader import load_model\n"
+        f"packcache.folder = lambda: __import__('pathlib').Path({str(packcache.folder())!r})\n"
+        f"lm = load_model({str(ckpt)!r}, dtype='bfloat16', busy=lambda: True)\n"
+        "time.sleep(0.3)\n"
+        "assert not list(packcache.folder().glob('*.pack'))\n"  # still waiting for the engine
+        "print('loaded')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "loaded" in out.stdout, out.stderr
+    files = sorted(p.name for p in packcache.folder().iterdir())
+    assert len(files) == 1 and files[0].endswith(".pack"), files
+    assert load(ckpt).prepacked
