@@ -1,4 +1,5 @@
-"""Resident memory and load time of a loaded model: as shipped, with the model first built on the
+"""Resident memory and load time of a loaded model: as shipped, with the packed weights' cache off
+(the twentieth session's change: model/packcache.py), with the model first built on the
 meta device the way it was before the seventeenth session (PyTorch's init and ``to_empty``, which
 import torch._dynamo and sympy through torch._refs), also with the tokenizer and config read
 through transformers instead of from their files, also read through Hugging Face's model
@@ -27,11 +28,12 @@ from common import RESULTS, header, write_results  # noqa: E402
 
 # the sixteenth session's code for a model built on the meta device (its rope line is the default
 # model's: no rope scaling)
-META_DETOUR = ("import torch\n"
+NO_PACK_CACHE = "import os\nos.environ['CODECOMPLETE_PACK_CACHE'] = '0'\n"
+META_DETOUR = (NO_PACK_CACHE + "import torch\n"
                "T.Embedding.reset_parameters = torch.nn.Embedding.reset_parameters\n"
                "T.rope_frequencies = lambda a: (1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, "
                "dtype=torch.float64) / a.head_dim))).float()\n"
-               "T._materialize = lambda m, dt, dev: m.to_empty(device=dev).to(dt)\n")
+               "T._materialize = lambda m, dt, dev, skip=frozenset(): m.to_empty(device=dev).to(dt)\n")
 VIA_TRANSFORMERS = META_DETOUR + ("from codecomplete.model.tokenizer import FastTokenizer\n"
                                   "FastTokenizer.load = classmethod(lambda cls, path: None)\n"
                                   "loader.config_from_json = lambda path: None\n")
@@ -39,6 +41,7 @@ VIA_HF = VIA_TRANSFORMERS + "T.from_safetensors = lambda *a, **k: None\n"
 KEEP_DENSE = VIA_HF + "T.Transformer.release_dense = lambda self: 0\n"
 ARMS = {
     "shipped": "",
+    "the packed weights' cache off (read, converted and packed)": NO_PACK_CACHE,
     "built on the meta device through torch._refs": META_DETOUR,
     "tokenizer and config through transformers": VIA_TRANSFORMERS,
     "through Hugging Face": VIA_HF,
