@@ -159,6 +159,7 @@ def engine_stats(counters: dict, settings: EngineSettings, lm=None, ready: bool 
              template=lm.template.name if lm else None,
              load_seconds=round(lm.load_seconds, 3) if lm else None,
              load_prepacked=lm.prepacked if lm else None,  # the packed weights' cache served the load
+             load_read_ahead=lm.read_ahead if lm else None,  # its file read before torch's import
              ready=ready and lm is not None, load_error=load_error,
              loading=loading or None)  # what a load in progress is doing where it takes seconds
     s["decode_tokens_per_s"] = (round(1000 * s["generated_tokens"] / s["decode_ms"], 2)

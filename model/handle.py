@@ -48,6 +48,10 @@ class EngineHandle:
         from . import native_build
 
         native_build.prebuild(self.settings.device)  # a first start's longest step, before torch's import
+        if native_build.enabled() and self.settings.native_attention:  # a later start's longest read, likewise
+            from . import pack_prefetch
+
+            pack_prefetch.start(self.settings.model, self.settings.device, self.settings.dtype)
         self._thread.start()
         return self
 

@@ -89,6 +89,7 @@ class LoadedModel:
     load_seconds: float
     home: str = ""  # where files stored with the model live (an adapter's own folder); "": none
     prepacked: bool = False  # the native copies came from the packed weights' cache (model/packcache.py)
+    read_ahead: bool = False  # and that file was read before torch's import (model/pack_prefetch.py)
 
 
 def cache_dir() -> Path:
@@ -548,6 +549,10 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
             kept = kept or _pack_entry(ckpt, dt, dev, native, wait=True)
             if kept is not None:
                 kept.write(net, busy=busy)  # on a thread of its own, while the engine rests; the next load reads it
+    if kept is not None:  # the next start of these settings reads this file ahead (pack_prefetch)
+        from . import pack_prefetch
+
+        pack_prefetch.remember(spec, device, dtype, kept.path)
     net.pack_where_read(pack)
     net.release_dense()  # where the native copies serve every pass
     trim_heap()  # the copies made on the way (the HF model, conversions, dense weights) were freed above
@@ -555,9 +560,14 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
     choice = detect_template(vocab, template)
     if template not in ("auto", choice.name):
         log.warning("FIM template: %s", choice.reason)
+    if native and dev.type == "cpu":
+        from . import pack_prefetch
+
+        pack_prefetch.drop()  # anything read ahead and not taken: its memory back
     loaded = LoadedModel(model=net, tokenizer=tok, name=name, path=str(ckpt), home=str(home), device=dev,
                          dtype=dt, template=choice, stop_ids=stop_token_ids(tok, choice, vocab),
-                         load_seconds=time.perf_counter() - t0, prepacked=adopted)
+                         load_seconds=time.perf_counter() - t0, prepacked=adopted,
+                         read_ahead=adopted and prepacked.ahead)
     log.info("model %s loaded from %s on %s/%s in %.2f s, template %s%s%s", name, ckpt, dev,
              str(dt).removeprefix("torch."), loaded.load_seconds, choice.name,
              ", weights packed" if net.packed else "",

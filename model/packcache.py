@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from . import native, native_build
+from . import native, native_build, pack_prefetch
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class Prepacked:
     shapes: list[list[int]] = field(default_factory=list)  # of the arena's matrices, as written
     filling: threading.Thread | None = None  # reading the tensors' bytes in (Entry.read); wait() for it
     error: str | None = None  # why the bytes could not be read
+    ahead: bool = False  # the bytes were read before torch's import (pack_prefetch)
 
     def wait(self) -> bool:
         """Wait until the tensors hold the file's bytes; False where they could not be read (the
@@ -107,6 +108,11 @@ class Entry:
         or damaged file: the reason logged).  The header is checked here; the tensors' bytes are
         read on a thread of their own (their page faults are most of the time), while the caller
         builds the rest of the model: ``Prepacked.wait()`` before the tensors are used."""
+        ahead = pack_prefetch.take(self.path)
+        if ahead is not None:
+            got = self._adopt(ahead)
+            if got is not None:
+                return got
         start = time.perf_counter()
         try:
             f = open(self.path, "rb")
@@ -162,6 +168,29 @@ class Entry:
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
             log.warning("packed weights %s not used (%s): packing again", self.path, exc)
             return None
+
+    def _adopt(self, ahead: pack_prefetch.Prefetched) -> Prepacked | None:
+        """The tensors in the bytes the daemon read ahead (pack_prefetch), where their header
+        holds this key and they are as long as it says; else None (the file is read again)."""
+        try:
+            meta = json.loads(ahead.header)
+            if meta.get("key") != self.key:
+                return None
+            arena_n, qshapes = int(meta["arena"]), meta["qhead"]
+            qlike = [torch.empty(s, dtype=getattr(torch, d), device="meta") for s, d in qshapes] \
+                if qshapes is not None else []
+            if ahead.size != _room(arena_n) + sum(_room(t.numel() * t.element_size()) for t in qlike):
+                return None
+            arena = torch.frombuffer(ahead.buffer, dtype=torch.uint8, count=arena_n, offset=ahead.offset)
+            at, qhead = ahead.offset + _room(arena_n), []
+            for t in qlike:
+                qhead.append(torch.frombuffer(ahead.buffer, dtype=t.dtype, count=t.numel(), offset=at).view(t.shape))
+                at += _room(t.numel() * t.element_size())
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
+            log.warning("packed weights read ahead from %s not used (%s)", self.path, exc)
+            return None
+        # (the tensors hold the read-ahead buffer alive: torch.frombuffer keeps a reference)
+        return Prepacked(arena, qhead if qshapes is not None else None, meta["shapes"], ahead=True)
 
     def write(self, model, background: bool = True, busy: Callable[[], bool] | None = None) -> threading.Thread | None:
         """Keep ``model``'s native copies (after ``native_decode``) in this entry's file, on a

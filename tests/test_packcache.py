@@ -268,3 +268,72 @@ def test_a_process_that_ends_while_the_engine_works_still_writes_the_file(ckpt, 
     files = sorted(p.name for p in packcache.folder().iterdir())
     assert len(files) == 1 and files[0].endswith(".pack"), files
     assert load(ckpt).prepacked
+
+
+def test_the_daemon_reads_the_file_ahead_and_the_load_takes_it(ckpt, tmp_path):
+    """pack_prefetch: the file the last load of the same settings used, read before torch's
+    import; the load takes those bytes where the file is still the one read."""
+    from codecomplete.model import pack_prefetch
+
+    want = outputs(load(ckpt))  # writes the file and the hint
+    assert pack_prefetch.start(str(ckpt), "auto", "bfloat16") is not None
+    got = load_model(str(ckpt), dtype="bfloat16")
+    assert got.prepacked and got.read_ahead
+    assert same(outputs(got), want)
+    assert pack_prefetch.start(str(ckpt), "auto", "float32") is None  # settings no load used: nothing to read
+    # the file rewritten after it was read ahead: those bytes are not taken
+    assert pack_prefetch.start(str(ckpt), "auto", "bfloat16") is not None
+    pack_prefetch.take(tmp_path / "none")  # (waits for the read)
+    (path,) = packed_files(ckpt)
+    data = path.read_bytes()
+    path.unlink()
+    path.write_bytes(data)  # the same bytes, another inode
+    again = load_model(str(ckpt), dtype="bfloat16")
+    assert again.prepacked and not again.read_ahead and same(outputs(again), want)
+    # read ahead and never taken (the load was of another model): dropped, its memory back
+    assert pack_prefetch.start(str(ckpt), "auto", "bfloat16") is not None
+    pack_prefetch.take(tmp_path / "none")
+    assert pack_prefetch._got
+    load_model(str(ckpt), dtype="float32")
+    assert not pack_prefetch._got
+
+
+@pytest.mark.parametrize("hint", ["missing file", "not a pack", "garbage hints"])
+def test_a_read_ahead_that_finds_nothing_costs_nothing(hint, ckpt, tmp_path):
+    from codecomplete.model import pack_prefetch
+
+    want = outputs(load(ckpt))
+    (path,) = packed_files(ckpt)
+    hints = pack_prefetch.hints_file()
+    saved = hints.read_text()
+    try:
+        if hint == "garbage hints":
+            hints.write_text("[1, 2")
+        else:
+            other = tmp_path / "other.pack"
+            if hint == "not a pack":
+                other.write_bytes(os.urandom(1 << 16))
+            pack_prefetch.remember(str(ckpt), "auto", "bfloat16", other)
+        pack_prefetch.start(str(ckpt), "auto", "bfloat16")
+        got = load_model(str(ckpt), dtype="bfloat16")
+        assert got.prepacked and not got.read_ahead and same(outputs(got), want)
+        assert not pack_prefetch._got
+    finally:
+        hints.write_text(saved)
+
+
+def test_the_read_ahead_does_not_import_torch(ckpt):
+    """It runs beside torch's import (the daemon starts it first): it must not wait for it."""
+    import subprocess
+    import sys
+
+    load(ckpt)
+    code = ("import sys\n"
+            "from codecomplete.model import pack_prefetch\n"
+            f"t = pack_prefetch.start({str(ckpt)!r}, 'auto', 'bfloat16')\n"
+            "assert t is not None\n"
+            "t.join()\n"
+            "assert pack_prefetch._got, 'nothing read'\n"
+            "assert 'torch' not in sys.modules\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
