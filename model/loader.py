@@ -469,8 +469,13 @@ def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     (``Transformer.release_dense``).  ``native``: decode attention through
     the native CPU kernel where it builds (``Transformer.native_decode``).  ``busy``: the
     engine's probe, which the packed weights' write waits on (model/packcache.py)."""
+    from . import pack_prefetch
+
     with _LOAD_LOCK:
-        return _load_model(spec, device, dtype, template, pack, native, busy)
+        try:
+            return _load_model(spec, device, dtype, template, pack, native, busy)
+        finally:  # what the daemon read ahead and this load did not take (another model, a failed load)
+            pack_prefetch.drop()
 
 
 def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, native: bool,
@@ -560,10 +565,6 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
     choice = detect_template(vocab, template)
     if template not in ("auto", choice.name):
         log.warning("FIM template: %s", choice.reason)
-    if native and dev.type == "cpu":
-        from . import pack_prefetch
-
-        pack_prefetch.drop()  # anything read ahead and not taken: its memory back
     loaded = LoadedModel(model=net, tokenizer=tok, name=name, path=str(ckpt), home=str(home), device=dev,
                          dtype=dt, template=choice, stop_ids=stop_token_ids(tok, choice, vocab),
                          load_seconds=time.perf_counter() - t0, prepacked=adopted,

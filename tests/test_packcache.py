@@ -296,6 +296,15 @@ def test_the_daemon_reads_the_file_ahead_and_the_load_takes_it(ckpt, tmp_path):
     assert pack_prefetch._got
     load_model(str(ckpt), dtype="float32")
     assert not pack_prefetch._got
+    # and a load that fails drops it too
+    from codecomplete.model.loader import ModelLoadError
+
+    assert pack_prefetch.start(str(ckpt), "auto", "bfloat16") is not None
+    pack_prefetch.take(tmp_path / "none")
+    assert pack_prefetch._got
+    with pytest.raises(ModelLoadError):
+        load_model(str(tmp_path / "no-such-model"), dtype="bfloat16")
+    assert not pack_prefetch._got
 
 
 @pytest.mark.parametrize("hint", ["missing file", "not a pack", "garbage hints"])
