@@ -24,8 +24,10 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"CCPACK01"  # packcache.MAGIC (this module does not import torch)
-ALIGN = 4096  # packcache.ALIGN
+# the packed weights' file (model/packcache.py writes it; its layout lives here, torch-free): MAGIC,
+# the header's length (8 bytes, little-endian), the JSON header, zeros to the next ALIGN, the data
+MAGIC = b"CCPACK01"
+ALIGN = 4096  # the data starts on a page
 HUGE_PAGE = 2 << 20
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
@@ -141,17 +143,30 @@ def drop() -> None:
         _got.clear()
 
 
+def read_header(f) -> bytes:
+    """The JSON header of a packed weights' file open at its start (ValueError: not one)."""
+    head = f.read(16)
+    if len(head) != 16 or head[:8] != MAGIC:
+        raise ValueError("not a packed weights file")
+    n = int.from_bytes(head[8:], "little")
+    if not 2 <= n <= 1 << 20:
+        raise ValueError(f"a header of {n} bytes")
+    header = f.read(n)
+    if len(header) != n:
+        raise ValueError("the file ended in its header")
+    return header
+
+
+def data_start(header: int) -> int:
+    """Where the data of a file with a header of ``header`` bytes starts."""
+    return -(-(16 + header) // ALIGN) * ALIGN
+
+
 def _read(path: Path) -> Prefetched:
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
-        head = f.read(16)
-        if len(head) != 16 or head[:8] != MAGIC:
-            raise ValueError("not a packed weights file")
-        n = int.from_bytes(head[8:], "little")
-        if not 2 <= n <= 1 << 20:
-            raise ValueError(f"a header of {n} bytes")
-        header = f.read(n)
-        start = -(-(16 + n) // ALIGN) * ALIGN
+        header = read_header(f)
+        start = data_start(len(header))
         size = st.st_size - start
         if size <= 0:
             raise ValueError("no data")

@@ -40,9 +40,7 @@ from . import native, native_build, pack_prefetch
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"CCPACK01"
 FORMAT = 1
-ALIGN = 4096  # the data starts on a page
 MIN_FREE = 1 << 30  # bytes a write leaves free on the cache's disk, at least
 PIECE = 16 << 20  # bytes written at a time, between looks at the engine (Entry.write's busy)
 MAX_WAIT = 60.0  # seconds a write waits for the engine to rest, in all
@@ -124,33 +122,28 @@ class Entry:
         try:
             with contextlib.ExitStack() as closing:
                 closing.callback(f.close)
-                head = f.read(16)
-                if len(head) != 16 or head[:8] != MAGIC:
-                    raise ValueError("not a packed weights file")
-                n = int.from_bytes(head[8:], "little")
-                if not 2 <= n <= 1 << 20:
-                    raise ValueError(f"a header of {n} bytes")
-                meta = json.loads(f.read(n))
+                header = pack_prefetch.read_header(f)
+                n = len(header)
+                meta = json.loads(header)
                 if meta.get("key") != self.key:
                     log.info("packed weights %s were made for another checkpoint, CPU or code: packing again",
                              self.path.name)
                     return None
-                arena_n, qshapes = int(meta["arena"]), meta["qhead"]
-                qlike = [torch.empty(s, dtype=getattr(torch, d), device="meta") for s, d in qshapes] \
-                    if qshapes is not None else []
-                want = _data_start(n) + _room(arena_n) + sum(_room(t.numel() * t.element_size()) for t in qlike)
+                arena_n, qlike, data = _layout(meta)
+                data_at = pack_prefetch.data_start(n)
+                want = data_at + data
                 size = os.fstat(f.fileno()).st_size
                 if size != want:
                     raise ValueError(f"{size} bytes where its header says {want}")
                 arena = native.huge_empty((arena_n,), torch.uint8)
                 qhead = [torch.empty(t.shape, dtype=t.dtype) for t in qlike]
-                out = Prepacked(arena, qhead if qshapes is not None else None, meta["shapes"])
+                out = Prepacked(arena, qhead if meta["qhead"] is not None else None, meta["shapes"])
                 parts = [(arena, _room(arena_n))] + [
                     (t.view(-1).view(torch.uint8), _room(t.numel() * t.element_size())) for t in qhead]
 
                 def fill():
                     try:
-                        f.seek(_data_start(n))
+                        f.seek(data_at)
                         for t, room in parts:
                             _read_into(f, t, room)
                         log.info("packed weights read from %s (%d MB, %.2f s)", self.path, size >> 20,
@@ -176,10 +169,8 @@ class Entry:
             meta = json.loads(ahead.header)
             if meta.get("key") != self.key:
                 return None
-            arena_n, qshapes = int(meta["arena"]), meta["qhead"]
-            qlike = [torch.empty(s, dtype=getattr(torch, d), device="meta") for s, d in qshapes] \
-                if qshapes is not None else []
-            if ahead.size != _room(arena_n) + sum(_room(t.numel() * t.element_size()) for t in qlike):
+            arena_n, qlike, data = _layout(meta)
+            if ahead.size != data:
                 return None
             arena = torch.frombuffer(ahead.buffer, dtype=torch.uint8, count=arena_n, offset=ahead.offset)
             at, qhead = ahead.offset + _room(arena_n), []
@@ -190,7 +181,7 @@ class Entry:
             log.warning("packed weights read ahead from %s not used (%s)", self.path, exc)
             return None
         # (the tensors hold the read-ahead buffer alive: torch.frombuffer keeps a reference)
-        return Prepacked(arena, qhead if qshapes is not None else None, meta["shapes"], ahead=True)
+        return Prepacked(arena, qhead if meta["qhead"] is not None else None, meta["shapes"], ahead=True)
 
     def write(self, model, background: bool = True, busy: Callable[[], bool] | None = None) -> threading.Thread | None:
         """Keep ``model``'s native copies (after ``native_decode``) in this entry's file, on a
@@ -265,12 +256,17 @@ def finish(timeout: float = 5.0) -> None:
         t.join(max(0.0, deadline - time.monotonic()))
 
 
+def _layout(meta: dict) -> tuple[int, list[torch.Tensor], int]:
+    """From a file's header: the arena's bytes, the greedy head's tensors (meta tensors; [] where
+    none) and the bytes of the data after the header."""
+    qshapes = meta["qhead"]
+    qlike = [torch.empty(s, dtype=getattr(torch, d), device="meta") for s, d in qshapes] if qshapes is not None else []
+    arena_n = int(meta["arena"])
+    return arena_n, qlike, _room(arena_n) + sum(_room(t.numel() * t.element_size()) for t in qlike)
+
+
 def _room(n: int) -> int:
     return -(-n // 64) * 64
-
-
-def _data_start(header: int) -> int:
-    return -(-(16 + header) // ALIGN) * ALIGN
 
 
 def _read_into(f, t: torch.Tensor, room: int) -> None:
@@ -305,7 +301,7 @@ def _write(path: Path, meta: dict, arena: torch.Tensor, qhead: list[torch.Tensor
     _remove_stale(path.parent)
     header = json.dumps(meta).encode()
     parts = [arena] + [t.reshape(-1).view(torch.uint8) for t in qhead]
-    total = _data_start(len(header)) + sum(_room(p.numel()) for p in parts)
+    total = pack_prefetch.data_start(len(header)) + sum(_room(p.numel()) for p in parts)
     import shutil
 
     if shutil.disk_usage(path.parent).free < total + MIN_FREE:
@@ -313,8 +309,8 @@ def _write(path: Path, meta: dict, arena: torch.Tensor, qhead: list[torch.Tensor
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(MAGIC + len(header).to_bytes(8, "little") + header)
-            f.write(bytes(_data_start(len(header)) - 16 - len(header)))
+            f.write(pack_prefetch.MAGIC + len(header).to_bytes(8, "little") + header)
+            f.write(bytes(pack_prefetch.data_start(len(header)) - 16 - len(header)))
             for p in parts:
                 view = memoryview(p.numpy()).cast("B")
                 for at in range(0, len(view), PIECE):
@@ -342,9 +338,7 @@ def _remove_stale(where: Path, stale_s: float = 600.0) -> None:
                     p.unlink()
             elif p.suffix == ".pack":
                 with open(p, "rb") as f:
-                    head = f.read(16)
-                    n = int.from_bytes(head[8:], "little") if head[:8] == MAGIC else 0
-                    ckpt = json.loads(f.read(n)).get("checkpoint") if 2 <= n <= 1 << 20 else None
+                    ckpt = json.loads(pack_prefetch.read_header(f)).get("checkpoint")
                 if ckpt and not Path(ckpt).is_dir():
                     p.unlink()
                     log.info("packed weights of %s removed: the checkpoint is gone", ckpt)
