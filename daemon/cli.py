@@ -13,11 +13,13 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
 from codecomplete import __version__
 
+from . import startgc
 from .config import Config, engine_settings, load_config
 from .logs import setup_logging
 
@@ -89,11 +91,16 @@ def serve(argv: list[str]) -> int:
     # first start built the common datastore (prefill 1.4 -> 0.8 s, decode 47 -> 11 ms a token,
     # docs/decisions.md).  Read at each call by the library; a user's own setting stands.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    startgc.pause()  # the start's imports without the collector (daemon/startgc.py); on again once loaded
     from codecomplete.model.handle import EngineHandle
 
     # torch is imported and the model loads on the engine's threads while the client connects
     # and is answered (model/handle.py); started first, as the first completion waits for it
-    engine = EngineHandle(engine_settings(cfg)).start()
+    engine = EngineHandle(engine_settings(cfg))
+    loaded = threading.Event()
+    engine.on_load.append(lambda lm: loaded.set())
+    engine.start()
+    startgc.resume_after(loaded)
     from codecomplete.lsp.server import create_server
 
     server = create_server(engine, cfg, args.repo.resolve() if args.repo else None, cli_settings(args))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import itertools
 import json
 import logging
@@ -1089,7 +1090,9 @@ class CodecompleteServer(LanguageServer):
                 "engine": self.engine.stats(), "index": self.index.stats() if self.index else None,
                 "folders": self.folders.stats(), "open_documents": len(self.workspace.text_documents),
                 "completion_cache": len(self.cache),
-                "position_encoding": encoding_name(self.workspace.position_encoding)}
+                "position_encoding": encoding_name(self.workspace.position_encoding),
+                # off while the daemon starts, then on with the start's objects frozen (daemon/startgc.py)
+                "gc": {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}}
 
     def report_server_error(self, error: Exception, source) -> None:
         if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):

@@ -716,8 +716,11 @@ async def test_the_next_daemon_loads_the_packed_weights_the_first_one_kept(repo,
             open_doc(c, uri, POINT)
             lines = POINT.split("\n")
             items = await complete(c, uri, len(lines) - 1, len(lines[-1]))
-            engine = (await stats(c))["engine"]
+            now = await stats(c)
+            engine = now["engine"]
             seen.append((proposed(items, LAST), engine["load_prepacked"], engine["load_read_ahead"]))
+            # the collector, off while the daemon started (daemon/startgc.py), is on again once loaded
+            assert now["gc"]["enabled"] and now["gc"]["frozen"] > 0
         finally:
             await c.shutdown_session()
             await c.stop()
