@@ -186,9 +186,18 @@ def complete(argv: list[str]) -> int:
 
     settings = engine_settings(cfg)
     native_build.prebuild(settings.device)  # the kernels compile (first run only) while torch is imported
+    if native_build.enabled() and settings.native_attention:  # and the packed weights are read (model/pack_prefetch.py)
+        from codecomplete.model import pack_prefetch
+
+        pack_prefetch.start(settings.model, settings.device, settings.dtype)
+    startgc.pause()  # torch's import without the collector, as the daemon's start (daemon/startgc.py)
     from codecomplete.model.engine import Engine
 
-    engine = Engine(settings).start()
+    engine = Engine(settings)
+    loaded = threading.Event()
+    engine.on_load.append(lambda lm: loaded.set())
+    engine.start()
+    startgc.resume_after(loaded)
     c = cfg.completion
     request = CompletionRequest(cursor.prefix, cursor.suffix, request_id="cli",
                                 mode=args.mode or c.mode, max_tokens=args.max_tokens or c.max_tokens,
