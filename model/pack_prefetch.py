@@ -75,6 +75,7 @@ def remember(spec: str, device: str, dtype: str, path: Path) -> None:
         key = hint_key(spec, device, dtype)
         if data.get(key) == str(path):
             return
+        data = {k: v for k, v in data.items() if isinstance(v, str) and Path(v).is_file()}  # files since removed
         data[key] = str(path)
         hints.parent.mkdir(parents=True, exist_ok=True)  # (a first start's file is written after this)
         tmp = hints.with_name(f".hints.{os.getpid()}.{threading.get_ident()}.tmp")

@@ -346,3 +346,21 @@ def test_the_read_ahead_does_not_import_torch(ckpt):
             "assert 'torch' not in sys.modules\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_hints_of_removed_files_are_pruned(tmp_path):
+    from codecomplete.model import pack_prefetch
+
+    hints = pack_prefetch.hints_file()
+    saved = hints.read_text() if hints.is_file() else None
+    try:
+        kept, gone = tmp_path / "kept.pack", tmp_path / "gone.pack"
+        kept.write_bytes(b"x")
+        pack_prefetch.remember("a", "auto", "auto", gone)
+        pack_prefetch.remember("b", "auto", "auto", kept)
+        got = json.loads(hints.read_text())
+        assert got[pack_prefetch.hint_key("b", "auto", "auto")] == str(kept)
+        assert pack_prefetch.hint_key("a", "auto", "auto") not in got  # its file is not there
+    finally:
+        if saved is not None:
+            hints.write_text(saved)
