@@ -16,8 +16,11 @@ the bf16 kernel's path and whether a greedy head is built.  Any other file (anot
 damaged, not this format) is ignored: the load packs as before and writes a new one.  A file is
 written by a background thread under a temporary name, flushed to disk and then renamed, so a
 reader sees a whole file or none; a folder that cannot be written, or a disk with less than
-``MIN_FREE`` left after the file, costs nothing but the log line.  ``CODECOMPLETE_PACK_CACHE=0``
-turns the cache off.
+``MIN_FREE`` left after the file, costs nothing but the log line.  The write goes in pieces
+while the engine rests (``Entry.write``'s ``busy``) and is finished when the process ends
+(``finish``).  The daemon reads the file ahead, before torch's import (model/pack_prefetch.py,
+which also holds the file's layout); ``Entry.read`` takes those bytes where they fit.
+``CODECOMPLETE_PACK_CACHE=0`` turns the cache off.
 """
 
 from __future__ import annotations
