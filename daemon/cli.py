@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -97,10 +96,8 @@ def serve(argv: list[str]) -> int:
     # torch is imported and the model loads on the engine's threads while the client connects
     # and is answered (model/handle.py); started first, as the first completion waits for it
     engine = EngineHandle(engine_settings(cfg))
-    loaded = threading.Event()
-    engine.on_load.append(lambda lm: loaded.set())
+    startgc.resume_once_loaded(engine)
     engine.start()
-    startgc.resume_after(loaded)
     from codecomplete.lsp.server import create_server
 
     server = create_server(engine, cfg, args.repo.resolve() if args.repo else None, cli_settings(args))
@@ -181,23 +178,17 @@ def complete(argv: list[str]) -> int:
     except (SourceError, PositionError) as exc:
         print(f"codecomplete-daemon complete: {exc}", file=sys.stderr)
         return 2
-    from codecomplete.model import native_build
     from codecomplete.model.api import CompletionRequest
+    from codecomplete.model.handle import prestart
 
     settings = engine_settings(cfg)
-    native_build.prebuild(settings.device)  # the kernels compile (first run only) while torch is imported
-    if native_build.enabled() and settings.native_attention:  # and the packed weights are read (model/pack_prefetch.py)
-        from codecomplete.model import pack_prefetch
-
-        pack_prefetch.start(settings.model, settings.device, settings.dtype)
+    prestart(settings)  # the kernels' build (first run only) and the packed weights' read, while torch is imported
     startgc.pause()  # torch's import without the collector, as the daemon's start (daemon/startgc.py)
     from codecomplete.model.engine import Engine
 
     engine = Engine(settings)
-    loaded = threading.Event()
-    engine.on_load.append(lambda lm: loaded.set())
+    startgc.resume_once_loaded(engine)
     engine.start()
-    startgc.resume_after(loaded)
     c = cfg.completion
     request = CompletionRequest(cursor.prefix, cursor.suffix, request_id="cli",
                                 mode=args.mode or c.mode, max_tokens=args.max_tokens or c.max_tokens,

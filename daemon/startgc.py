@@ -57,3 +57,11 @@ def resume_after(ready: threading.Event, timeout: float = MAX_PAUSE) -> threadin
     thread = threading.Thread(target=run, name="gc-after-start", daemon=True)
     thread.start()
     return thread
+
+
+def resume_once_loaded(engine, timeout: float = MAX_PAUSE) -> threading.Thread:
+    """``resume_after`` the first model ``engine`` loads (an ``Engine`` or ``EngineHandle`` not
+    started yet: its ``on_load`` listeners)."""
+    loaded = threading.Event()
+    engine.on_load.append(lambda lm: loaded.set())
+    return resume_after(loaded, timeout)

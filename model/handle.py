@@ -23,6 +23,19 @@ from .prompts import PROMPT_KINDS
 log = logging.getLogger(__name__)
 
 
+def prestart(settings: EngineSettings) -> None:
+    """What a start begins before torch's import, on threads of their own (torch-free): the
+    kernels' build (a first start's longest step) and the read of the packed weights the last
+    load of these settings used (a later start's longest read, model/pack_prefetch.py)."""
+    from . import native_build
+
+    native_build.prebuild(settings.device)
+    if native_build.enabled() and settings.native_attention:
+        from . import pack_prefetch
+
+        pack_prefetch.start(settings.model, settings.device, settings.dtype)
+
+
 class EngineHandle:
     def __init__(self, settings: EngineSettings):
         self.settings = settings
@@ -45,13 +58,7 @@ class EngineHandle:
         return self._engine.lm if self._engine is not None else None
 
     def start(self) -> "EngineHandle":
-        from . import native_build
-
-        native_build.prebuild(self.settings.device)  # a first start's longest step, before torch's import
-        if native_build.enabled() and self.settings.native_attention:  # a later start's longest read, likewise
-            from . import pack_prefetch
-
-            pack_prefetch.start(self.settings.model, self.settings.device, self.settings.dtype)
+        prestart(self.settings)
         self._thread.start()
         return self
 

@@ -119,10 +119,7 @@ def start(spec: str, device: str, dtype: str) -> threading.Thread | None:
 def take(path: Path) -> Prefetched | None:
     """The bytes read ahead from ``path`` where the file is still the one read (waits for the
     read in flight), else None.  Each read is taken once."""
-    with _lock:
-        thread = _thread
-    if thread is not None:
-        thread.join()
+    _settle()
     with _lock:
         got = _got.pop(str(path), None)
     if got is None:
@@ -136,12 +133,17 @@ def take(path: Path) -> Prefetched | None:
 
 def drop() -> None:
     """Forget what was read ahead and not taken (a load that did not use it: its memory back)."""
+    _settle()
+    with _lock:
+        _got.clear()
+
+
+def _settle() -> None:
+    """Wait for the read in flight, if any."""
     with _lock:
         thread = _thread
     if thread is not None:
         thread.join()
-    with _lock:
-        _got.clear()
 
 
 def read_header(f) -> bytes:
