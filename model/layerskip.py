@@ -112,9 +112,33 @@ def kl(student_logits: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor
     return F.kl_div(F.log_softmax(student_logits.float(), -1), teacher_logp, log_target=True, reduction="batchmean")
 
 
-def forward_all(model, ids: torch.Tensor, exits: list[int]):
-    out = model.model(input_ids=ids, output_hidden_states=True)
-    return out.last_hidden_state, [out.hidden_states[e] for e in exits]
+def forward_all(model, ids: torch.Tensor, exits: list[int], drop: frozenset[int] = frozenset()):
+    """The last layer's normed state and the raw state after each exit's layers, by the model's own
+    decoder layers in a loop of ours so that layers in ``drop`` (0-based) can be skipped: their
+    input passes on unchanged, LayerSkip's layer dropout.  Causal attention without a mask: the
+    batches pad only at the end of a row, after every real token."""
+    m = model.model
+    h = m.embed_tokens(ids)
+    pos = torch.arange(ids.shape[1], device=ids.device)[None]
+    pe = m.rotary_emb(h, position_ids=pos)
+    at: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(m.layers):
+        if i not in drop:
+            h = layer(h, attention_mask=None, position_embeddings=pe, position_ids=pos)
+            h = h[0] if isinstance(h, tuple) else h
+        at[i + 1] = h
+    return m.norm(h), [at[e] for e in exits]
+
+
+def dropout_rates(n_layers: int, p_max: float) -> list[float]:
+    """LayerSkip's per-layer dropout: 0 at the first layer, rising exponentially to ``p_max`` at the last."""
+    if n_layers < 2:
+        return [0.0] * n_layers
+    return [p_max * (math.exp(i * math.log(2) / (n_layers - 1)) - 1) for i in range(n_layers)]
+
+
+def draw_drop(rates: list[float], rng: random.Random) -> frozenset[int]:
+    return frozenset(i for i, p in enumerate(rates) if p > 0 and rng.random() < p)
 
 
 def exit_logits(model, adapter, h):
@@ -230,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="what the exits learn: the teacher's distribution, or the student's own last layer's "
                          "(detached: the exits follow the layers without pulling them)")
     ap.add_argument("--final-weight", type=float, default=1.0, help="weight of the last layer's KL to the teacher")
+    ap.add_argument("--exit-loss", choices=("kl", "ce"), default="kl",
+                    help="exits' loss: KL to the target's distribution, or cross-entropy to its top token")
+    ap.add_argument("--layer-dropout", type=float, default=0.0, metavar="P_MAX",
+                    help="LayerSkip's layer dropout while training: layer i skipped with probability "
+                         "P_MAX (2^(i/(L-1)) - 1), one draw per layer and step")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--alpha", type=float, default=32.0)
     ap.add_argument("--lr", type=float, default=2e-4)
@@ -305,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.minutes * 60
     t0, step, tokens = time.perf_counter(), 0, 0
     w_exit = args.exit_weight
+    rates = dropout_rates(n_layers, args.layer_dropout)
+    drop_rng = random.Random(args.seed + 2)
     for ids, _labels in loader:
         frac = (time.perf_counter() - t0) / budget
         if frac >= 1 or (args.max_steps and step >= args.max_steps):
@@ -318,11 +349,17 @@ def main(argv: list[str] | None = None) -> int:
             with torch.no_grad():
                 t_last = teacher.model(input_ids=ids).last_hidden_state
                 t_logp = F.log_softmax(teacher.lm_head(t_last[keep]).float(), -1)
-            s_last, s_exits = forward_all(student, ids, exits)
+            drop = draw_drop(rates, drop_rng)
+            s_last, s_exits = forward_all(student, ids, exits, drop)
             s_logits = student.lm_head(s_last[keep])
             loss_final = kl(s_logits, t_logp)
             target = t_logp if args.target == "teacher" else F.log_softmax(s_logits.detach().float(), -1)
-            loss_exits = [kl(exit_logits(student, a, h[keep]), target) for h, a in zip(s_exits, adapters)]
+            if args.exit_loss == "ce":  # the target's top token: what an exit's agreement counts
+                top = target.argmax(-1)
+                loss_exits = [F.cross_entropy(exit_logits(student, a, h[keep]).float(), top)
+                              for h, a in zip(s_exits, adapters)]
+            else:
+                loss_exits = [kl(exit_logits(student, a, h[keep]), target) for h, a in zip(s_exits, adapters)]
             loss = args.final_weight * loss_final + w_exit * sum(loss_exits)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(lora + list(adapters.parameters()), 1.0)

@@ -111,3 +111,49 @@ def test_own_target_runs_and_the_lora_splits_into_parts(tiny_model: Path, tmp_pa
     keys = [set(load_file(str(f))) for f in files]
     assert not keys[0] & keys[1]
     assert keys[0] | keys[1] == {f"{n}.{t}" for n in mods for t in ("lora_a", "lora_b")}
+
+
+def test_the_layer_loop_is_the_models_forward_and_a_dropped_layer_passes_its_input_on(tiny_model: Path):
+    """``forward_all`` runs the model's own decoder layers: without drops it gives HF's hidden states
+    to the bit's tolerance; a dropped layer leaves the state as its input was."""
+    from codecomplete.model import layerskip
+    from codecomplete.model import train as tr
+
+    _, model, _ = tr.load_base(str(tiny_model))
+    model.eval()
+    n = model.config.num_hidden_layers
+    ids = torch.randint(5, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        ref = model.model(input_ids=ids, output_hidden_states=True)
+        last, at = layerskip.forward_all(model, ids, list(range(1, n + 1)))
+        torch.testing.assert_close(last, ref.last_hidden_state)
+        for e, h in zip(range(1, n), at):
+            torch.testing.assert_close(h, ref.hidden_states[e])
+        torch.testing.assert_close(model.model.norm(at[-1]), ref.hidden_states[n])  # HF's last entry is normed
+        _, dropped = layerskip.forward_all(model, ids, [1, 2], drop=frozenset({1}))
+        torch.testing.assert_close(dropped[1], dropped[0])  # layer index 1 skipped: after 2 layers = after 1
+        assert not torch.allclose(dropped[1], ref.hidden_states[2])
+
+
+def test_layer_dropout_rates_rise_from_nothing_to_p_max():
+    from codecomplete.model.layerskip import draw_drop, dropout_rates
+
+    rates = dropout_rates(30, 0.2)
+    assert rates[0] == 0 and abs(rates[-1] - 0.2) < 1e-12 and rates == sorted(rates)
+    assert dropout_rates(30, 0.0) == [0.0] * 30
+    import random
+
+    draws = [draw_drop(rates, random.Random(i)) for i in range(400)]
+    assert all(0 not in d for d in draws)
+    late = sum(29 in d for d in draws) / len(draws)
+    assert 0.1 < late < 0.3
+
+
+def test_a_run_with_layer_dropout_and_the_hard_exit_loss_trains(tiny_model: Path, tmp_path: Path):
+    out = tmp_path / "ld"
+    assert _run(tiny_model, out, _texts(tmp_path / "t.json"), 3, "--layer-dropout", "0.5", "--exit-loss", "ce") == 0
+    history = json.loads((out / "history.json").read_text())
+    assert history["args"]["layer_dropout"] == 0.5 and history["args"]["exit_loss"] == "ce"
+    assert [e["step"] for e in history["evals"]] == [0, 3]
+    assert all(r["loss"] == r["loss"] for r in history["steps"])  # finite, not NaN
+    assert list(out.glob("lora-*.safetensors"))
