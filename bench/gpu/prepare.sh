@@ -5,6 +5,7 @@
 # Also writes .dev/texts.json.xz (layerskip's texts) and .whl/ (wheels the device lacks).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
+mkdir -p .git/info
 for d in /.dev/ /.whl/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
 mkdir -p .dev .whl
 G=$(python3 -c "from codecomplete.model.loader import default_model_path; print(default_model_path())")
