@@ -5,8 +5,9 @@
 # Also writes .dev/texts.json.xz (layerskip's texts) and .whl/ (wheels the device lacks).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-mkdir -p .git/info
-for d in /.dev/ /.whl/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
+EXCL="$(git rev-parse --git-path info/exclude)"
+mkdir -p "$(dirname "$EXCL")"
+for d in /.dev/ /.whl/; do grep -qxF "$d" "$EXCL" 2>/dev/null || echo "$d" >> "$EXCL"; done
 mkdir -p .dev .whl
 G=$(python3 -c "from codecomplete.model.loader import default_model_path; print(default_model_path())")
 [ -f .dev/g.xz ] || xz -6 -T2 -c "$G" > .dev/g.xz
