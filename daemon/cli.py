@@ -1,7 +1,8 @@
 """The ``codecomplete-daemon`` command.
 
 ``codecomplete-daemon --repo PATH`` serves LSP on stdio (or ``--tcp HOST:PORT``).
-Subcommands: ``complete`` prints one completion for a file position.
+Subcommands: ``complete`` prints one completion for a file position; ``cache`` lists the cache
+folder (``--prune`` removes what no start reads).
 Logs go to stderr or ``--log-file``; stdout belongs to the LSP channel.
 """
 
@@ -70,7 +71,7 @@ def serve(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="codecomplete-daemon", description=(
         "Serve inline code completions over the Language Server Protocol. "
         "Subcommands: complete (one completion from the terminal), index (build the repository index), "
-        "sessions from-git, replay, record (the replay harness)."))
+        "sessions from-git, replay, record (the replay harness), cache (what the cache holds; --prune)."))
     _common(p)
     p.add_argument("--tcp", type=parse_tcp, metavar="HOST:PORT",
                    help="listen on TCP instead of stdio (a bare PORT binds 127.0.0.1)")
@@ -319,8 +320,14 @@ def record_cmd(argv: list[str]) -> int:
     return record(argv)
 
 
+def cache_cmd(argv: list[str]) -> int:
+    from .cache_cmd import main as cache_main
+
+    return cache_main(argv)
+
+
 SUBCOMMANDS = {"complete": complete, "index": index, "sessions": sessions_cmd, "replay": replay_cmd,
-               "record": record_cmd}
+               "record": record_cmd, "cache": cache_cmd}
 
 
 def main(argv: list[str] | None = None) -> int:
