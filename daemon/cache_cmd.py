@@ -229,6 +229,13 @@ def main(argv: list[str]) -> int:
     for e in entries:
         mark = "stale" if e.stale else ""
         print(f"  {e.kind:<7} {_mb(e.bytes):>12}  {mark:<5}  {Path(e.path).relative_to(root)}  ({e.status})")
+    kinds: dict[str, list[Entry]] = {}
+    for e in entries:
+        kinds.setdefault(e.kind, []).append(e)
+    for kind, group in kinds.items():
+        stale = [e for e in group if e.stale]
+        print(f"{kind}: {len(group)}, {_mb(sum(e.bytes for e in group))}"
+              + (f" ({len(stale)} stale, {_mb(sum(e.bytes for e in stale))})" if stale else ""))
     total = sum(e.bytes for e in entries)
     stale = [e for e in entries if e.stale]
     print(f"{len(entries)} entries, {_mb(total)}; {len(stale)} stale, {_mb(sum(e.bytes for e in stale))}")
