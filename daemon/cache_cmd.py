@@ -33,6 +33,7 @@ import shutil
 import sqlite3
 import sys
 import time
+import urllib.parse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,7 +60,8 @@ def _size(p: Path) -> int:
 
 def _index_repo(db: Path) -> str | None:
     """The repository an index records (``meta.repo``), read without writing; None if unreadable."""
-    for uri in (f"file:{db}?mode=ro", f"file:{db}"):
+    where = "file:" + urllib.parse.quote(str(db.absolute()))  # a path may hold '?', '#' or '%'
+    for uri in (where + "?mode=ro", where):
         try:
             conn = sqlite3.connect(uri, uri=True, timeout=2.0)
             try:

@@ -45,7 +45,7 @@ def _model(folder: Path, *sources: str) -> Path:
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch) -> Path:
-    root = tmp_path / "cache"
+    root = tmp_path / "my cache #1?"  # characters a SQLite URI must escape
     monkeypatch.setenv("CODECOMPLETE_CACHE_DIR", str(root))
     root.mkdir()
     return root
