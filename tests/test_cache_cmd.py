@@ -47,6 +47,7 @@ def _model(folder: Path, *sources: str) -> Path:
 def cache(tmp_path: Path, monkeypatch) -> Path:
     root = tmp_path / "my cache #1?"  # characters a SQLite URI must escape
     monkeypatch.setenv("CODECOMPLETE_CACHE_DIR", str(root))
+    monkeypatch.delenv("CODECOMPLETE_NATIVE_DIR", raising=False)  # the kernels' folder is the cache's here
     root.mkdir()
     return root
 
@@ -83,6 +84,7 @@ def _layout(cache: Path, tmp_path: Path) -> dict[str, Path]:
     out["pack_damaged"] = cache / "packed" / "cccc.pack"
     out["pack_damaged"].write_bytes(b"not a pack")
     current = native_build.library_path()
+    assert current.parent == cache  # never a real build's file: it is overwritten just below
     current.write_bytes(b"\x7fELF")
     out["native_kept"] = current
     out["native_old"] = cache / "codecomplete_native-0000000000000000.so"
