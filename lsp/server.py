@@ -179,6 +179,7 @@ class CodecompleteServer(LanguageServer):
         self.issued: OrderedDict[str, dict] = OrderedDict()  # completion id -> info
         self._ids = itertools.count(1)
         self._told_unavailable = False
+        self._told_slow_path = False  # _tell_slow_path
         # the RepoIndex of each workspace folder, once known; the repository's is the primary
         self.folders = Folders(self._make_index, config.index.max_folders)
         self._contexts: dict[str, tuple[int, str]] = {}  # uri -> (line block, rendered snippets)
@@ -733,6 +734,7 @@ class CodecompleteServer(LanguageServer):
         if completion.error:
             self._report_failure(rid, completion)
             return self._count_empty()
+        self._tell_slow_path()
         if completion.texts:
             self.shown[uri] = Shown(prefix, suffix, completion)
         if self.cache.put(key(alternatives), completion, generation) and alternatives > 1:
@@ -1074,6 +1076,27 @@ class CodecompleteServer(LanguageServer):
             self._told_unavailable = True
             self.window_show_message(types.ShowMessageParams(
                 types.MessageType.Error, f"codecomplete: model unavailable: {completion.error}"))
+
+    def _tell_slow_path(self) -> None:
+        """Once, at the first completion the model computed: where a CPU model runs without the
+        native kernels for a reason the user can fix (no C compiler, a failed build), say so in the
+        editor.  Without them the daemon still serves, on PyTorch's path: 2.6-3.0x slower a decoded
+        token and 1.1-1.4x a prefill on an AVX-512 CPU (docs/decisions.md), and a log line is easy
+        to miss."""
+        if self._told_slow_path:
+            return
+        self._told_slow_path = True
+        stats = getattr(self.engine, "stats", None)
+        native = (stats() if stats else {}).get("native") or {}
+        why = native.get("problem")
+        if why:
+            why = " ".join(why.split())
+            why = why if len(why) <= 300 else why[:300] + "..."
+            log.warning("native CPU kernels unavailable: %s", why)
+            self.window_show_message(types.ShowMessageParams(types.MessageType.Warning, (
+                f"codecomplete: the native CPU kernels could not be built ({why}), so completions run on "
+                "PyTorch's slower path (decoding about 3x slower). Install a C compiler (gcc or cc on PATH, "
+                "or set CC) and restart the daemon.")))
 
     # -- telemetry ---------------------------------------------------------------------
     def record_event(self, kind: str, params: Any) -> None:

@@ -690,6 +690,47 @@ async def test_bf16_daemon_serves_through_the_native_step(repo, tiny_model, mode
         items = await complete(c, uri, len(lines) - 1, len(lines[-1]))
         assert want.strip() and proposed(items, LAST) == [want]
         assert (await stats(c))["engine"]["dtype"] == "bfloat16"
+        if native.available():  # kernels built: nothing to warn of
+            assert (await stats(c))["engine"]["native"] == {"loaded": True, "problem": None}
+            assert not [m for m in c.messages if "native CPU kernels" in m.message]
+    finally:
+        await c.shutdown_session()
+        await c.stop()
+
+
+async def test_without_its_native_kernels_the_daemon_says_why_once_and_still_answers(repo, tiny_model, model_cache,
+                                                                                    reference_engine, tmp_path,
+                                                                                    monkeypatch):
+    """Guards the warning a user sees when the kernels cannot be built (no C compiler): one
+    window/showMessage naming the reason, at the first completion, and the same completions from
+    PyTorch's path. With the kernels built (or turned off on purpose) no such message comes."""
+    want = expected(reference_engine, POINT, "")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("CODECOMPLETE_NATIVE_DIR", str(tmp_path / "native"))  # nothing built there
+    c = await start_daemon(repo, tiny_model)
+    try:
+        uri = (repo / "slow.py").as_uri()
+        open_doc(c, uri, POINT)
+        lines = POINT.split("\n")
+        for _ in range(2):
+            items = await complete(c, uri, len(lines) - 1, len(lines[-1]), invoked=True)
+            assert proposed(items, LAST)[0] == want
+        warned = [m.message for m in c.messages if "native CPU kernels" in m.message]
+        assert len(warned) == 1 and "no-such-cc" in warned[0], c.messages
+        native = (await stats(c))["engine"]["native"]
+        assert native["loaded"] is False and "no-such-cc" in native["problem"]
+    finally:
+        await c.shutdown_session()
+        await c.stop()
+
+    monkeypatch.setenv("CODECOMPLETE_NATIVE", "0")  # off on purpose: nothing to tell
+    c = await start_daemon(repo, tiny_model)
+    try:
+        uri = (repo / "off.py").as_uri()
+        open_doc(c, uri, POINT)
+        assert proposed(await complete(c, uri, len(lines) - 1, len(lines[-1]), invoked=True), LAST)[0] == want
+        assert not [m for m in c.messages if "native CPU kernels" in m.message]
+        assert (await stats(c))["engine"]["native"] == {"loaded": False, "problem": None}
     finally:
         await c.shutdown_session()
         await c.stop()

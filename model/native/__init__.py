@@ -130,6 +130,16 @@ def error() -> str | None:
     return _error
 
 
+def problem() -> str | None:
+    """Why the kernels were asked for and could not be had (no compiler, a failed build, a
+    library that would not load), for a user to fix; None where they were not asked for (a GPU
+    model, ``native_attention`` off) or were turned off on purpose (``CODECOMPLETE_NATIVE=0``).
+    Builds nothing: it reports what ``available()`` found."""
+    if not _tried or _lib is not None or not native_build.enabled():
+        return None
+    return _error
+
+
 class StepPlan:
     """What the kernels need to know about a step's caches, built once per forward (the
     caches' addresses and lengths do not change between its layers): their K and V base
