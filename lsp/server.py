@@ -1094,9 +1094,9 @@ class CodecompleteServer(LanguageServer):
             why = why if len(why) <= 300 else why[:300] + "..."
             log.warning("native CPU kernels unavailable: %s", why)
             self.window_show_message(types.ShowMessageParams(types.MessageType.Warning, (
-                f"codecomplete: the native CPU kernels could not be built ({why}), so completions run on "
-                "PyTorch's slower path (decoding about 3x slower). Install a C compiler (gcc or cc on PATH, "
-                "or set CC) and restart the daemon.")))
+                f"codecomplete: the native CPU kernels are unavailable ({why}), so completions run on "
+                "PyTorch's slower path (decoding about 3x slower). A C compiler with OpenMP (gcc on PATH, "
+                "or CC set to one) builds them; restart the daemon after installing it.")))
 
     # -- telemetry ---------------------------------------------------------------------
     def record_event(self, kind: str, params: Any) -> None:
