@@ -148,13 +148,14 @@ def engine_counters() -> dict:
             "warm_ms": 0.0}
 
 
-def _native_report(lm) -> dict | None:
-    """Whether a CPU model's native kernels are loaded, and why not where something stopped them."""
+def _native_report(lm, settings: EngineSettings) -> dict | None:
+    """Whether a CPU model's native kernels are loaded, and why not where something the user can
+    fix stopped them (none where ``native_attention`` is off: turned off on purpose)."""
     if lm is None or str(lm.device).split(":")[0] != "cpu":
         return None
     from .native import problem, ready  # torch is imported once a model is loaded
 
-    return {"loaded": ready(), "problem": problem()}
+    return {"loaded": ready(), "problem": problem() if settings.native_attention else None}
 
 
 def engine_stats(counters: dict, settings: EngineSettings, lm=None, ready: bool = False,
@@ -184,7 +185,7 @@ def engine_stats(counters: dict, settings: EngineSettings, lm=None, ready: bool 
                                        if s["decode_passes"] else None)}
     if drafter is not None:
         s["drafter"] = dict(drafter.stats, cache_sequences=drafter.cache.sequences)
-    s["native"] = _native_report(lm)
+    s["native"] = _native_report(lm, settings)
     s["kv_store"] = store.snapshot() if store else None
     s["prompts"] = dict(prompts or {})
     s["threads"] = governor.snapshot() if governor is not None else None

@@ -723,17 +723,23 @@ async def test_without_its_native_kernels_the_daemon_says_why_once_and_still_ans
         await c.shutdown_session()
         await c.stop()
 
-    monkeypatch.setenv("CODECOMPLETE_NATIVE", "0")  # off on purpose: nothing to tell
-    c = await start_daemon(repo, tiny_model)
-    try:
-        uri = (repo / "off.py").as_uri()
-        open_doc(c, uri, POINT)
-        assert proposed(await complete(c, uri, len(lines) - 1, len(lines[-1]), invoked=True), LAST)[0] == want
-        assert not [m for m in c.messages if "native CPU kernels" in m.message]
-        assert (await stats(c))["engine"]["native"] == {"loaded": False, "problem": None}
-    finally:
-        await c.shutdown_session()
-        await c.stop()
+    # off on purpose, still without a compiler: nothing to tell
+    for off in ({"CODECOMPLETE_NATIVE": "0"}, {"init": {"codecomplete": {"model": {"native_attention": False}}}}):
+        if "CODECOMPLETE_NATIVE" in off:
+            monkeypatch.setenv("CODECOMPLETE_NATIVE", "0")
+        else:
+            monkeypatch.delenv("CODECOMPLETE_NATIVE")
+        c = await start_daemon(repo, tiny_model, init_options=off.get("init"))
+        try:
+            uri = (repo / "off.py").as_uri()
+            open_doc(c, uri, POINT)
+            assert proposed(await complete(c, uri, len(lines) - 1, len(lines[-1]), invoked=True), LAST)[0] == want
+            assert not [m for m in c.messages if "native CPU kernels" in m.message], off
+            native = (await stats(c))["engine"]["native"]
+            assert native["problem"] is None and native["loaded"] is False, (off, native)
+        finally:
+            await c.shutdown_session()
+            await c.stop()
 
 
 async def test_the_next_daemon_loads_the_packed_weights_the_first_one_kept(repo, tiny_model, model_cache, tmp_path,
