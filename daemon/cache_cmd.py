@@ -37,7 +37,7 @@ import urllib.parse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-STALE_TMP_S = 600.0
+STALE_TMP_S = 600.0  # an index folder without its database this long was not being created
 
 
 @dataclass
@@ -104,27 +104,22 @@ def _native_entries(root: Path) -> list[Entry]:
 
 
 def _packed_entries(folder: Path, now: float) -> list[Entry]:
-    from codecomplete.model import pack_prefetch
+    from codecomplete.model.pack_prefetch import classify  # the rule packcache's own clean-up follows
 
+    status = {"tmp": "being written", "tmp-left": "left by a stopped write",
+              "damaged": "not a packed weights' file (damaged)"}
     out = []
     for p in sorted(folder.iterdir()):
-        size = _size(p)
-        if p.suffix == ".tmp":
-            old = now - p.stat().st_mtime > STALE_TMP_S
-            out.append(Entry("packed", str(p), size, old, "left by a stopped write" if old else "being written"))
-        elif p.suffix == ".pack":
-            try:
-                with open(p, "rb") as f:
-                    ckpt = json.loads(pack_prefetch.read_header(f)).get("checkpoint")
-            except (OSError, ValueError, AttributeError):
-                out.append(Entry("packed", str(p), size, True, "not a packed weights' file (damaged)"))
-                continue
-            if ckpt and Path(ckpt).is_dir():
-                out.append(Entry("packed", str(p), size, False, f"packed weights of {ckpt}"))
-            else:
-                out.append(Entry("packed", str(p), size, True, f"checkpoint gone: {ckpt}"))
+        kind, ckpt = classify(p, now)
+        if kind == "pack":
+            what = f"packed weights of {ckpt}"
+        elif kind == "gone":
+            what = f"checkpoint gone: {ckpt}"
+        elif kind == "other":
+            what = "read-ahead hints" if p.name == "hints.json" else "other"
         else:
-            out.append(Entry("packed", str(p), size, False, "read-ahead hints" if p.name == "hints.json" else "other"))
+            what = status[kind]
+        out.append(Entry("packed", str(p), _size(p), kind in ("tmp-left", "gone", "damaged"), what))
     return out
 
 

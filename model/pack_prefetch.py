@@ -160,6 +160,30 @@ def read_header(f) -> bytes:
     return header
 
 
+STALE_TMP_S = 600.0  # a temporary file older than this was left by a process stopped while writing
+
+
+def classify(p: Path, now: float) -> tuple[str, str | None]:
+    """What a file in the packed folder is: ("tmp", None) a write in progress, ("tmp-left", None)
+    one a stopped process left (older than ``STALE_TMP_S``), ("pack", CHECKPOINT) packed weights
+    whose checkpoint folder exists, ("gone", CHECKPOINT) ones whose checkpoint is gone, ("damaged",
+    None) a ``.pack`` whose header cannot be read or names no checkpoint, ("other", None) anything
+    else.  One rule for
+    packcache's clean-up and ``codecomplete-daemon cache`` (OSError where ``p`` vanished)."""
+    if p.suffix == ".tmp":
+        return ("tmp-left" if now - p.stat().st_mtime > STALE_TMP_S else "tmp"), None
+    if p.suffix != ".pack":
+        return "other", None
+    try:
+        with open(p, "rb") as f:
+            ckpt = json.loads(read_header(f)).get("checkpoint")
+    except (ValueError, AttributeError):
+        return "damaged", None
+    if not ckpt:  # a header without its checkpoint
+        return "damaged", None
+    return ("pack" if Path(ckpt).is_dir() else "gone"), ckpt
+
+
 def data_start(header: int) -> int:
     """Where the data of a file with a header of ``header`` bytes starts."""
     return -(-(16 + header) // ALIGN) * ALIGN

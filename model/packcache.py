@@ -330,20 +330,16 @@ def _write(path: Path, meta: dict, arena: torch.Tensor, qhead: list[torch.Tensor
              time.perf_counter() - start)
 
 
-def _remove_stale(where: Path, stale_s: float = 600.0) -> None:
+def _remove_stale(where: Path) -> None:
     """Remove what no load will read: files of checkpoints that are gone, and temporary files a
-    process left when it exited while writing (older than ``stale_s``)."""
+    process left when it exited while writing (``pack_prefetch.classify``)."""
     now = time.time()
     for p in where.iterdir():
         try:
-            if p.suffix == ".tmp":
-                if now - p.stat().st_mtime > stale_s:
-                    p.unlink()
-            elif p.suffix == ".pack":
-                with open(p, "rb") as f:
-                    ckpt = json.loads(pack_prefetch.read_header(f)).get("checkpoint")
-                if ckpt and not Path(ckpt).is_dir():
-                    p.unlink()
+            kind, ckpt = pack_prefetch.classify(p, now)
+            if kind in ("tmp-left", "gone"):
+                p.unlink()
+                if kind == "gone":
                     log.info("packed weights of %s removed: the checkpoint is gone", ckpt)
-        except (OSError, ValueError, AttributeError):
+        except OSError:
             pass
