@@ -93,6 +93,19 @@ def publish(tmp: Path, out: Path, kind: str, source: str) -> None:
     prune_replaced(out, kind, source)
 
 
+def source_refs(folder: Path, kinds: tuple[str, ...]) -> list[str]:
+    """The inputs a built folder's SOURCE file names on lines starting with one of ``kinds``
+    (``"converted from "``, ``"base "``, ``"adapter "``).  OSError/ValueError: no readable SOURCE."""
+    lines = (folder / "SOURCE").read_text(encoding="utf-8").splitlines()
+    return [line[len(k):] for line in lines for k in kinds if line.startswith(k)]
+
+
+def holds_folder(folder: Path) -> bool:
+    """Whether a built checkpoint folder holds a folder: the ones written here are flat, so one
+    inside (exit heads) was added by a user.  OSError where it cannot be listed."""
+    return any(p.is_dir() for p in folder.iterdir())
+
+
 def prune_replaced(out: Path, kind: str, source: str) -> list[Path]:
     """Remove what the newly built ``out`` replaces: folders beside it named as it is but for
     the key (``NAME-<16 hex digits>``) whose SOURCE file has the line ``kind + source`` (built from
@@ -109,12 +122,11 @@ def prune_replaced(out: Path, kind: str, source: str) -> list[Path]:
         if old == out or not _KEY.fullmatch(old.name[len(stem) + 1:]) or not old.is_dir():
             continue
         try:
-            lines = (old / "SOURCE").read_text(encoding="utf-8").splitlines()
+            refs = source_refs(old, (kind,))
         except (OSError, ValueError):
             continue
-        refs = [line[len(kind):] for line in lines if line.startswith(kind)]
-        try:  # the checkpoints written here are flat: a folder inside (exit heads) was added by a user
-            added = any(p.is_dir() for p in old.iterdir())
+        try:
+            added = holds_folder(old)
         except OSError:
             continue
         if not added and any(ref == source or not Path(ref).exists() for ref in refs):

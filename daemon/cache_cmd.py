@@ -129,19 +129,21 @@ _SOURCE_KINDS = ("converted from ", "adapter ")
 
 
 def _model_entries(folder: Path) -> list[Entry]:
-    """Checkpoints; stale where an input named in SOURCE is gone and no folder was added to it."""
+    """Checkpoints; stale where an input named in SOURCE is gone and no folder was added to it
+    (the rule ``paths.prune_replaced`` applies when a new build replaces one)."""
+    from codecomplete.paths import holds_folder, source_refs
+
     out = []
     for d in sorted(folder.iterdir()):
         if not d.is_dir():
             out.append(Entry("model", str(d), _size(d), False, "other"))
             continue
         try:
-            lines = (d / "SOURCE").read_text(encoding="utf-8").splitlines()
+            refs = source_refs(d, _SOURCE_KINDS)
         except (OSError, ValueError):
-            lines = []
-        refs = [line[len(k):] for line in lines for k in _SOURCE_KINDS if line.startswith(k)]
+            refs = []
         try:
-            added = any(p.is_dir() for p in d.iterdir())
+            added = holds_folder(d)
         except OSError:
             added = True
         gone = [r for r in refs if not Path(r).exists()]
