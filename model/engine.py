@@ -269,7 +269,7 @@ def advance(lm: LoadedModel, live: Live, vocab: "_Vocab | None") -> bool:
         if not request.ignore_eos:
             decision = rules.check(live.text)
             if decision.stop:
-                return _finish(live, rules.finish(decision.text), decision.reason)
+                return _finish(live, rules.finish(decision.text, reason=decision.reason), decision.reason)
     if len(live.generated) >= live.budget:
         return _finish(live, rules.finish(live.text, budget_cut=not request.ignore_eos), "max_tokens")
     if time.perf_counter() > live.deadline and not request.ignore_eos:

@@ -145,12 +145,15 @@ class StopRules:
             return StopDecision(True, text, "suffix_overlap")
         return StopDecision(False, text)
 
-    def finish(self, text: str, budget_cut: bool = False) -> str:
+    def finish(self, text: str, budget_cut: bool = False, reason: str = "") -> str:
         """Shape the final text: in multi-line mode drop trailing blank lines, and when the
         token or time budget cut the text (``budget_cut``) the partial line it cut too, if
         a complete line with code stands before it (a half-written statement, perhaps past the
         block's end, is no suggestion; the next request continues from the whole lines);
-        trailing whitespace everywhere."""
+        trailing whitespace everywhere except before code on the cursor's line
+        (``_mid_line``).  ``reason``: why decoding stopped (``line_end``: at a line break)."""
+        if not self.shape.multiline and self.shape.line_suffix.strip():
+            return self._mid_line(text, reason == "line_end", budget_cut)
         if self.shape.multiline:
             lines = text.split("\n")
             if budget_cut and len(lines) > 1 and "".join(lines[:-1]).strip():
@@ -159,6 +162,30 @@ class StopRules:
                 lines.pop()
             text = "\n".join(lines)
         return text.rstrip()
+
+    def _mid_line(self, text: str, broke_line: bool, budget_cut: bool) -> str:
+        """The text to insert before code that stays on the cursor's line (``line_suffix``).
+
+        Its trailing spaces stay where that code starts at once (``return |x`` takes
+        ``return ``; stripped, it read ``returnx``).  Where the model broke the line
+        (``broke_line``: the single-line rule cut its text at a line break), the break was part
+        of what it wrote: at the start of the line's code (only indentation before the cursor)
+        the text becomes a line of its own above that code, which keeps its indentation;
+        after code on the line, or where a budget cut the text, a text that would join a word
+        to the word after the cursor (``ModuleType|from`` -> ``ModuleTypefrom``) is no
+        completion, and none is offered.  A text that ends with that code (the model rewrote
+        it) stays as it is: the item's range then covers the code (lsp.server)."""
+        tail = self.shape.line_suffix
+        body = text.rstrip() if tail[0].isspace() else text.rstrip("\r\n")
+        if not body.strip():
+            return ""
+        if body.rstrip().endswith(tail.strip()):
+            return body.rstrip()
+        if broke_line and not self.shape.line_prefix.strip():
+            return body.rstrip() + "\n" + self.shape.line_prefix
+        if (broke_line or budget_cut) and word_char(body[-1]) and word_char(tail[0]):
+            return ""
+        return body
 
 
 EXACT_COPIES = {1: 3, 2: 2, 3: 2, 4: 2}  # a block of n lines repeated this many times in a row is a loop

@@ -178,3 +178,32 @@ def test_line_loops_only_cut_and_fire_at_their_thresholds():
         assert line_loop("x = " + d.text) is None
         if plain:
             assert len(d.text) <= len(head) + 2 * len(unit), (text, d.text)  # one copy, started on a word
+
+
+def test_before_code_on_the_cursor_line_the_text_joins_that_code_as_written():
+    # trailing spaces before code stay: ``return |x`` is not ``returnx``
+    r = rules("def f(x):\n    ", "x\n")
+    assert r.finish("return ") == "return "
+    assert rules("y = ", "x\n").finish("not ", reason="line_end") == "not "
+    # before a space or at a line's end they are stripped as everywhere
+    assert rules("f(", " x)\n").finish("a, ") == "a,"
+    assert rules("x = ", "\n").finish("1   ") == "1"
+    # the model broke the line at the start of the line's code: a line of its own above it,
+    # the code keeping its indentation
+    top = rules("import os\n", "from types import TracebackType\n")
+    d = top.check("from types import ModuleType\n")
+    assert d.stop and d.reason == "line_end"
+    assert top.finish(d.text, reason=d.reason) == "from types import ModuleType\n"
+    indented = rules("def f(x):\n    ", "return x\n")
+    assert indented.finish("x += 1", reason="line_end") == "x += 1\n    "
+    # after code, a text that would glue a word onto the next one is no completion
+    glued = rules("import os\nfrom types import ", "TracebackType\n")
+    assert glued.finish("ModuleType", reason="line_end") == ""
+    assert glued.finish("ModuleType", budget_cut=True) == ""
+    assert glued.finish("ModuleType, ", reason="line_end") == "ModuleType, "
+    # an end token ends the middle where the model chose: ``get_|value`` may be meant
+    assert rules("x = ", "value\n").finish("get_") == "get_"
+    # the model rewrote the rest of the line: unchanged (the item's range covers it)
+    assert rules("print(", "x)\n").finish("x)  ", reason="suffix_overlap") == "x)"
+    # only whitespace is nothing
+    assert rules("f(", "x)\n").finish("  ", reason="line_end") == ""
