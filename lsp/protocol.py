@@ -5,7 +5,9 @@ waiting on that request id would wait forever.  Here a body that is not JSON get
 ``ParseError`` response (id null, as JSON-RPC 2.0 says), and a request whose params do
 not fit its method gets ``InvalidParams`` for its id.  Either way the server goes on.
 A request after ``shutdown`` gets ``InvalidRequest``, as the LSP specification asks
-(pygls drops it).
+(pygls drops it).  Before ``initialize``, a request gets ``ServerNotInitialized`` (-32002) and
+a notification other than ``exit`` is dropped, as the specification asks (pygls would run it:
+a completion asked for before the workspace exists was answered with nothing).
 With ``keep_serving`` (the TCP listener) ``exit`` ends the connection, not the process.
 """
 
@@ -16,7 +18,8 @@ import inspect
 import logging
 
 from lsprotocol import types
-from pygls.exceptions import JsonRpcInvalidParams, JsonRpcInvalidRequest, JsonRpcParseError
+from pygls.exceptions import (JsonRpcInvalidParams, JsonRpcInvalidRequest, JsonRpcParseError,
+                              JsonRpcServerNotInitialized)
 from pygls.protocol import LanguageServerProtocol
 from pygls.protocol.language_server import lsp_method
 
@@ -32,6 +35,7 @@ class _Rejected:
 class RobustProtocol(LanguageServerProtocol):
     keep_serving = False  # set by the TCP listener: the daemon outlives its clients
     exit_code: int | None = None  # what the client's exit asked for (0 after shutdown, else 1)
+    initialize_seen = False  # the connection's client has sent ``initialize``
 
     @lsp_method(types.EXIT)
     def lsp_exit(self, *args):
@@ -50,6 +54,7 @@ class RobustProtocol(LanguageServerProtocol):
     def reset_connection(self) -> None:
         """A new client on the TCP listener starts from an uninitialized protocol."""
         self._shutdown = False
+        self.initialize_seen = False
         self._workspace = None
         self._request_futures.clear()
         self._result_types.clear()
@@ -69,6 +74,17 @@ class RobustProtocol(LanguageServerProtocol):
 
     def handle_message(self, message):
         if isinstance(message, _Rejected):
+            return
+        method = getattr(message, "method", None)
+        if method == types.INITIALIZE:
+            self.initialize_seen = True
+        elif method is not None and method != types.EXIT and not self.initialize_seen:
+            msg_id = getattr(message, "id", None)
+            if msg_id is None:
+                log.warning("%s before initialize: dropped", method)
+                return
+            log.warning("%s before initialize (id %s): answered ServerNotInitialized", method, msg_id)
+            self._send_response(msg_id, None, JsonRpcServerNotInitialized().to_response_error())
             return
         if self._shutdown and getattr(message, "method", None) not in (None, "exit") \
                 and getattr(message, "id", None) is not None:

@@ -336,6 +336,36 @@ async def test_a_request_after_shutdown_is_answered_invalid_request(repo, tiny_m
     await client.stop()
 
 
+async def test_before_initialize_a_request_is_answered_server_not_initialized(repo, tiny_model, model_cache,
+                                                                               reference_engine):
+    """Guards the LSP rule: before ``initialize`` a request errors with ServerNotInitialized
+    (-32002) and a notification is dropped; the daemon then initializes and serves as usual."""
+    import sys
+
+    from pytest_lsp import make_test_lsp_client
+
+    client = make_test_lsp_client()
+    await client.start_io(sys.executable, "-m", "codecomplete.daemon", "--repo", str(repo),
+                          "--model", str(tiny_model), "--dtype", "float32")
+    uri = (repo / "early.py").as_uri()
+    body = {"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {
+        "uri": uri, "languageId": "python", "version": 1, "text": POINT}}}
+    await send_raw(client, json.dumps(body).encode())  # dropped: no document is opened by it
+    early = {"jsonrpc": "2.0", "id": "early", "method": "textDocument/inlineCompletion",
+             "params": {"textDocument": {"uri": uri}, "position": {"line": 3, "character": 13},
+                        "context": {"triggerKind": 1}}}
+    with pytest.raises(JsonRpcException) as err:
+        await asyncio.wait_for(send_raw(client, json.dumps(early).encode(), msg_id="early"), 60)
+    assert err.value.code == -32002  # ServerNotInitialized
+    await client.initialize_session(T.InitializeParams(capabilities=T.ClientCapabilities(), root_uri=repo.as_uri()))
+    with pytest.raises(JsonRpcException):  # the early didOpen was not applied: unknown document
+        await complete(client, uri, 3, 13)
+    open_doc(client, uri, POINT)
+    items = await complete(client, uri, 3, 13, invoked=True)
+    assert proposed(items, LAST)[0] == expected(reference_engine, POINT, "")
+    await client.shutdown_session()
+
+
 async def test_an_item_on_a_very_long_line_repeats_only_the_word(client, repo, reference_engine):
     """Guards minified code: on a line typed past 1,000 characters the item's range starts
     at the word being typed, not the line's start, so an answer does not resend the line."""
