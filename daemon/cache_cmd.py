@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sqlite3
 import sys
@@ -181,7 +182,19 @@ def scan(root: Path) -> list[Entry]:
         except OSError as e:  # a folder vanishing or unreadable while listed
             out.append(Entry("other", str(p), 0, False, f"unreadable: {e}"))
     out += _native_entries(root)
+    native_dir = _native_dir()
+    if native_dir is not None and native_dir.resolve() != root.resolve() and native_dir.is_dir():
+        out += _native_entries(native_dir)  # kernels kept elsewhere (CODECOMPLETE_NATIVE_DIR)
     return out
+
+
+def _native_dir() -> Path | None:
+    """Where this installation keeps its kernels when not in the cache folder
+    (``CODECOMPLETE_NATIVE_DIR``), else None."""
+    from codecomplete.model import native_build
+
+    d = native_build.cache_dir()
+    return d if os.environ.get("CODECOMPLETE_NATIVE_DIR") else None
 
 
 def prune(entries: list[Entry]) -> tuple[list[Entry], list[tuple[Entry, str]]]:
@@ -212,7 +225,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="codecomplete-daemon cache", description=(
         "List what the cache folder holds (CODECOMPLETE_CACHE_DIR or the user cache folder), with sizes "
         "and what is stale: indexes of repositories that are gone, other builds' kernels, packed weights "
-        "and checkpoints whose inputs are gone. --prune removes the stale entries."))
+        "and checkpoints whose inputs are gone; kernels kept in CODECOMPLETE_NATIVE_DIR too. Indexes placed "
+        "with --index-dir are not listed (nothing records where they are). --prune removes the stale entries."))
     p.add_argument("--prune", action="store_true", help="remove the stale entries")
     p.add_argument("--json", action="store_true", help="print JSON")
     args = p.parse_args(argv)
@@ -227,7 +241,9 @@ def main(argv: list[str]) -> int:
     print(f"cache folder: {root}")
     for e in entries:
         mark = "stale" if e.stale else ""
-        print(f"  {e.kind:<7} {_mb(e.bytes):>12}  {mark:<5}  {Path(e.path).relative_to(root)}  ({e.status})")
+        path = Path(e.path)
+        shown = path.relative_to(root) if path.is_relative_to(root) else path  # kernels kept elsewhere
+        print(f"  {e.kind:<7} {_mb(e.bytes):>12}  {mark:<5}  {shown}  ({e.status})")
     kinds: dict[str, list[Entry]] = {}
     for e in entries:
         kinds.setdefault(e.kind, []).append(e)

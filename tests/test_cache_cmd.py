@@ -145,3 +145,25 @@ def test_the_command_runs_without_torch_and_on_an_empty_cache(cache: Path):
                           env={**os.environ, "CODECOMPLETE_CACHE_DIR": str(cache)})
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["entries"] == []
+
+
+def test_kernels_kept_in_codecomplete_native_dir_are_listed_and_pruned_too(cache: Path, tmp_path: Path, capsys,
+                                                                           monkeypatch):
+    from codecomplete.daemon import cli
+    from codecomplete.model import native_build
+
+    elsewhere = tmp_path / "kernels"
+    elsewhere.mkdir()
+    monkeypatch.setenv("CODECOMPLETE_NATIVE_DIR", str(elsewhere))
+    current = native_build.library_path()
+    assert current.parent == elsewhere  # never a real build's file: it is overwritten just below
+    current.write_bytes(b"\x7fELF")
+    old = elsewhere / "codecomplete_native-0000000000000000.so"
+    old.write_bytes(b"\x7fELF")
+    assert cli.main(["cache"]) == 0
+    out = capsys.readouterr().out
+    assert str(current) in out and str(old) in out  # shown whole: they are outside the cache folder
+    assert cli.main(["cache", "--prune", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["removed"] == [str(old)]
+    assert current.exists() and not old.exists()
