@@ -151,7 +151,14 @@ class StopRules:
         a complete line with code stands before it (a half-written statement, perhaps past the
         block's end, is no suggestion; the next request continues from the whole lines);
         trailing whitespace everywhere except before code on the cursor's line
-        (``_mid_line``).  ``reason``: why decoding stopped (``line_end``: at a line break)."""
+        (``_mid_line``); line breaks ``\n`` even in a CRLF file, where the model writes ``\r\n``
+        after CRLF lines: editors hold lines without their breaks and turn an inserted ``\n``
+        into the file's own (VS Code) or insert a ``\r`` as a character (Neovim's inline
+        completion splits at ``\n`` only; Emacs, Vim).  ``reason``: why decoding stopped
+        (``line_end``: at a line break)."""
+        return self._shaped(text, budget_cut, reason).replace("\r\n", "\n")
+
+    def _shaped(self, text: str, budget_cut: bool, reason: str) -> str:
         if not self.shape.multiline and self.shape.line_suffix.strip():
             return self._mid_line(text, reason == "line_end", budget_cut)
         if self.shape.multiline:

@@ -207,3 +207,17 @@ def test_before_code_on_the_cursor_line_the_text_joins_that_code_as_written():
     assert rules("print(", "x)\n").finish("x)  ", reason="suffix_overlap") == "x)"
     # only whitespace is nothing
     assert rules("f(", "x)\n").finish("  ", reason="line_end") == ""
+
+
+def test_line_breaks_are_lf_even_in_a_crlf_document():
+    """Editors keep lines without their breaks: a ``\r`` before ``\n`` would be inserted as a
+    character (Neovim's inline completion), so completions break lines with ``\n`` alone."""
+    crlf = rules("import os\r\n\r\ndef files(folder):", "\r\n")
+    assert crlf.finish("\r\n    out = []\r\n    return out") == "\n    out = []\n    return out"
+    assert crlf.finish("\r\n    return []\n") == "\n    return []"
+    single = rules("import os\r\nx = ", "\r\n")
+    assert single.finish("1\r") == "1"
+    # a line of its own above the code, in a CRLF file
+    top = rules("import os\r\n", "from types import TracebackType\r\n")
+    d = top.check("from types import ModuleType\r\n")
+    assert d.reason == "line_end" and top.finish(d.text, reason=d.reason) == "from types import ModuleType\n"
