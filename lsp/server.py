@@ -889,7 +889,7 @@ class CodecompleteServer(LanguageServer):
         if shown is None or suffix != shown.suffix or len(prefix) <= len(shown.prefix) \
                 or not prefix.startswith(shown.prefix):
             return None
-        typed = prefix[len(shown.prefix):]
+        typed = prefix[len(shown.prefix):].replace("\r\n", "\n")  # a CRLF buffer; completions break with \n
         for c in [shown.completion, *shown.completion.alternatives]:
             if c.text.startswith(typed) and c.text[len(typed):].strip():
                 return Completion(c.text[len(typed):], c.stop_reason, multiline=c.multiline,

@@ -75,3 +75,17 @@ def test_a_completion_whose_request_started_before_a_clear_is_not_kept():
     cache.clear()
     assert not cache.put(key, made("old model's"), started) and cache.get(key) is None
     assert cache.put(key, made("new model's"), cache.generation) and cache.get(key).text == "new model's"
+
+
+def test_typing_through_a_line_break_in_a_crlf_buffer_keeps_the_completion():
+    """Completions break lines with \\n; a CRLF buffer's typed break is \\r\\n and still matches."""
+    from codecomplete.daemon.config import Config
+    from codecomplete.lsp.server import CodecompleteServer, Shown
+
+    server = CodecompleteServer(None, Config())
+    uri = "file:///a.py"
+    prefix = "def f(x):\r\n"
+    server.shown[uri] = Shown(prefix, "\r\n", made("    y = x + 1\n    return y", reason="block_end"))
+    through = server._typed_through(uri, prefix + "    y = x + 1\r\n", "\r\n")
+    assert through is not None and through.text == "    return y"
+    assert server._typed_through(uri, prefix + "    y = x + 2\r\n", "\r\n") is None
