@@ -67,6 +67,10 @@ class StopDecision:
 class StopRules:
     """Decide, after each token, whether the completion is complete."""
 
+    # On a blank line at column 0 (the top level), stop before a line at column 0 that follows
+    # a blank line once the completion has code: one paragraph (bench/top_level.py).
+    top_level_paragraphs = True
+
     def __init__(self, shape: CompletionShape, max_lines: int):
         self.shape = shape
         self.max_lines = max(1, max_lines)
@@ -89,6 +93,9 @@ class StopRules:
         lines = text.split("\n")
         complete = lines[:-1]  # the last line may still be growing
         blank_run = 0
+        top = self.top_level_paragraphs and not shape.opens_block and not shape.line_prefix.strip() \
+            and shape.base_indent == 0
+        code = bool(lines[0].strip())  # the completion has a line of code before this one
         for i, line in enumerate(complete):
             if i == 0:
                 continue  # the rest of the cursor line
@@ -97,8 +104,11 @@ class StopRules:
                 if blank_run >= 2:
                     return StopDecision(True, "\n".join(lines[: i - 1]), "blank_lines")
                 continue
-            blank_run = 0
             width = indent_width(leading_ws(line))
+            if top and code and blank_run and width == 0:
+                return StopDecision(True, "\n".join(lines[:i - blank_run]), "block_end")
+            blank_run = 0
+            code = True
             if line.strip() == shape.suffix_head:
                 return StopDecision(True, "\n".join(lines[:i]), "suffix_overlap")
             limit = shape.base_indent if shape.opens_block else shape.base_indent - 1

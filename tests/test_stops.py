@@ -221,3 +221,27 @@ def test_line_breaks_are_lf_even_in_a_crlf_document():
     top = rules("import os\r\n", "from types import TracebackType\r\n")
     d = top.check("from types import ModuleType\r\n")
     assert d.reason == "line_end" and top.finish(d.text, reason=d.reason) == "from types import ModuleType\n"
+
+
+def test_at_the_top_level_a_completion_is_one_paragraph():
+    r = rules("import json\n\n# load the config file\n", "")
+    text = "config = load_config()\n\n# load the data\ndata = load_data()\n"
+    d = r.check(text)
+    assert d.stop and d.reason == "block_end" and r.finish(d.text) == "config = load_config()"
+    # a definition keeps its body, blank lines inside it included, and stops at the next one
+    r = rules("import os\n\n", "")
+    text = "def f(x):\n    y = x\n\n    return y\n\ndef g():\n"
+    d = r.check(text)
+    assert d.stop and r.finish(d.text) == "def f(x):\n    y = x\n\n    return y"
+    # statements without a blank line between them stay one paragraph
+    assert not rules("import os\n\n", "").check("import sys\nimport re\nx = 1\n").stop
+    # a completion that starts with blank lines has no code before its first paragraph
+    assert not rules("x = 1\n", "").check("\n\ny = 2\nz = 3\n").stop
+    # inside a block the indentation bounds it as before: a paragraph at the cursor's level goes on
+    assert not rules("def f():\n    ", "").check("x = 1\n\n    return x\n").stop
+    # the rule can be turned off (bench/top_level.py's other arm)
+    try:
+        StopRules.top_level_paragraphs = False
+        assert not rules("import os\n\n", "").check("x = 1\n\ny = 2\n").stop
+    finally:
+        StopRules.top_level_paragraphs = True

@@ -1,0 +1,151 @@
+"""Multi-line completions on a blank line at a file's top level: what stopping at the next
+top-level paragraph changes.
+
+    python bench/top_level.py REPO_GIT_DIR [REPO_GIT_DIR ...] [--per-repo 20] [--model default]
+
+Inside a block a multi-line completion ends where the code goes back left of the cursor's
+line (``block_end``); at the top level nothing is left of column 0, so a completion ran on
+to its 12 lines, two blank lines, the suffix's next line or a loop.  ``StopRules`` now also
+stops a top-level completion before a line at column 0 that follows a blank line, once the
+completion has code: one paragraph (a definition with its body, a group of statements).
+
+Cursors: each repository's HEAD (extracted under bench/.work/, not committed), its .py files;
+in a deterministic sample of them, a top-level paragraph (a line at column 0 after a blank
+line, with code before it) is held out: the prefix is the file up to that line, the suffix
+the file from the next paragraph on (a line break first), the truth the paragraph.  A
+developer writing a new function, class or statement group between others.
+
+Two arms on one engine, each request in both (the order alternating; no time budget, so the
+arms differ only by the rule): ``paragraph stop``
+(as shipped) and ``before`` (the rule off).  Per arm: stop reasons, lines shown and how
+many equal the truth's line at their place, acceptance (the truth starts with the
+completion) and the characters accepted completions save, tokens generated.
+Writes ``bench/results/top_level.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, header, write_results  # noqa: E402
+from speculation import checkout  # noqa: E402
+
+from codecomplete.daemon.replay import lines_right  # noqa: E402
+from codecomplete.model import stops  # noqa: E402
+from codecomplete.model.api import CompletionRequest, EngineSettings  # noqa: E402
+from codecomplete.model.engine import Engine  # noqa: E402
+
+ARMS = ("paragraph stop", "before")
+
+
+def paragraphs(text: str) -> list[tuple[int, int]]:
+    """(first line, end line) of each top-level paragraph after the first: a line at column 0
+    after a blank line, up to the next such line."""
+    lines = text.split("\n")
+    starts = [i for i in range(1, len(lines))
+              if lines[i].strip() and not lines[i][0].isspace() and not lines[i - 1].strip()
+              and any(x.strip() for x in lines[:i])]
+    return [(a, b) for a, b in zip(starts, starts[1:] + [len(lines)])]
+
+
+def cursors(git_dirs: list[Path], per_repo: int, seed: int = 0) -> list[dict]:
+    out = []
+    for git_dir in git_dirs:
+        name, root = checkout(git_dir)
+        found = []
+        for path in sorted(root.rglob("*.py")):
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            if not 200 < len(text) < 200_000:
+                continue
+            for a, b in paragraphs(text):
+                lines = text.split("\n")
+                body = "\n".join(lines[a:b]).rstrip()
+                if len(body) < 20:
+                    continue
+                found.append({"repo": name, "path": path.relative_to(root).as_posix(), "line": a,
+                              "prefix": "".join(x + "\n" for x in lines[:a]),
+                              "suffix": "\n" + "\n".join(lines[b:]), "truth": body})
+        rng = random.Random(f"{seed}:{name}")
+        out += rng.sample(found, min(per_repo, len(found)))
+    return out
+
+
+def measure(c, cur: dict) -> dict:
+    text = c.text.rstrip()
+    lines, right = lines_right(text, cur["truth"])
+    accepted = bool(text.strip()) and cur["truth"].startswith(text)
+    return {"reason": c.stop_reason, "tokens": c.generated_tokens, "lines": lines, "lines_right": right,
+            "accepted": accepted, "chars_saved": len(text) if accepted else 0, "text": text}
+
+
+def summarize(rows: list[dict]) -> dict:
+    lines = sum(r["lines"] for r in rows)
+    right = sum(r["lines_right"] for r in rows)
+    return {"requests": len(rows), "stop_reasons": dict(Counter(r["reason"] for r in rows).most_common()),
+            "lines_shown": lines, "lines_right": right, "lines_wrong": lines - right,
+            "accepted": sum(r["accepted"] for r in rows), "chars_saved": sum(r["chars_saved"] for r in rows),
+            "tokens_mean": round(statistics.mean(r["tokens"] for r in rows), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("repos", nargs="+", type=Path, help="git directories (as fetch brings them)")
+    ap.add_argument("--per-repo", type=int, default=20, help="held-out paragraphs per repository")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--out", default=str(RESULTS / "top_level"), help="results path without extension")
+    args = ap.parse_args()
+    work = cursors(args.repos, args.per_repo)
+    engine = Engine(EngineSettings(model=args.model)).start()
+    engine.ready.wait()
+    if engine.load_error:
+        sys.exit(engine.load_error)
+    rows = {arm: [] for arm in ARMS}
+    for i, cur in enumerate(work):
+        for arm in (ARMS if i % 2 == 0 else ARMS[::-1]):
+            stops.StopRules.top_level_paragraphs = arm == "paragraph stop"
+            c = engine.complete(CompletionRequest(prefix=cur["prefix"], suffix=cur["suffix"], time_budget_ms=600_000,
+                                                  session_key=f"{arm}:{cur['repo']}:{cur['path']}:{cur['line']}"))
+            rows[arm].append({"repo": cur["repo"], "path": cur["path"], "line": cur["line"], **measure(c, cur)})
+        print(i, cur["repo"], cur["path"], cur["line"], [rows[a][-1]["reason"] for a in ARMS], flush=True)
+    stops.StopRules.top_level_paragraphs = True
+    engine.close()
+    summary = {arm: summarize(rows[arm]) for arm in ARMS}
+    both = list(zip(rows[ARMS[0]], rows[ARMS[1]]))
+    changed = [(x, y) for x, y in both if x["text"] != y["text"]]
+    keys = [("stop reasons", lambda s: ", ".join(f"{k} {v}" for k, v in s["stop_reasons"].items())),
+            ("lines shown", lambda s: s["lines_shown"]),
+            ("  the truth's line at that place", lambda s: s["lines_right"]),
+            ("  other lines", lambda s: s["lines_wrong"]),
+            ("accepted (the truth starts with it)", lambda s: s["accepted"]),
+            ("characters saved by accepted ones", lambda s: s["chars_saved"]),
+            ("tokens generated, mean", lambda s: s["tokens_mean"])]
+    repos = ", ".join(sorted({c["repo"] for c in work}))
+    md = [header("Top-level multi-line completions: stopping at the next paragraph"), "",
+          f"Model `{args.model}`, daemon defaults (auto mode, 64 tokens, 12 lines) but no time budget (a "
+          "wall-clock cut would differ between the arms), no repository index. "
+          f"{len(work)} held-out top-level paragraphs of {repos} (cursor on the blank line where the paragraph "
+          "starts; suffix: the file from the next paragraph on). `paragraph stop` is the daemon as shipped, "
+          "`before` the same engine with the rule off.", "",
+          "| | " + " | ".join(ARMS) + " |", "|---" * (len(ARMS) + 1) + "|"]
+    md += [f"| {label} | " + " | ".join(str(f(summary[a])) for a in ARMS) + " |" for label, f in keys]
+    md += ["", f"Texts that differ: {len(changed)} of {len(work)}; each `paragraph stop` text a prefix of "
+           f"`before`'s: {sum(y['text'].startswith(x['text']) for x, y in changed)} of {len(changed)}.", "",
+           "Texts that differ (the shipped text's last line / what `before` showed after it, first 10):", ""]
+    for x, y in changed[:10]:
+        md += [f"- `{x['repo']}/{x['path']}:{x['line'] + 1}`: `{x['text'].split(chr(10))[-1][:60]!r}` / "
+               f"`{y['text'][len(x['text']):][:100]!r}`"]
+    md += [""]
+    write_results(args.out, md, {"summary": summary, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
