@@ -90,21 +90,26 @@ local function show(bufnr, client, item, hint)
     return
   end
   clear(bufnr)
-  local lines = vim.split(text, '\n', { plain = true })
+  local line = vim.api.nvim_buf_get_lines(bufnr, row, row + 1, false)[1] or ''
+  local shape = M.layout(text, line:sub(1, col), line:sub(col + 1))
   local virt_lines = {}
-  for i = 2, #lines do
-    virt_lines[#virt_lines + 1] = { { lines[i], 'Comment' } }
+  for _, l in ipairs(shape.lines) do
+    virt_lines[#virt_lines + 1] = { { l, 'Comment' } }
   end
-  local virt_text = { { lines[1], 'Comment' } }
-  if hint then
-    virt_text[2] = { hint, 'NonText' }
+  local opts = { virt_lines = #virt_lines > 0 and virt_lines or nil, hl_mode = 'combine' }
+  if shape.above then
+    opts.virt_lines_above = true
+    if hint then
+      opts.virt_text, opts.virt_text_pos = { { hint, 'NonText' } }, 'eol'
+    end
+  else
+    opts.virt_text = { { shape.inline, 'Comment' } }
+    if hint then
+      opts.virt_text[2] = { hint, 'NonText' }
+    end
+    opts.virt_text_pos = 'inline'
   end
-  vim.api.nvim_buf_set_extmark(bufnr, ns, row, col, {
-    virt_text = virt_text,
-    virt_text_pos = 'inline',
-    virt_lines = #virt_lines > 0 and virt_lines or nil,
-    hl_mode = 'combine',
-  })
+  vim.api.nvim_buf_set_extmark(bufnr, ns, row, col, opts)
   local s = state[bufnr]
   s.item, s.text, s.row, s.col, s.client_id = item, text, row, col, client.id
   notify(client, 'codecomplete/didShowCompletion', item)
@@ -283,6 +288,23 @@ function M.attached(client, bufnr)
       show(bufnr, client, items[1])
     end
   end)
+end
+
+--- How to draw `text` at a cursor with `before` and `after` on its row: `inline` at the cursor
+--- and `lines` below it; or, where the text is whole lines to insert above code the cursor
+--- stands in front of (only indentation before it, the text ending in a line break and
+--- indentation: the daemon's answer there), those `lines` above the row (`above`), each as
+--- it will read, so the code after the cursor is not drawn as if joined to the text.
+function M.layout(text, before, after)
+  local lines = vim.split(text, '\n', { plain = true })
+  if #lines > 1 and before:match('^%s*$') and after:match('%S') and lines[#lines]:match('^%s*$') then
+    local above = {}
+    for i = 1, #lines - 1 do
+      above[i] = (i == 1 and before or '') .. lines[i]
+    end
+    return { above = true, inline = '', lines = above }
+  end
+  return { above = false, inline = lines[1], lines = vim.list_slice(lines, 2) }
 end
 
 --- The part of `text` to take: everything, the next word, or up to the end of its line.
