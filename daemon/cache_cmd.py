@@ -191,10 +191,11 @@ def scan(root: Path) -> list[Entry]:
 def _native_dir() -> Path | None:
     """Where this installation keeps its kernels when not in the cache folder
     (``CODECOMPLETE_NATIVE_DIR``), else None."""
+    if not os.environ.get("CODECOMPLETE_NATIVE_DIR"):
+        return None
     from codecomplete.model import native_build
 
-    d = native_build.cache_dir()
-    return d if os.environ.get("CODECOMPLETE_NATIVE_DIR") else None
+    return native_build.cache_dir()
 
 
 def prune(entries: list[Entry]) -> tuple[list[Entry], list[tuple[Entry, str]]]:

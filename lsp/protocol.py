@@ -75,22 +75,20 @@ class RobustProtocol(LanguageServerProtocol):
     def handle_message(self, message):
         if isinstance(message, _Rejected):
             return
-        method = getattr(message, "method", None)
+        method, msg_id = getattr(message, "method", None), getattr(message, "id", None)
         if method == types.INITIALIZE:
             self.initialize_seen = True
         elif method is not None and method != types.EXIT and not self.initialize_seen:
-            msg_id = getattr(message, "id", None)
             if msg_id is None:
                 log.warning("%s before initialize: dropped", method)
                 return
             log.warning("%s before initialize (id %s): answered ServerNotInitialized", method, msg_id)
             self._send_response(msg_id, None, JsonRpcServerNotInitialized().to_response_error())
             return
-        if self._shutdown and getattr(message, "method", None) not in (None, "exit") \
-                and getattr(message, "id", None) is not None:
-            log.warning("%s after shutdown (id %s): answered InvalidRequest", message.method, message.id)
+        if self._shutdown and method not in (None, types.EXIT) and msg_id is not None:
+            log.warning("%s after shutdown (id %s): answered InvalidRequest", method, msg_id)
             error = JsonRpcInvalidRequest("the server is shutting down").to_response_error()
-            self._send_response(message.id, None, error)
+            self._send_response(msg_id, None, error)
             return
         return super().handle_message(message)
 

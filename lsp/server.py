@@ -40,7 +40,7 @@ from codecomplete.daemon.config import Config, editor_settings, engine_settings,
 from codecomplete.indexer.files import SourceError, language_of, read_source
 from codecomplete.indexer.folders import Folders
 from codecomplete.model.api import Completion, CompletionRequest
-from codecomplete.model.stops import word_char
+from codecomplete.model.stops import rewrites_rest, word_char
 
 from .cache import CompletionCache
 from .documents import PositionError, cursor_at, encoding_name, offset_at, position_at
@@ -1039,7 +1039,7 @@ class CodecompleteServer(LanguageServer):
         insert = text[start:cursor.offset] + completion
         end = cursor.offset
         rest_of_line = text[cursor.offset:cursor.line_end]
-        if rest_of_line.strip() and completion.rstrip().endswith(rest_of_line.strip()):
+        if rewrites_rest(completion, rest_of_line):
             end = cursor.line_end
         return insert, _range(text, start, end, ans.encoding)
 

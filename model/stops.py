@@ -150,8 +150,7 @@ class StopRules:
 
     def _suffix_on_line(self, text: str) -> StopDecision:
         # The model rewrote what already follows the cursor: stop after it.
-        tail = self.shape.line_suffix.strip()
-        if tail and text.rstrip().endswith(tail) and len(text.strip()) > len(tail):
+        if rewrites_rest(text, self.shape.line_suffix) and len(text.strip()) > len(self.shape.line_suffix.strip()):
             return StopDecision(True, text, "suffix_overlap")
         return StopDecision(False, text)
 
@@ -196,7 +195,7 @@ class StopRules:
         body = text.rstrip() if tail[0].isspace() else text.rstrip("\r\n")
         if not body.strip():
             return ""
-        if body.rstrip().endswith(tail.strip()):
+        if rewrites_rest(body, tail):
             return body.rstrip()
         if broke_line and not self.shape.line_prefix.strip():
             return body.rstrip() + "\n" + self.shape.line_prefix
@@ -277,6 +276,13 @@ def line_loop(line: str, typed: int = 0,
                 if word_char(line[p]) and not word_char(line[p - 1]):
                     return p, unit
         return start, unit
+
+
+def rewrites_rest(text: str, rest: str) -> bool:
+    """Whether ``text`` ends with ``rest``, the code after the cursor on its line (both stripped):
+    the model wrote that code again, so the text replaces it rather than going before it."""
+    tail = rest.strip()
+    return bool(tail) and text.rstrip().endswith(tail)
 
 
 def word_char(ch: str) -> bool:
