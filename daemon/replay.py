@@ -235,9 +235,17 @@ async def _request(client, params, res: RequestResult, typed: str, st: UserState
     tick()
 
 
+def _gpu(device: str | None) -> str:
+    """The GPU the daemon ran on, for the report's machine line ("" on a CPU run)."""
+    if device == "cpu":
+        return ""
+    import torch
+    return f", {torch.cuda.get_device_name(0)} ({device or 'auto'})" if torch.cuda.is_available() else ""
+
+
 async def replay_scheme(sessions: list[Session], root: Path, scheme: str, *, users: int, speed: float,
                         model: str, dtype: str | None, max_requests: int, work: Path, tick,
-                        extra_settings: dict | None = None) -> dict:
+                        extra_settings: dict | None = None, device: str | None = None) -> dict:
     from lsprotocol import types as T
     from pygls.lsp.client import LanguageClient
 
@@ -249,6 +257,8 @@ async def replay_scheme(sessions: list[Session], root: Path, scheme: str, *, use
             "--index-dir", str(work / f"index-{scheme}"), "--log-file", str(work / f"daemon-{scheme}.log")]
     if dtype:
         args += ["--dtype", dtype]
+    if device:
+        args += ["--device", device]
     await client.start_io(sys.executable, *args)
     await client.initialize_async(T.InitializeParams(
         capabilities=T.ClientCapabilities(text_document=T.TextDocumentClientCapabilities(
@@ -472,6 +482,7 @@ def replay(argv: list[str]) -> int:
     p.add_argument("--scheme", default="efim", help="comma-separated: " + ", ".join(SCHEMES))
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="the daemon's device (default: its own, auto)")
     p.add_argument("--max-requests", type=int, default=0, help="per session (0: all)")
     p.add_argument("--max-sessions", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("replay-report"))
@@ -513,7 +524,7 @@ def replay(argv: list[str]) -> int:
             for scheme in schemes:
                 runs.append(asyncio.run(replay_scheme(
                     sessions, root, scheme, users=args.users, speed=args.speed, model=args.model,
-                    dtype=args.dtype, max_requests=args.max_requests, work=work, tick=tick,
+                    dtype=args.dtype, device=args.device, max_requests=args.max_requests, work=work, tick=tick,
                     extra_settings=extra)))
     except RuntimeError as exc:
         print(f"codecomplete-daemon replay: {exc}", file=sys.stderr)
@@ -528,7 +539,7 @@ def replay(argv: list[str]) -> int:
     meta = {"sessions": len(sessions), "files": [str(f) for f in args.sessions], "users": args.users,
             "speed": args.speed, "model": args.model, "schemes": schemes,
             "command": "codecomplete-daemon replay " + " ".join(argv),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"}
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores{_gpu(args.device)}"}
     report = write_report(args.out, runs, meta)
     for s in report["summary"]:
         lat = s["latency_ms"]

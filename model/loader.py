@@ -140,9 +140,17 @@ def cpu_has_fast_bf16() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
-def resolve_dtype(name: str, device: torch.device, native: bool = True) -> torch.dtype:
-    """The weights' dtype for ``name`` ("auto": bf16 on CUDA where supported, else fp16; on CPU
-    bf16 where bf16 products are fast: AMX or AVX512-BF16, or, with the native kernels
+# On CUDA, ``auto`` keeps a model of at most this many weights in float32 (2 GiB of them): a small
+# model's one-token step is bound by kernel launches, not by its bytes, so fp32 costs no time
+# there (the default 135M model decoded faster in fp32 on a lent H200, bench/results/cuda_check_h200.md),
+# and only fp32 gives multi-row passes (speculation, batches) the greedy outputs of one-token steps.
+CUDA_FP32_MAX_PARAMS = 512 * 2**20
+
+
+def resolve_dtype(name: str, device: torch.device, native: bool = True, params: int | None = None) -> torch.dtype:
+    """The weights' dtype for ``name`` ("auto" on CUDA: fp32 for a model of at most
+    ``CUDA_FP32_MAX_PARAMS`` weights (``params``, where known), else bf16 where supported, else fp16;
+    on CPU bf16 where bf16 products are fast: AMX or AVX512-BF16, or, with the native kernels
     (``native``), AVX2 + FMA, where a bf16 decode step streams half the bytes of an fp32 one
     (measured 3.3x faster on an AVX2-only EPYC, bench/results/dtype_avx2.md); fp32 otherwise)."""
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -152,6 +160,8 @@ def resolve_dtype(name: str, device: torch.device, native: bool = True) -> torch
     if name != "auto":
         raise ModelLoadError(f"unknown dtype {name!r}")
     if device.type == "cuda":
+        if params is not None and params <= CUDA_FP32_MAX_PARAMS:
+            return torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if cpu_has_fast_bf16():
         return torch.bfloat16
@@ -161,6 +171,13 @@ def resolve_dtype(name: str, device: torch.device, native: bool = True) -> torch
         if kernels.linear_bf16_simd():
             return torch.bfloat16
     return torch.float32
+
+
+def _params(ckpt) -> int | None:
+    """A checkpoint's weight count where it is a local folder of safetensors (a hub id: None)."""
+    from .transformer import checkpoint_params
+
+    return checkpoint_params(ckpt) if isinstance(ckpt, Path) else None
 
 
 def _gguf_cache_path(gguf: Path) -> Path:
@@ -495,7 +512,7 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
         # is found, converted and read; whoever needs them next waits for the build (its lock)
         threading.Thread(target=kernels.available, name="native-build", daemon=True).start()
     name, ckpt, home = _resolve(spec)
-    dt = resolve_dtype(dtype, dev, native)
+    dt = resolve_dtype(dtype, dev, native, params=_params(ckpt) if dev.type == "cuda" and dtype == "auto" else None)
     local_only = {"local_files_only": True}
     kept = None  # the packed weights' cache entry (model/packcache.py)
     adopted = False  # whether the model's native copies came from it

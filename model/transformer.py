@@ -719,6 +719,26 @@ def from_safetensors(path, cfg, dtype: torch.dtype, device, linear: bool = True)
         return _from_files(args, where, dtype, device, linear)
 
 
+def checkpoint_params(path) -> int | None:
+    """How many weights a checkpoint folder's safetensors files hold (their headers only; None
+    where there are none or one cannot be read): what ``loader.resolve_dtype`` sizes a model by."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+            else ["model.safetensors"]
+        total = 0
+        for f in files:
+            with open(path / f, "rb") as handle:
+                total += sum(math.prod(shape) for _, shape, _, _ in _safetensors_header(handle, path / f).values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return total or None
+
+
 # safetensors' dtype names that a checkpoint's floating-point weights come in
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 

@@ -55,6 +55,32 @@ def test_auto_dtype_follows_the_cpu_and_the_kernels():
     assert resolve_dtype("auto", cpu) is (torch.bfloat16 if fast or path >= 1 else torch.float32)
 
 
+def test_auto_dtype_on_cuda_keeps_small_models_in_float32(tiny_model, monkeypatch):
+    """On CUDA, "auto" keeps a model of at most CUDA_FP32_MAX_PARAMS weights in fp32 (exact
+    multi-row passes, no slower at batch 1 for small models) and gives a larger one, or one of
+    unknown size, bf16 (fp16 where bf16 is not supported).  The size is read from the
+    checkpoint's safetensors headers; a device object is all the rule needs, so this runs
+    without a GPU."""
+    import torch
+    from safetensors.torch import load_file
+
+    from codecomplete.model.loader import CUDA_FP32_MAX_PARAMS, _params
+    from codecomplete.model.transformer import checkpoint_params
+
+    cuda = torch.device("cuda")
+    weights = load_file(str(tiny_model / "model.safetensors"))
+    assert checkpoint_params(tiny_model) == _params(tiny_model) == sum(t.numel() for t in weights.values())
+    assert checkpoint_params(tiny_model / "missing") is None and _params("some/hub-id") is None
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto", cuda, params=checkpoint_params(tiny_model)) is torch.float32
+    assert resolve_dtype("auto", cuda, params=CUDA_FP32_MAX_PARAMS) is torch.float32
+    assert resolve_dtype("auto", cuda, params=CUDA_FP32_MAX_PARAMS + 1) is torch.bfloat16
+    assert resolve_dtype("auto", cuda) is torch.bfloat16
+    assert resolve_dtype("bfloat16", cuda, params=10) is torch.bfloat16  # a name given is kept
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype("auto", cuda, params=CUDA_FP32_MAX_PARAMS + 1) is torch.float16
+
+
 def test_read_source_rejects_binary_big_and_non_utf8(tmp_path):
     (tmp_path / "bin").write_bytes(b"abc\0def")
     (tmp_path / "big").write_text("x" * 100)

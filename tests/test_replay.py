@@ -197,6 +197,20 @@ def test_replay_set_gives_every_scheme_a_setting_and_rejects_a_malformed_one(his
     assert "--set completion.enabled=false" in report["meta"]["command"]
 
 
+def test_replay_device_reaches_the_daemon(history: Path, tiny_model: Path, tmp_path: Path):
+    """--device is passed to each scheme's daemon: asking for CUDA where there is none stops the
+    replay with the daemon's own load error (on a GPU machine the device would be used)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the daemon would load there")
+    sessions = tmp_path / "s.jsonl"
+    write_sessions(sessions, sessions_from_git(history, commits=1, seed=1))
+    done = run_replay(str(sessions), "--model", str(tiny_model), "--device", "cuda", "--speed", "0",
+                      "--scheme", "efim", "--max-requests", "1", "--out", str(tmp_path / "cuda"))
+    assert done.returncode == 1 and "CUDA is not available" in done.stderr, done.stderr[-2000:]
+
+
 def test_replay_against_the_real_daemon_reports_every_field(history: Path, tiny_model: Path, tmp_path: Path):
     sessions = tmp_path / "s.jsonl"
     write_sessions(sessions, sessions_from_git(history, commits=2, seed=1))
