@@ -142,7 +142,7 @@ def cpu_has_fast_bf16() -> bool:
 
 # On CUDA, ``auto`` keeps a model of at most this many weights in float32 (2 GiB of them): a small
 # model's one-token step is bound by kernel launches, not by its bytes, so fp32 costs no time
-# there (the default 135M model decoded faster in fp32 on a lent H200, bench/results/cuda_check_h200.md),
+# there (the default 135M model decoded about as fast in fp32 on a lent H200, bench/results/cuda_check_h200_b*.md),
 # and only fp32 gives multi-row passes (speculation, batches) the greedy outputs of one-token steps.
 CUDA_FP32_MAX_PARAMS = 512 * 2**20
 
