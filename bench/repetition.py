@@ -19,8 +19,11 @@ Three engines with the same settings answer every request, one after the other:
   ``repetition``); so does a line that runs away inside itself (a unit of 3-9 characters six
   times back to back, of 10 or more three times: ``stops.line_loop``); one the token or time
   budget cut drops its partial last line;
-- ``no line-loop rule``: the rule for loops inside a line disabled (the code before it);
-- ``rules off``: all three rules disabled (the code before them).
+- ``no near-block rule``: the loop rule without its near-equal blocks (a block of 2-4 lines
+  three times, each line within 10 % edits of its line a block before; the code before it);
+- ``no line-loop rule``: that, and the rule for loops inside a line disabled (the code before it);
+- ``rules off``: all the rules disabled (the code before them).
+``--arms`` runs some of them (``rules on`` first).
 
 The loop rules' false positives: over every .py file of the same checkouts, at every line
 position, whether the 12 lines of real code ending there would count as a loop, and whether a
@@ -51,7 +54,7 @@ from codecomplete.model import stops  # noqa: E402
 from codecomplete.model.api import CompletionRequest, EngineSettings  # noqa: E402
 from codecomplete.model.engine import Engine  # noqa: E402
 
-ARMS = ("rules on", "no line-loop rule", "rules off")
+ARMS = ("rules on", "no near-block rule", "no line-loop rule", "rules off")
 
 
 _MID = re.compile(r"^\s*(?:return |[\w.\[\]'\"]+(?:: [\w\[\]., ]+)? = )")  # `return ` or `name = `
@@ -88,7 +91,7 @@ def cursors(git_dirs: list[Path], functions: int, mid_line: bool = True) -> list
 def real_code(git_dirs: list[Path], window: int = 12) -> dict:
     """At how many line positions of the repositories' own code the loop rule fires: the
     ``window`` lines ending at a non-blank line taken as a completion's whole lines."""
-    positions, fired, examples = 0, 0, []
+    positions, fired, examples, near = 0, 0, [], []
     for git_dir in git_dirs:
         name, root = checkout(git_dir)
         for path in sorted(root.rglob("*.py")):
@@ -101,9 +104,12 @@ def real_code(git_dirs: list[Path], window: int = 12) -> dict:
                 keep = stops.repetition_cut(win)
                 if keep is not None:
                     fired += 1
-                    examples.append({"repo": name, "path": path.relative_to(root).as_posix(), "line": j,
-                                     "lines": win[keep - 1:]})
-    return {"positions": positions, "fired": fired, "examples": examples}
+                    at = {"repo": name, "path": path.relative_to(root).as_posix(), "line": j, "lines": win[keep - 1:]}
+                    examples.append(at)
+                    with _Rules("no near-block rule"):
+                        if stops.repetition_cut(win) is None:
+                            near.append(at)
+    return {"positions": positions, "fired": fired, "examples": examples, "near_block": near}
 
 
 def real_lines(git_dirs: list[Path]) -> dict:
@@ -134,7 +140,11 @@ class _Rules:
 
     def __enter__(self):
         self.cut, self.finish, self.line = stops.repetition_cut, stops.StopRules.finish, stops.StopRules._line_loop
+        self.near = stops.NEAR_BLOCK_COPIES
         if self.arm == "rules on":
+            return
+        stops.NEAR_BLOCK_COPIES = 0
+        if self.arm == "no near-block rule":
             return
         stops.StopRules._line_loop = lambda rules, text: None
         if self.arm == "rules off":
@@ -144,6 +154,7 @@ class _Rules:
 
     def __exit__(self, *exc):
         stops.repetition_cut, stops.StopRules.finish, stops.StopRules._line_loop = self.cut, self.finish, self.line
+        stops.NEAR_BLOCK_COPIES = self.near
 
 
 def shows_loop(text: str, line_prefix: str) -> bool:
@@ -193,7 +204,7 @@ def summarize(rows: list[dict]) -> dict:
             "accepted": sum(r["accepted"] for r in rows), "chars_saved": sum(r["chars_saved"] for r in rows)}
 
 
-def table(summary: dict) -> list[str]:
+def table(summary: dict, arms=ARMS) -> list[str]:
     keys = [("stop reasons", lambda s: ", ".join(f"{k} {v}" for k, v in s["stop_reasons"].items())),
             ("completions showing a loop of lines", lambda s: s["loops_shown"]),
             ("completions showing a loop inside a line", lambda s: s["line_loops_shown"]),
@@ -205,8 +216,8 @@ def table(summary: dict) -> list[str]:
             ("characters saved by accepted ones", lambda s: s["chars_saved"]),
             ("tokens generated, mean (total)", lambda s: f"{s['tokens_mean']} ({s['tokens_total']})"),
             ("decode ms, mean / p90", lambda s: f"{s['decode_ms_mean']} / {s['decode_ms_p90']}")]
-    md = ["| | " + " | ".join(ARMS) + " |", "|---" * (len(ARMS) + 1) + "|"]
-    return md + [f"| {label} | " + " | ".join(str(f(summary[a])) for a in ARMS) + " |" for label, f in keys]
+    md = ["| | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
+    return md + [f"| {label} | " + " | ".join(str(f(summary[a])) for a in arms) + " |" for label, f in keys]
 
 
 def main() -> None:
@@ -216,19 +227,23 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--no-mid-line", dest="mid_line", action="store_false", help="block cursors only")
     ap.add_argument("--out", default=str(RESULTS / "repetition"), help="results path without extension")
+    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated, from: " + ", ".join(ARMS))
     args = ap.parse_args()
+    arms = tuple(a for a in ARMS if a in args.arms.split(","))
+    if not arms or arms[0] != "rules on" or len(arms) != len(args.arms.split(",")):
+        sys.exit(f"--arms: 'rules on' and any of {ARMS[1:]}")
     work = cursors(args.repos, args.functions, args.mid_line)
     fp = real_code(args.repos)
     fp_lines = real_lines(args.repos)
     engines = {}
-    for arm in ARMS:  # one after the other: transformers' loading is not thread-safe
+    for arm in arms:  # one after the other: transformers' loading is not thread-safe
         engines[arm] = e = Engine(EngineSettings(model=args.model)).start()
         e.ready.wait()
         if e.load_error:
             sys.exit(e.load_error)
-    rows = {arm: [] for arm in ARMS}
+    rows = {arm: [] for arm in arms}
     for i, cur in enumerate(work):
-        order = ARMS[i % len(ARMS):] + ARMS[:i % len(ARMS)]  # no arm always runs first
+        order = arms[i % len(arms):] + arms[:i % len(arms)]  # no arm always runs first
         for arm in order:
             req = CompletionRequest(prefix=cur["prefix"], suffix=cur["suffix"],
                                     session_key=f"{cur['repo']}:{cur['path']}:{cur['kind']}")
@@ -236,13 +251,13 @@ def main() -> None:
                 c = engines[arm].complete(req)
             rows[arm].append({"repo": cur["repo"], "path": cur["path"], "line": cur["line"], "kind": cur["kind"],
                               **measure(c, cur, engines[arm].lm.tokenizer)})
-        print(i, cur["repo"], cur["path"], cur["kind"], [rows[a][-1]["reason"] for a in ARMS], flush=True)
+        print(i, cur["repo"], cur["path"], cur["kind"], [rows[a][-1]["reason"] for a in arms], flush=True)
     for e in engines.values():
         e.close()
     kinds = sorted({c["kind"] for c in work})
-    summary = {"all": {arm: summarize(rows[arm]) for arm in ARMS}}
+    summary = {"all": {arm: summarize(rows[arm]) for arm in arms}}
     for kind in kinds:
-        summary[kind] = {arm: summarize([r for r in rows[arm] if r["kind"] == kind]) for arm in ARMS}
+        summary[kind] = {arm: summarize([r for r in rows[arm] if r["kind"] == kind]) for arm in arms}
 
     def pairs(a: str, b: str) -> dict:
         both = list(zip(rows[a], rows[b]))
@@ -250,7 +265,7 @@ def main() -> None:
                 "prefix": sum(y["text"].startswith(x["text"]) for x, y in both),
                 "examples": [{"repo": x["repo"], "path": x["path"], "kind": x["kind"], a: x["text"], b: y["text"]}
                              for x, y in both if x["text"] != y["text"]]}
-    compare = {"line rule": pairs("rules on", "no line-loop rule"), "all rules": pairs("rules on", "rules off")}
+    compare = {arm: pairs("rules on", arm) for arm in arms[1:]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     repos = ", ".join(sorted({c["repo"] for c in work}))
     counts = Counter(c["kind"] for c in work)
@@ -259,14 +274,14 @@ def main() -> None:
           f"{len(work)} cursors in held-out functions of {repos}: {counts['block']} block cursors (two per "
           "function: the body's first line and its middle line, indentation typed; multi-line) and "
           f"{counts.get('mid-line', 0)} mid-line cursors (just after `= ` or `return ` in the body's first two "
-          "such lines; single-line, the truth is the rest of the line). Three engines answer each request: "
-          "`rules on` is the daemon as shipped; `no line-loop rule` disables the rule for loops inside a line "
-          "(the code before it); `rules off` disables it, the loop rule and the cut-line rule.", ""]
+          f"such lines; single-line, the truth is the rest of the line). Engines ({', '.join(arms)}) answer each "
+          "request: `rules on` is the daemon as shipped; `no near-block rule` leaves out the loop rule's near-equal "
+          "blocks (the code before them); `no line-loop rule` also disables the rule for loops inside a line "
+          "(the code before it); `rules off` disables those, the loop rule and the cut-line rule.", ""]
     for kind in ["all", *kinds]:
         md += [f"**{'All cursors' if kind == 'all' else kind.capitalize() + ' cursors'}** "
-               f"({len(rows[ARMS[0]]) if kind == 'all' else counts[kind]}):", ""] + table(summary[kind]) + [""]
-    for label, c in compare.items():
-        other = "no line-loop rule" if label == "line rule" else "rules off"
+               f"({len(rows[arms[0]]) if kind == 'all' else counts[kind]}):", ""] + table(summary[kind], arms) + [""]
+    for other, c in compare.items():
         md += [f"`rules on` against `{other}`: {c['changed']} of {len(work)} texts differ; every `rules on` text "
                f"is a prefix of the other: {c['prefix']} of {len(work)}."]
     md += ["", "A line counts as the truth's when it equals (stripped) the held-out body's line at the same "
@@ -277,18 +292,20 @@ def main() -> None:
            f"**The loop rule on real code** (false positives): of {fp['positions']} non-blank line positions "
            f"in these repositories' .py files, the 12 lines ending there count as a loop at {fp['fired']} "
            f"({100 * fp['fired'] / max(1, fp['positions']):.3f} %). A completion writing exactly that code "
-           "would stop there, keeping the first copy. Examples (last lines of each; all in the json):", ""]
-    for e in fp["examples"][:6]:
+           f"would stop there, keeping the first copy; {len(fp['near_block'])} of them only by the near-equal blocks. "
+           "Examples (last lines of each; all in the json), the near-equal blocks' first:", ""]
+    for e in (fp["near_block"] + [e for e in fp["examples"] if e not in fp["near_block"]])[:10]:
         md += [f"- `{e['repo']}/{e['path']}:{e['line']}`: " + " / ".join(f"`{x.strip()}`" for x in e["lines"][-3:])]
     md += ["", f"**The line-loop rule on real code**: of {fp_lines['lines']} non-blank lines, {fp_lines['fired']} "
            f"({100 * fp_lines['fired'] / max(1, fp_lines['lines']):.3f} %) end in a loop at some character. "
            "A completion writing exactly that line would stop after the loop's first copy:", ""]
     md += [f"- `{e['repo']}/{e['path']}:{e['line']}`: `{e['text'][:100]}`" for e in fp_lines["examples"][:8]]
-    ex = compare["line rule"]["examples"]
-    if ex:
-        md += ["", "Texts the line-loop rule changed (`rules on` / `no line-loop rule`, first 8):", ""]
-        md += [f"- `{e['repo']}/{e['path']}` ({e['kind']}): `{e['rules on'][-80:]!r}` / "
-               f"`{e['no line-loop rule'][-120:]!r}`" for e in ex[:8]]
+    for other in ("no near-block rule", "no line-loop rule"):
+        ex = compare[other]["examples"] if other in compare else []
+        if ex:
+            md += ["", f"Texts that differ (`rules on` / `{other}`, first 8):", ""]
+            md += [f"- `{e['repo']}/{e['path']}` ({e['kind']}): `{e['rules on'][-80:]!r}` / "
+                   f"`{e[other][-120:]!r}`" for e in ex[:8]]
     md += [""]
     write_results(args.out, md, {"summary": summary, "compare": compare, "real_code": fp,
                                  "real_lines": fp_lines, "rows": rows})

@@ -206,14 +206,20 @@ class StopRules:
 
 EXACT_COPIES = {1: 3, 2: 2, 3: 2, 4: 2}  # a block of n lines repeated this many times in a row is a loop
 NEAR_RUN = 6  # this many consecutive lines, each nearly the one before (<= 10 % edits), is a loop
+# a block of 2-4 lines, each line nearly (or exactly) the line a block before, this many times in a
+# row is a loop (``if s.startswith("00"):`` / ``raise Abort()`` / ... ``"000"`` ...); 0: off
+NEAR_BLOCK_COPIES = 3
 
 
 def repetition_cut(complete: list[str], line_prefix: str = "") -> int | None:
     """How many of ``complete`` (the completion's whole lines; the first is the rest of the
     cursor's line, after ``line_prefix``) to keep when they end in a loop, the way small models degenerate: a block
     of 1-4 lines repeated back to back (3 copies of one line, 2 of a longer block; blank
-    lines between copies are ignored) keeps its first copy; a run of NEAR_RUN lines each
-    within 10 % edits of the one before (``# v1.4``, ``# v1.5``...) keeps its first line.
+    lines between copies are ignored) keeps its first copy; so does a block of 2-4 lines
+    repeated NEAR_BLOCK_COPIES times with each line within 10 % edits of its line in the block
+    before (``if name.startswith("tree"):`` / ``continue`` / ``if name.startswith("tree_"):`` ...;
+    bench/results/repetition_near_block_avx2.md); a run of NEAR_RUN lines each within 10 % edits
+    of the one before (``# v1.4``, ``# v1.5``...) keeps its first line.
     None when they do not end in a loop."""
     lines = [line_prefix + complete[0], *complete[1:]] if complete else []
     idx = [i for i, line in enumerate(lines) if line.strip()]
@@ -230,6 +236,13 @@ def repetition_cut(complete: list[str], line_prefix: str = "") -> int | None:
         run += 1
     if run >= NEAR_RUN:
         return idx[len(rows) - run] + 1
+    for n in range(2, 5) if NEAR_BLOCK_COPIES else ():  # after the run: its lines make near blocks too
+        span = n * NEAR_BLOCK_COPIES
+        if len(rows) < span:
+            break
+        tail = rows[-span:]
+        if all(tail[j] == tail[j - n] or _near(tail[j], tail[j - n]) for j in range(n, span)):
+            return idx[len(rows) - span + n - 1] + 1
     return None
 
 

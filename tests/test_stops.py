@@ -82,6 +82,35 @@ def test_a_repeated_block_keeps_one_copy_and_blank_lines_between_copies_do_not_h
     assert d.text == "y = {}\n    if x is not None:\n        y[x] = x"
 
 
+def test_nearly_equal_blocks_three_times_keep_their_first_copy():
+    """A block of 2-4 lines whose lines each differ a little from the block before (what the
+    default model wrote after ``for name in filenames:``) is a loop at its third copy; two such
+    copies, or blocks whose short lines differ (a dispatch chain's ``return 1`` / ``return 2``),
+    are code."""
+    from codecomplete.model import stops
+
+    r = rules("def f(filenames):\n    for name in filenames:\n        ", "")
+    block = 'if name.startswith("{}"):\n            continue\n        '
+    copies = [block.format(w) for w in ("tree", "tree_", "tree_tr")]
+    d = r.check("".join(copies) + "if")
+    assert d.stop and d.reason == "repetition" and d.text == copies[0].rstrip()
+    assert not r.check("".join(copies[:2]) + "if").stop
+    chain = "".join(f'if x == "{c}":\n            return {i}\n        ' for i, c in enumerate("abcd"))
+    assert not r.check(chain + "if").stop
+    # one line of each copy changed more than a tenth is no loop either
+    far = "".join(block.format(w) for w in ("tree", "forest_of_trees", "tree_tr"))
+    assert not r.check(far + "if").stop
+    # blank lines between copies do not hide it; NEAR_BLOCK_COPIES = 0 turns the rule off
+    spaced = "x = 1\n        " + "\n        ".join(copies) + "if"
+    assert r.check(spaced).text == "x = 1\n        " + copies[0].rstrip()
+    old, stops.NEAR_BLOCK_COPIES = stops.NEAR_BLOCK_COPIES, 0
+    try:
+        assert not rules("def f(filenames):\n    for name in filenames:\n        ", "").check(
+            "".join(copies) + "if").stop
+    finally:
+        stops.NEAR_BLOCK_COPIES = old
+
+
 def test_the_same_line_at_another_indentation_is_no_loop():
     r = rules("def f():\n    ", "")
     text = "if a:\n        if b:\n            g()\n        g()\n    g()\n"
