@@ -22,6 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, run  # noqa: E402
 
+from codecomplete.daemon.sessions import read_sessions, rest_of_line_at_requests  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,17 +32,21 @@ def main() -> None:
     ap.add_argument("--max-requests", type=int, default=8)
     ap.add_argument("--schemes", default="baseline,efim,efim-nospec,efim-through")
     ap.add_argument("--model", default="default")
+    ap.add_argument("--typing", default="open-line", choices=("open-line", "in-place"),
+                    help="how sessions from-git types new lines (docs/sessions.md)")
     ap.add_argument("--out", default=str(RESULTS / "replay"), help="the results: OUT.md, and the reports under OUT/")
     args = ap.parse_args()
     out_root = Path(args.out)
     out_root.mkdir(parents=True, exist_ok=True)
     exe = [sys.executable, "-m", "codecomplete.daemon"]
-    sections, commands = [], []
+    sections, commands, after = [], [], {}
     for i, repo in enumerate(args.repos):
         name = repo.resolve().parent.name if repo.name in ("repo", ".git") else repo.name
         sessions = out_root / f"{name}.sessions.jsonl"
         commands.append(run(exe + ["sessions", "from-git", str(repo), "--commits", str(args.commits),
-                                   "--out", str(sessions), "--seed", "1"]))
+                                   "--out", str(sessions), "--seed", "1", "--typing", args.typing]))
+        rests = [r for s in read_sessions(sessions) for r in rest_of_line_at_requests(s)[:args.max_requests]]
+        after[name] = (sum(bool(r.strip()) for r in rests), len(rests))
         runs = [("compressed, 1 user", ["--speed", "0", "--max-requests", str(args.max_requests)], name)]
         if i == 0:
             runs.append(("real time, 2 users", ["--speed", "1", "--users", "2", "--max-sessions", "2"],
@@ -66,6 +72,8 @@ def main() -> None:
              "Acceptance = the completion is a prefix of what was typed next. Decode ms/token and tokens/pass are "
              "the daemon's own counters over the run.",
              "", "Commands:", ""] + [f"    {c}" for c in commands] + [""]
+    lines += [f"Typing `{args.typing}`: requests of the compressed runs with code after the cursor on its line: "
+              + ", ".join(f"{name} {k} of {n}" for name, (k, n) in after.items()) + ".", ""]
     lines += ["| repository | run | scheme | requests | answered / stale / superseded / empty | latency p50 / p90 / p99 ms "
               "| acceptance | exact | edit sim. | chars saved | reuse | decode ms/token | tokens/pass "
               "| typed through | cached |",

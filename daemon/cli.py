@@ -290,12 +290,16 @@ def sessions_cmd(argv: list[str]) -> int:
     g.add_argument("--max-files", type=int, default=3, help="changed files typed per commit")
     g.add_argument("--suffix", action="append", default=None, help="file suffixes to type (default .py)")
     g.add_argument("--skip", type=int, default=0, help="pass over the newest N commits that would make a session")
+    g.add_argument("--typing", choices=("open-line", "in-place"), default="open-line",
+                   help="open-line (default): open an empty line, then type the new lines there, as in an editor; "
+                        "in-place: type them, line breaks included, in front of the code that follows (the "
+                        "sessions made before 2026-11-28)")
     args = p.parse_args(argv)
     from .sessions import SessionError, sessions_from_git, write_sessions
 
     try:
         made = sessions_from_git(args.repo, args.commits, args.seed, args.max_files,
-                                 tuple(args.suffix or [".py"]), skip=max(0, args.skip))
+                                 tuple(args.suffix or [".py"]), skip=max(0, args.skip), typing=args.typing)
     except SessionError as exc:
         print(f"codecomplete-daemon sessions: {exc}", file=sys.stderr)
         return 2

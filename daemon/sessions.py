@@ -153,6 +153,22 @@ def final_texts(session: Session) -> dict[str, str]:
     return docs
 
 
+def rest_of_line_at_requests(session: Session) -> list[str]:
+    """For each request, the text after the cursor on its line as the daemon sees it then."""
+    docs: dict[str, str] = {}
+    rests = []
+    for e in session.events:
+        if e["type"] == "open":
+            docs[e["uri"]] = e["text"]
+        elif e["type"] == "change":
+            for ch in e["changes"]:
+                docs[e["uri"]] = apply_change(docs.get(e["uri"], ""), ch)
+        elif e["type"] == "request":
+            text = docs.get(e["uri"], "")
+            rests.append(text[utf16_offset(text, e["line"], e["character"]):].split("\n", 1)[0])
+    return rests
+
+
 def fill_truth(session: Session) -> None:
     """Derive ``truth_line`` for requests that lack it (recorded sessions): what the user
     typed at the cursor afterwards, up to an edit elsewhere or a newline."""
@@ -230,9 +246,17 @@ def _change(text: str, a: int, b: int, new: str) -> dict:
             "text": new}
 
 
+TYPING = ("open-line", "in-place")
+
+
 def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
-              max_hunk_chars: int = 2000) -> tuple[list[dict], float]:
-    """Events that turn ``old`` into ``new`` hunk by hunk, typing the new lines."""
+              max_hunk_chars: int = 2000, typing: str = "open-line") -> tuple[list[dict], float]:
+    """Events that turn ``old`` into ``new`` hunk by hunk, typing the new lines.  ``typing``:
+    "open-line" (what an editor's user does) first opens an empty line where the new lines go
+    (Enter at the end of the line above, or Vim's ``O``: one change inserting a line break in
+    front of the code that follows) and types the lines there, so the code below stays on a line
+    of its own while they are typed; "in-place" types the new lines, their breaks included, in
+    front of that code (``new te|def existing():``), as sessions were made before."""
     events: list[dict] = []
     t = t0
     text = old
@@ -260,6 +284,12 @@ def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
         else:
             pos = start
             asked = False
+            opened = typing == "open-line" and added.endswith("\n") and start < len(text)
+            if opened:  # one keystroke of a fixed length (no random draw: see below)
+                t += 100
+                events.append({"t": round(t), "type": "change", "uri": uri,
+                               "changes": [_change(text, start, start, "\n")]})  # the cursor stays in front of it
+                text = text[:start] + "\n" + text[start:]
             for k, ch in enumerate(added):
                 prev = added[k - 1] if k else "\n"
                 boundary = "line" if prev == "\n" else "word" if (prev in " .(,:=" and ch not in " ") else None
@@ -282,6 +312,10 @@ def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
                     events.append({"t": round(t), "type": "change", "uri": uri, "changes": [_change(text, pos, pos + 1, "")]})
                     text = text[:pos] + text[pos + 1:]
                 t += typist.key_ms()
+                if opened and k == len(added) - 1:
+                    # the hunk's last line break is already there: this keystroke leaves the line.  Both
+                    # typings draw the same random numbers, so they ask at the same places
+                    break
                 events.append({"t": round(t), "type": "change", "uri": uri, "changes": [_change(text, pos, pos, ch)]})
                 text = text[:pos] + ch + text[pos:]
                 pos += 1
@@ -291,10 +325,13 @@ def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
 
 def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: int = 3,
                       suffixes: tuple[str, ...] = (".py",), max_file_bytes: int = 200_000,
-                      max_added_lines: int = 200, root_uri: str | None = None, skip: int = 0) -> list[Session]:
-    """One session per commit: its changed files, typed from the parent's text.  ``skip``:
-    pass over the newest ``skip`` commits that would make a session (older history, for a
-    set of sessions apart from an earlier one's)."""
+                      max_added_lines: int = 200, root_uri: str | None = None, skip: int = 0,
+                      typing: str = "open-line") -> list[Session]:
+    """One session per commit: its changed files, typed from the parent's text (``typing``: see
+    ``type_file``).  ``skip``: pass over the newest ``skip`` commits that would make a session
+    (older history, for a set of sessions apart from an earlier one's)."""
+    if typing not in TYPING:
+        raise SessionError(f"typing must be one of {', '.join(TYPING)}, not {typing!r}")
     repo = Path(repo).resolve()
     rng = random.Random(seed)
     typist = Typist(rng)
@@ -314,7 +351,7 @@ def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: in
         if not files:
             continue
         session = Session(make_header(str(repo), sha, "git-history", "synthetic", parent=parent,
-                                      subject=git(repo, "log", "-1", "--format=%s", sha).strip()))
+                                      subject=git(repo, "log", "-1", "--format=%s", sha).strip(), typing=typing))
         t = 0.0
         for _, path in files[:max_files]:
             old, new = _show(repo, parent, path), _show(repo, sha, path)
@@ -322,7 +359,7 @@ def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: in
                 continue
             uri = f"{base_uri}/{path}"
             session.events.append({"t": round(t), "type": "open", "uri": uri, "languageId": "python", "text": old})
-            events, t = type_file(uri, old, new, typist, t)
+            events, t = type_file(uri, old, new, typist, t, typing=typing)
             session.events += events
             t += 1000
             session.events.append({"t": round(t), "type": "save", "uri": uri})

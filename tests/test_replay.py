@@ -14,7 +14,7 @@ from pytest_lsp import make_test_lsp_client
 
 from codecomplete.daemon.replay import RequestResult, edit_similarity, parse_settings, score
 from codecomplete.daemon.sessions import (Session, SessionError, final_texts, make_header, read_sessions,
-                                          sessions_from_git, write_sessions)
+                                          rest_of_line_at_requests, sessions_from_git, write_sessions)
 
 from .lsp_client import insert, open_doc
 
@@ -100,6 +100,36 @@ def test_sessions_from_git_reproduce_each_commit_exactly(history: Path, tmp_path
                            "--commits", "1", "--skip", "1", "--out", str(out)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert [x.header["commit"] for x in read_sessions(out)] == [sessions[1].header["commit"]]
+
+
+def test_sessions_open_a_line_before_typing_new_lines_as_editors_do(tmp_path: Path):
+    """Lines added between existing ones are typed on a line opened for them (``open-line``, the
+    default): at every request the rest of the cursor's line is empty and the code that follows
+    stays below; ``in-place`` types them in front of that code, as before.  Both end at the
+    commit's text, and the header says which typing made the session."""
+    repo = tmp_path / "r"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    git(repo, "config", "user.email", "t@example.com")
+    git(repo, "config", "user.name", "t")
+    body = "def f(x):\n    a = 1\n{}    return a\n\n\ndef g():\n    pass\n"
+    for i, new in enumerate(("", "    b = compute(a, x)\n    c = b + a\n")):
+        (repo / "m.py").write_text(body.format(new))
+        git(repo, "add", "-A")
+        git(repo, "commit", "-qm", f"v{i}")
+    final = (repo / "m.py").read_text()
+    rests, asked = {}, {}
+    for typing in ("open-line", "in-place"):
+        (s,) = sessions_from_git(repo, commits=1, seed=1, typing=typing)
+        assert s.header["typing"] == typing and list(final_texts(s).values()) == [final]
+        rests[typing] = rest_of_line_at_requests(s)
+        asked[typing] = [(r["line"], r["character"], r["truth_hunk"]) for r in s.requests]
+        assert rests[typing] and all(r["truth_hunk"].startswith(r["truth_line"]) for r in s.requests)
+    assert asked["open-line"] == asked["in-place"]  # the same requests (100 ms later): comparable one by one
+    assert all(not rest.strip() for rest in rests["open-line"])
+    assert any(rest.strip() == "return a" for rest in rests["in-place"])
+    with pytest.raises(SessionError, match="typing must be one of"):
+        sessions_from_git(repo, commits=1, typing="dictated")
 
 
 def test_score_counts_a_completion_line_by_line():
