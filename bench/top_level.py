@@ -1,7 +1,7 @@
 """Multi-line completions on a blank line at a file's top level: what stopping at the next
 top-level paragraph changes.
 
-    python bench/top_level.py REPO_GIT_DIR [REPO_GIT_DIR ...] [--per-repo 20] [--model default]
+    python bench/top_level.py REPO_GIT_DIR [REPO_GIT_DIR ...] [--per-repo 20] [--model default] [--indented]
 
 Inside a block a multi-line completion ends where the code goes back left of the cursor's
 line (``block_end``); at the top level nothing is left of column 0, so a completion ran on
@@ -14,6 +14,13 @@ in a deterministic sample of them, a top-level paragraph (a line at column 0 aft
 line, with code before it) is held out: the prefix is the file up to that line, the suffix
 the file from the next paragraph on (a line break first), the truth the paragraph.  A
 developer writing a new function, class or statement group between others.
+
+``--indented``: the same for definitions inside a block, the rule ``definition_paragraphs``
+(a method in a class body, a nested function): a line that starts a definition (``def``,
+``class``, a decorator), indented, after a blank line is held out up to the next line at or
+left of its indentation after a blank line (or left of it at once); the prefix ends with its
+indentation typed on the fresh line.  On such a line, a completion that starts a definition
+stops before a line back at the cursor's indentation after a blank line.
 
 Two arms on one engine, each request in both (the order alternating; no time budget, so the
 arms differ only by the rule): ``paragraph stop``
@@ -54,7 +61,25 @@ def paragraphs(text: str) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(starts, starts[1:] + [len(lines)])]
 
 
-def cursors(git_dirs: list[Path], per_repo: int, seed: int = 0) -> list[dict]:
+def definitions(text: str) -> list[tuple[int, int]]:
+    """(first line, end line) of each indented definition that follows a blank line: up to the
+    next line at or left of its indentation after a blank line, or left of it."""
+    lines = text.split("\n")
+    width = [stops.indent_width(stops.leading_ws(x)) for x in lines]
+    out = []
+    for a in range(1, len(lines)):
+        if not (lines[a].strip() and width[a] > 0 and not lines[a - 1].strip()
+                and stops._DEFINITION.match(lines[a].lstrip()) and any(x.strip() for x in lines[:a])):
+            continue
+        b = a + 1
+        while b < len(lines) and not (lines[b].strip() and (width[b] < width[a] or (
+                width[b] == width[a] and not lines[b - 1].strip()))):
+            b += 1
+        out.append((a, b))
+    return out
+
+
+def cursors(git_dirs: list[Path], per_repo: int, seed: int = 0, indented: bool = False) -> list[dict]:
     out = []
     for git_dir in git_dirs:
         name, root = checkout(git_dir)
@@ -66,13 +91,14 @@ def cursors(git_dirs: list[Path], per_repo: int, seed: int = 0) -> list[dict]:
                 continue
             if not 200 < len(text) < 200_000:
                 continue
-            for a, b in paragraphs(text):
-                lines = text.split("\n")
-                body = "\n".join(lines[a:b]).rstrip()
+            lines = text.split("\n")
+            for a, b in (definitions if indented else paragraphs)(text):
+                indent = stops.leading_ws(lines[a])
+                body = "\n".join(lines[a:b]).rstrip()[len(indent):]
                 if len(body) < 20:
                     continue
                 found.append({"repo": name, "path": path.relative_to(root).as_posix(), "line": a,
-                              "prefix": "".join(x + "\n" for x in lines[:a]),
+                              "prefix": "".join(x + "\n" for x in lines[:a]) + indent,
                               "suffix": "\n" + "\n".join(lines[b:]), "truth": body})
         rng = random.Random(f"{seed}:{name}")
         out += rng.sample(found, min(per_repo, len(found)))
@@ -101,9 +127,13 @@ def main() -> None:
     ap.add_argument("repos", nargs="+", type=Path, help="git directories (as fetch brings them)")
     ap.add_argument("--per-repo", type=int, default=20, help="held-out paragraphs per repository")
     ap.add_argument("--model", default="default")
-    ap.add_argument("--out", default=str(RESULTS / "top_level"), help="results path without extension")
+    ap.add_argument("--indented", action="store_true", help="indented definitions (definition_paragraphs)")
+    ap.add_argument("--out", default=None, help="results path without extension (default: top_level, "
+                                                 "top_level_indented)")
     args = ap.parse_args()
-    work = cursors(args.repos, args.per_repo)
+    out = args.out or str(RESULTS / ("top_level_indented" if args.indented else "top_level"))
+    rule = "definition_paragraphs" if args.indented else "top_level_paragraphs"
+    work = cursors(args.repos, args.per_repo, indented=args.indented)
     engine = Engine(EngineSettings(model=args.model)).start()
     engine.ready.wait()
     if engine.load_error:
@@ -111,12 +141,12 @@ def main() -> None:
     rows = {arm: [] for arm in ARMS}
     for i, cur in enumerate(work):
         for arm in (ARMS if i % 2 == 0 else ARMS[::-1]):
-            stops.StopRules.top_level_paragraphs = arm == "paragraph stop"
+            setattr(stops.StopRules, rule, arm == "paragraph stop")
             c = engine.complete(CompletionRequest(prefix=cur["prefix"], suffix=cur["suffix"], time_budget_ms=600_000,
                                                   session_key=f"{arm}:{cur['repo']}:{cur['path']}:{cur['line']}"))
             rows[arm].append({"repo": cur["repo"], "path": cur["path"], "line": cur["line"], **measure(c, cur)})
         print(i, cur["repo"], cur["path"], cur["line"], [rows[a][-1]["reason"] for a in ARMS], flush=True)
-    stops.StopRules.top_level_paragraphs = True
+    setattr(stops.StopRules, rule, True)
     engine.close()
     summary = {arm: summarize(rows[arm]) for arm in ARMS}
     both = list(zip(rows[ARMS[0]], rows[ARMS[1]]))
@@ -129,12 +159,16 @@ def main() -> None:
             ("characters saved by accepted ones", lambda s: s["chars_saved"]),
             ("tokens generated, mean", lambda s: s["tokens_mean"])]
     repos = ", ".join(sorted({c["repo"] for c in work}))
-    md = [header("Top-level multi-line completions: stopping at the next paragraph"), "",
+    what = ("indented definitions (cursor on the blank line where the definition starts, its indentation "
+            "typed; suffix: the file from the next line at or left of that indentation on)" if args.indented else
+            "top-level paragraphs (cursor on the blank line where the paragraph starts; suffix: the file from the "
+            "next paragraph on)")
+    md = [header("Indented definitions: stopping where the definition ends" if args.indented else
+                 "Top-level multi-line completions: stopping at the next paragraph"), "",
           f"Model `{args.model}`, daemon defaults (auto mode, 64 tokens, 12 lines) but no time budget (a "
           "wall-clock cut would differ between the arms), no repository index. "
-          f"{len(work)} held-out top-level paragraphs of {repos} (cursor on the blank line where the paragraph "
-          "starts; suffix: the file from the next paragraph on). `paragraph stop` is the daemon as shipped, "
-          "`before` the same engine with the rule off.", "",
+          f"{len(work)} held-out {what} of {repos}. `paragraph stop` is the daemon as shipped, "
+          f"`before` the same engine with the rule (`StopRules.{rule}`) off.", "",
           "| | " + " | ".join(ARMS) + " |", "|---" * (len(ARMS) + 1) + "|"]
     md += [f"| {label} | " + " | ".join(str(f(summary[a])) for a in ARMS) + " |" for label, f in keys]
     md += ["", f"Texts that differ: {len(changed)} of {len(work)}; each `paragraph stop` text a prefix of "
@@ -144,7 +178,7 @@ def main() -> None:
         md += [f"- `{x['repo']}/{x['path']}:{x['line'] + 1}`: `{x['text'].split(chr(10))[-1][:60]!r}` / "
                f"`{y['text'][len(x['text']):][:100]!r}`"]
     md += [""]
-    write_results(args.out, md, {"summary": summary, "rows": rows})
+    write_results(out, md, {"summary": summary, "rows": rows})
 
 
 if __name__ == "__main__":

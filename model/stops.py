@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 _OPENERS = (":", "{", "(", "[", "=>", "->", "do", "then")
 _CLOSERS_ONLY = re.compile(r"^[\s\)\]\}\"'`;,]*$")
+# a line that starts a definition: ``def``/``class`` (Python), ``function``/``fn``/``func``, a decorator
+_DEFINITION = re.compile(r"(?:async\s+)?(?:def|class|function|fn|func)\s|@\w")
 
 
 def leading_ws(line: str) -> str:
@@ -70,6 +72,10 @@ class StopRules:
     # On a blank line at column 0 (the top level), stop before a line at column 0 that follows
     # a blank line once the completion has code: one paragraph (bench/top_level.py).
     top_level_paragraphs = True
+    # On an indented blank line, a completion that starts a definition (a method in a class body)
+    # stops before a line back at the cursor's indentation after a blank line: that definition
+    # (bench/top_level.py --indented).
+    definition_paragraphs = True
 
     def __init__(self, shape: CompletionShape, max_lines: int):
         self.shape = shape
@@ -93,8 +99,10 @@ class StopRules:
         lines = text.split("\n")
         complete = lines[:-1]  # the last line may still be growing
         blank_run = 0
-        top = self.top_level_paragraphs and not shape.opens_block and not shape.line_prefix.strip() \
-            and shape.base_indent == 0
+        fresh = not shape.opens_block and not shape.line_prefix.strip()  # a blank line, its indentation typed
+        top = self.top_level_paragraphs and fresh and shape.base_indent == 0
+        if self.definition_paragraphs and fresh and shape.base_indent > 0 and _DEFINITION.match(lines[0]):
+            top = True  # the definition is the paragraph
         code = bool(lines[0].strip())  # the completion has a line of code before this one
         for i, line in enumerate(complete):
             if i == 0:
@@ -105,7 +113,7 @@ class StopRules:
                     return StopDecision(True, "\n".join(lines[: i - 1]), "blank_lines")
                 continue
             width = indent_width(leading_ws(line))
-            if top and code and blank_run and width == 0:
+            if top and code and blank_run and width <= shape.base_indent:
                 return StopDecision(True, "\n".join(lines[:i - blank_run]), "block_end")
             blank_run = 0
             code = True

@@ -274,3 +274,23 @@ def test_at_the_top_level_a_completion_is_one_paragraph():
         assert not rules("import os\n\n", "").check("x = 1\n\ny = 2\n").stop
     finally:
         StopRules.top_level_paragraphs = True
+
+
+def test_an_indented_definition_is_one_paragraph():
+    """On an indented blank line, a completion that starts a definition (a method, a nested
+    function, a decorated one) stops before the next line back at the cursor's indentation
+    after a blank line; blank lines inside its body do not end it."""
+    cls = "class A:\n    def f(self):\n        return 1\n\n    "
+    d = rules(cls, "\n").check("def g(self):\n        x = 1\n\n        return x\n\n    def h(self):\n")
+    assert d.stop and d.reason == "block_end" and d.text == "def g(self):\n        x = 1\n\n        return x"
+    d = rules(cls, "\n").check("@property\n    def g(self):\n        return 2\n\n    @property\n")
+    assert d.stop and d.text == "@property\n    def g(self):\n        return 2"
+    # a class attribute, a statement group in a function body: paragraphs go on as before
+    assert not rules(cls, "\n").check("x = 1\n\n    y = 2\n").stop
+    assert not rules("def f(x):\n    y = 1\n\n    ", "\n").check("for z in x:\n        y += z\n\n    return y\n").stop
+    # the rule can be turned off (bench/top_level.py --indented's other arm)
+    try:
+        StopRules.definition_paragraphs = False
+        assert not rules(cls, "\n").check("def g(self):\n        return 1\n\n    def h(self):\n").stop
+    finally:
+        StopRules.definition_paragraphs = True
