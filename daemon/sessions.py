@@ -141,8 +141,8 @@ def apply_change(text: str, change: dict) -> str:
     return text[:a] + change["text"] + text[b:]
 
 
-def final_texts(session: Session) -> dict[str, str]:
-    """Every document's text after all the session's edits."""
+def _documents(session: Session):
+    """Each event with every document's text once that event is applied (one dict, updated)."""
     docs: dict[str, str] = {}
     for e in session.events:
         if e["type"] == "open":
@@ -150,20 +150,22 @@ def final_texts(session: Session) -> dict[str, str]:
         elif e["type"] == "change":
             for ch in e["changes"]:
                 docs[e["uri"]] = apply_change(docs.get(e["uri"], ""), ch)
+        yield e, docs
+
+
+def final_texts(session: Session) -> dict[str, str]:
+    """Every document's text after all the session's edits."""
+    docs: dict[str, str] = {}
+    for _, docs in _documents(session):
+        pass
     return docs
 
 
 def rest_of_line_at_requests(session: Session) -> list[str]:
     """For each request, the text after the cursor on its line as the daemon sees it then."""
-    docs: dict[str, str] = {}
     rests = []
-    for e in session.events:
-        if e["type"] == "open":
-            docs[e["uri"]] = e["text"]
-        elif e["type"] == "change":
-            for ch in e["changes"]:
-                docs[e["uri"]] = apply_change(docs.get(e["uri"], ""), ch)
-        elif e["type"] == "request":
+    for e, docs in _documents(session):
+        if e["type"] == "request":
             text = docs.get(e["uri"], "")
             rests.append(text[utf16_offset(text, e["line"], e["character"]):].split("\n", 1)[0])
     return rests
