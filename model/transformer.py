@@ -689,7 +689,6 @@ def from_safetensors(path, cfg, dtype: torch.dtype, device, linear: bool = True)
     ``linear=False``: the linear layers' weights (and an embedding tied to the head) stay on the
     meta device, unread: their native copies come from the packed weights' cache
     (``Transformer.native_decode(prepacked=...)``)."""
-    import json
     from pathlib import Path
 
     path = Path(path)
@@ -699,10 +698,8 @@ def from_safetensors(path, cfg, dtype: torch.dtype, device, linear: bool = True)
     if (cfg.model_type not in SUPPORTED or getattr(cfg, "quantization_config", None)
             or (archs and not any(a.endswith("ForCausalLM") for a in archs))):
         return None
-    index = path / "model.safetensors.index.json"
     try:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-            else ["model.safetensors"]
+        files = _safetensors_files(path)
     except (OSError, ValueError, KeyError):
         return None
     if not all((path / f).is_file() for f in files):
@@ -719,19 +716,26 @@ def from_safetensors(path, cfg, dtype: torch.dtype, device, linear: bool = True)
         return _from_files(args, where, dtype, device, linear)
 
 
+def _safetensors_files(path) -> list[str]:
+    """A checkpoint folder's safetensors files: those its index names, else ``model.safetensors``
+    (raises OSError, ValueError or KeyError for an index that cannot be read)."""
+    import json
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return ["model.safetensors"]
+
+
 def checkpoint_params(path) -> int | None:
     """How many weights a checkpoint folder's safetensors files hold (their headers only; None
     where there are none or one cannot be read): what ``loader.resolve_dtype`` sizes a model by."""
-    import json
     from pathlib import Path
 
     path = Path(path)
-    index = path / "model.safetensors.index.json"
     try:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-            else ["model.safetensors"]
         total = 0
-        for f in files:
+        for f in _safetensors_files(path):
             with open(path / f, "rb") as handle:
                 total += sum(math.prod(shape) for _, shape, _, _ in _safetensors_header(handle, path / f).values())
     except (OSError, ValueError, KeyError, TypeError):
