@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -14,28 +13,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch
+    from codecomplete.machine import describe
 
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
-    # the vector units decide the native kernels' paths and speed: "AMD EPYC" alone has named both an
-    # AVX2-only Zen 3 and an AVX-512 Zen 4 here, so say which (and the CPU's family and model)
-    isa = ("AMX" if "amx_bf16" in flags else "AVX-512 BF16, no AMX" if "avx512_bf16" in flags
-           else "AVX-512, no AMX" if "avx512f" in flags else "AVX2, no AMX" if "avx2" in flags else "no AVX2, no AMX")
-    ids = {k: ln.split(":", 1)[1].strip() for ln in info.splitlines() for k in ("cpu family", "model")
-           if ln.split(":", 1)[0].strip() == k}
-    where = f" (family {ids['cpu family']}, model {ids['model']})" if len(ids) == 2 else ""
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu}{where}, {os.cpu_count()} cores ({isa}), {gpu}; Python {platform.python_version()}, "
-            f"torch {torch.__version__}, {platform.system()} {platform.release()}")
+    return describe()
 
 
 def command_line() -> str:

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import re
 import shutil
 import subprocess
@@ -233,14 +232,6 @@ async def _request(client, params, res: RequestResult, typed: str, st: UserState
     elif res.status != "superseded":
         res.status = "stale" if st.versions.get(uri) != version else "empty"
     tick()
-
-
-def _gpu(device: str | None) -> str:
-    """The GPU the daemon ran on, for the report's machine line ("" on a CPU run)."""
-    if device == "cpu":
-        return ""
-    import torch
-    return f", {torch.cuda.get_device_name(0)} ({device or 'auto'})" if torch.cuda.is_available() else ""
 
 
 async def replay_scheme(sessions: list[Session], root: Path, scheme: str, *, users: int, speed: float,
@@ -535,11 +526,12 @@ def replay(argv: list[str]) -> int:
         for f in work.glob("daemon-*.log"):
             shutil.copy(f, logs / f.name)
         shutil.rmtree(work, ignore_errors=True)
-    import platform
+    from ..machine import describe
+
     meta = {"sessions": len(sessions), "files": [str(f) for f in args.sessions], "users": args.users,
             "speed": args.speed, "model": args.model, "schemes": schemes,
             "command": "codecomplete-daemon replay " + " ".join(argv),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores{_gpu(args.device)}"}
+            "machine": describe() + (f"; the daemon on --device {args.device}" if args.device else "")}
     report = write_report(args.out, runs, meta)
     for s in report["summary"]:
         lat = s["latency_ms"]

@@ -259,6 +259,8 @@ def test_replay_against_the_real_daemon_reports_every_field(history: Path, tiny_
             assert key in s
         assert s["typed_through"] == 0  # these schemes send every request to the model
     assert by["baseline"]["reuse_rate"] == 0.0  # no KV reuse in the baseline
+    # the machine line names the CPU's cores and vector units, the GPU (or none), Python and torch
+    assert all(w in report["meta"]["machine"] for w in ("cores (", "Python", "torch"))
     assert by["efim"]["reuse_rate"] > 0.3
     # speculation is on by default and lossless: the same completions in fewer decode passes
     assert by["efim"]["speculation"] is True and by["efim-nospec"]["speculation"] is False
