@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, run  # noqa: E402
 
-from codecomplete.daemon.sessions import read_sessions, rest_of_line_at_requests  # noqa: E402
+from codecomplete.daemon.sessions import TYPING, read_sessions, rest_of_line_at_requests  # noqa: E402
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--max-requests", type=int, default=8)
     ap.add_argument("--schemes", default="baseline,efim,efim-nospec,efim-through")
     ap.add_argument("--model", default="default")
-    ap.add_argument("--typing", default="open-line", choices=("open-line", "in-place"),
+    ap.add_argument("--typing", default=TYPING[0], choices=TYPING,
                     help="how sessions from-git types new lines (docs/sessions.md)")
     ap.add_argument("--out", default=str(RESULTS / "replay"), help="the results: OUT.md, and the reports under OUT/")
     args = ap.parse_args()

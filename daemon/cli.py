@@ -280,6 +280,8 @@ def index(argv: list[str]) -> int:
 
 
 def sessions_cmd(argv: list[str]) -> int:
+    from .sessions import TYPING, SessionError, sessions_from_git, write_sessions
+
     p = argparse.ArgumentParser(prog="codecomplete-daemon sessions", description="Make editing sessions.")
     sub = p.add_subparsers(dest="what", required=True)
     g = sub.add_parser("from-git", help="typing sessions from a repository's commits")
@@ -290,12 +292,11 @@ def sessions_cmd(argv: list[str]) -> int:
     g.add_argument("--max-files", type=int, default=3, help="changed files typed per commit")
     g.add_argument("--suffix", action="append", default=None, help="file suffixes to type (default .py)")
     g.add_argument("--skip", type=int, default=0, help="pass over the newest N commits that would make a session")
-    g.add_argument("--typing", choices=("open-line", "in-place"), default="open-line",
+    g.add_argument("--typing", choices=TYPING, default=TYPING[0],
                    help="open-line (default): open an empty line, then type the new lines there, as in an editor; "
                         "in-place: type them, line breaks included, in front of the code that follows (the "
                         "sessions made before 2026-11-28)")
     args = p.parse_args(argv)
-    from .sessions import SessionError, sessions_from_git, write_sessions
 
     try:
         made = sessions_from_git(args.repo, args.commits, args.seed, args.max_files,

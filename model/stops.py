@@ -100,9 +100,9 @@ class StopRules:
         complete = lines[:-1]  # the last line may still be growing
         blank_run = 0
         fresh = not shape.opens_block and not shape.line_prefix.strip()  # a blank line, its indentation typed
-        top = self.top_level_paragraphs and fresh and shape.base_indent == 0
-        if self.definition_paragraphs and fresh and shape.base_indent > 0 and _DEFINITION.match(lines[0]):
-            top = True  # the definition is the paragraph
+        # one paragraph: at the top level, or a definition started on an indented fresh line
+        paragraph = fresh and (self.top_level_paragraphs and shape.base_indent == 0 or self.definition_paragraphs
+                               and shape.base_indent > 0 and bool(_DEFINITION.match(lines[0])))
         code = bool(lines[0].strip())  # the completion has a line of code before this one
         for i, line in enumerate(complete):
             if i == 0:
@@ -113,7 +113,7 @@ class StopRules:
                     return StopDecision(True, "\n".join(lines[: i - 1]), "blank_lines")
                 continue
             width = indent_width(leading_ws(line))
-            if top and code and blank_run and width <= shape.base_indent:
+            if paragraph and code and blank_run and width <= shape.base_indent:
                 return StopDecision(True, "\n".join(lines[:i - blank_run]), "block_end")
             blank_run = 0
             code = True
