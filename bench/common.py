@@ -94,6 +94,21 @@ def ratio_in_rounds(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
+# rows of arm_table that the stop-rule benchmarks (repetition.py, top_level.py) share, over their summaries
+STOP_REASONS_ROW = ("stop reasons", lambda s: ", ".join(f"{k} {v}" for k, v in s["stop_reasons"].items()))
+LINES_ROWS = [("lines shown", lambda s: s["lines_shown"]),
+              ("  the truth's line at that place", lambda s: s["lines_right"]),
+              ("  other lines", lambda s: s["lines_wrong"]),
+              ("accepted (the truth starts with it)", lambda s: s["accepted"]),
+              ("characters saved by accepted ones", lambda s: s["chars_saved"])]
+
+
+def arm_table(keys: list, summary: dict, arms) -> list[str]:
+    """A Markdown table with a column per arm and a row per (label, value of an arm's summary)."""
+    md = ["| | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
+    return md + [f"| {label} | " + " | ".join(str(f(summary[a])) for a in arms) + " |" for label, f in keys]
+
+
 def write_results(out: str | Path, lines: list[str], data) -> None:
     """``out``.md (the lines) and ``out``.json (``data``), and the table on stdout."""
     import json

@@ -46,7 +46,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header, write_results  # noqa: E402
+from common import LINES_ROWS, RESULTS, STOP_REASONS_ROW, arm_table, header, write_results  # noqa: E402
 from speculation import checkout, held_out  # noqa: E402
 
 from codecomplete.daemon.replay import lines_right  # noqa: E402
@@ -205,19 +205,14 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def table(summary: dict, arms=ARMS) -> list[str]:
-    keys = [("stop reasons", lambda s: ", ".join(f"{k} {v}" for k, v in s["stop_reasons"].items())),
+    keys = [STOP_REASONS_ROW,
             ("completions showing a loop of lines", lambda s: s["loops_shown"]),
             ("completions showing a loop inside a line", lambda s: s["line_loops_shown"]),
             ("completions ending in a cut partial line", lambda s: s["partial_lines_shown"]),
-            ("lines shown", lambda s: s["lines_shown"]),
-            ("  the truth's line at that place", lambda s: s["lines_right"]),
-            ("  other lines", lambda s: s["lines_wrong"]),
-            ("accepted (the truth starts with it)", lambda s: s["accepted"]),
-            ("characters saved by accepted ones", lambda s: s["chars_saved"]),
+            *LINES_ROWS,
             ("tokens generated, mean (total)", lambda s: f"{s['tokens_mean']} ({s['tokens_total']})"),
             ("decode ms, mean / p90", lambda s: f"{s['decode_ms_mean']} / {s['decode_ms_p90']}")]
-    md = ["| | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
-    return md + [f"| {label} | " + " | ".join(str(f(summary[a])) for a in arms) + " |" for label, f in keys]
+    return arm_table(keys, summary, arms)
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header, write_results  # noqa: E402
+from common import LINES_ROWS, RESULTS, STOP_REASONS_ROW, arm_table, header, write_results  # noqa: E402
 from speculation import checkout  # noqa: E402
 
 from codecomplete.daemon.replay import lines_right  # noqa: E402
@@ -151,13 +151,7 @@ def main() -> None:
     summary = {arm: summarize(rows[arm]) for arm in ARMS}
     both = list(zip(rows[ARMS[0]], rows[ARMS[1]]))
     changed = [(x, y) for x, y in both if x["text"] != y["text"]]
-    keys = [("stop reasons", lambda s: ", ".join(f"{k} {v}" for k, v in s["stop_reasons"].items())),
-            ("lines shown", lambda s: s["lines_shown"]),
-            ("  the truth's line at that place", lambda s: s["lines_right"]),
-            ("  other lines", lambda s: s["lines_wrong"]),
-            ("accepted (the truth starts with it)", lambda s: s["accepted"]),
-            ("characters saved by accepted ones", lambda s: s["chars_saved"]),
-            ("tokens generated, mean", lambda s: s["tokens_mean"])]
+    keys = [STOP_REASONS_ROW, *LINES_ROWS, ("tokens generated, mean", lambda s: s["tokens_mean"])]
     repos = ", ".join(sorted({c["repo"] for c in work}))
     what = ("indented definitions (cursor on the blank line where the definition starts, its indentation "
             "typed; suffix: the file from the next line at or left of that indentation on)" if args.indented else
@@ -168,9 +162,8 @@ def main() -> None:
           f"Model `{args.model}`, daemon defaults (auto mode, 64 tokens, 12 lines) but no time budget (a "
           "wall-clock cut would differ between the arms), no repository index. "
           f"{len(work)} held-out {what} of {repos}. `paragraph stop` is the daemon as shipped, "
-          f"`before` the same engine with the rule (`StopRules.{rule}`) off.", "",
-          "| | " + " | ".join(ARMS) + " |", "|---" * (len(ARMS) + 1) + "|"]
-    md += [f"| {label} | " + " | ".join(str(f(summary[a])) for a in ARMS) + " |" for label, f in keys]
+          f"`before` the same engine with the rule (`StopRules.{rule}`) off.", ""]
+    md += arm_table(keys, summary, ARMS)
     md += ["", f"Texts that differ: {len(changed)} of {len(work)}; each `paragraph stop` text a prefix of "
            f"`before`'s: {sum(y['text'].startswith(x['text']) for x, y in changed)} of {len(changed)}.", "",
            "Texts that differ (the shipped text's last line / what `before` showed after it, first 10):", ""]
