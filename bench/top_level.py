@@ -2,6 +2,7 @@
 top-level paragraph changes.
 
     python bench/top_level.py REPO_GIT_DIR [REPO_GIT_DIR ...] [--per-repo 20] [--model default] [--indented]
+                              [--ext py] [--out PATH]
 
 Inside a block a multi-line completion ends where the code goes back left of the cursor's
 line (``block_end``); at the top level nothing is left of column 0, so a completion ran on
@@ -16,11 +17,15 @@ the file from the next paragraph on (a line break first), the truth the paragrap
 developer writing a new function, class or statement group between others.
 
 ``--indented``: the same for definitions inside a block, the rule ``definition_paragraphs``
-(a method in a class body, a nested function): a line that starts a definition (``def``,
-``class``, a decorator), indented, after a blank line is held out up to the next line at or
-left of its indentation after a blank line (or left of it at once); the prefix ends with its
-indentation typed on the fresh line.  On such a line, a completion that starts a definition
-stops before a line back at the cursor's indentation after a blank line.
+(a method in a class body, a nested function): a line that starts a definition
+(``stops.starts_definition``: ``def``, ``class``, a decorator, a method's header in a brace
+language, an annotation or doc comment before one), indented, after a blank line is held out up
+to the next line at or left of its indentation after a blank line (or left of it at once); the
+prefix ends with its indentation typed on the fresh line.  On such a line, a completion that
+starts a definition stops before a line back at the cursor's indentation after a blank line.
+A third arm, ``first keywords only``, is the rule as it first shipped (Python's keywords and
+``function``/``fn``/``func`` at the line's start).  ``--ext js,ts,java,rs`` draws the cursors
+from other languages' files (default: .py).
 
 Two arms on one engine, each request in both (the order alternating; no time budget, so the
 arms differ only by the rule): ``paragraph stop``
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import sys
 from collections import Counter
@@ -49,6 +55,14 @@ from codecomplete.model.api import CompletionRequest, EngineSettings  # noqa: E4
 from codecomplete.model.engine import Engine  # noqa: E402
 
 ARMS = ("paragraph stop", "before")
+# --indented: also the rule as it first shipped, which knew Python's definitions and ``function``/``fn``/``func``
+# only (no modifiers before them, no methods of brace languages, no annotations, doc comments or attributes)
+KEYWORDS_ARM = "first keywords only"
+_FIRST_DEFINITION = re.compile(r"(?:async\s+)?(?:def|class|function|fn|func)\s|@\w")
+
+
+def first_keywords(line: str) -> bool:
+    return bool(_FIRST_DEFINITION.match(line.lstrip()))
 
 
 def paragraphs(text: str) -> list[tuple[int, int]]:
@@ -69,7 +83,7 @@ def definitions(text: str) -> list[tuple[int, int]]:
     out = []
     for a in range(1, len(lines)):
         if not (lines[a].strip() and width[a] > 0 and not lines[a - 1].strip()
-                and stops._DEFINITION.match(lines[a].lstrip()) and any(x.strip() for x in lines[:a])):
+                and stops.starts_definition(lines[a]) and any(x.strip() for x in lines[:a])):
             continue
         b = a + 1
         while b < len(lines) and not (lines[b].strip() and (width[b] < width[a] or (
@@ -79,12 +93,13 @@ def definitions(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def cursors(git_dirs: list[Path], per_repo: int, seed: int = 0, indented: bool = False) -> list[dict]:
+def cursors(git_dirs: list[Path], per_repo: int, seed: int = 0, indented: bool = False,
+            exts: tuple[str, ...] = ("py",)) -> list[dict]:
     out = []
     for git_dir in git_dirs:
         name, root = checkout(git_dir)
         found = []
-        for path in sorted(root.rglob("*.py")):
+        for path in sorted(p for ext in exts for p in root.rglob(f"*.{ext}")):
             try:
                 text = path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError):
@@ -128,27 +143,34 @@ def main() -> None:
     ap.add_argument("--per-repo", type=int, default=20, help="held-out paragraphs per repository")
     ap.add_argument("--model", default="default")
     ap.add_argument("--indented", action="store_true", help="indented definitions (definition_paragraphs)")
+    ap.add_argument("--ext", default="py", help="file extensions the cursors are drawn from, comma-separated "
+                                                  "(js,ts,java,rs...)")
     ap.add_argument("--out", default=None, help="results path without extension (default: top_level, "
                                                  "top_level_indented)")
     args = ap.parse_args()
     out = args.out or str(RESULTS / ("top_level_indented" if args.indented else "top_level"))
     rule = "definition_paragraphs" if args.indented else "top_level_paragraphs"
-    work = cursors(args.repos, args.per_repo, indented=args.indented)
+    exts = tuple(e.strip().lstrip(".") for e in args.ext.split(",") if e.strip())
+    work = cursors(args.repos, args.per_repo, indented=args.indented, exts=exts)
     engine = Engine(EngineSettings(model=args.model)).start()
     engine.ready.wait()
     if engine.load_error:
         sys.exit(engine.load_error)
-    rows = {arm: [] for arm in ARMS}
+    arms = (ARMS[0], KEYWORDS_ARM, ARMS[1]) if args.indented else ARMS
+    shipped_detector = stops.starts_definition
+    rows = {arm: [] for arm in arms}
     for i, cur in enumerate(work):
-        for arm in (ARMS if i % 2 == 0 else ARMS[::-1]):
-            setattr(stops.StopRules, rule, arm == "paragraph stop")
+        for arm in (arms if i % 2 == 0 else arms[::-1]):
+            setattr(stops.StopRules, rule, arm != "before")
+            stops.starts_definition = first_keywords if arm == KEYWORDS_ARM else shipped_detector
             c = engine.complete(CompletionRequest(prefix=cur["prefix"], suffix=cur["suffix"], time_budget_ms=600_000,
                                                   session_key=f"{arm}:{cur['repo']}:{cur['path']}:{cur['line']}"))
             rows[arm].append({"repo": cur["repo"], "path": cur["path"], "line": cur["line"], **measure(c, cur)})
-        print(i, cur["repo"], cur["path"], cur["line"], [rows[a][-1]["reason"] for a in ARMS], flush=True)
+        print(i, cur["repo"], cur["path"], cur["line"], [rows[a][-1]["reason"] for a in arms], flush=True)
     setattr(stops.StopRules, rule, True)
+    stops.starts_definition = shipped_detector
     engine.close()
-    summary = {arm: summarize(rows[arm]) for arm in ARMS}
+    summary = {arm: summarize(rows[arm]) for arm in arms}
     both = list(zip(rows[ARMS[0]], rows[ARMS[1]]))
     changed = [(x, y) for x, y in both if x["text"] != y["text"]]
     keys = [STOP_REASONS_ROW, *LINES_ROWS, ("tokens generated, mean", lambda s: s["tokens_mean"])]
@@ -161,9 +183,15 @@ def main() -> None:
                  "Top-level multi-line completions: stopping at the next paragraph"), "",
           f"Model `{args.model}`, daemon defaults (auto mode, 64 tokens, 12 lines) but no time budget (a "
           "wall-clock cut would differ between the arms), no repository index. "
-          f"{len(work)} held-out {what} of {repos}. `paragraph stop` is the daemon as shipped, "
-          f"`before` the same engine with the rule (`StopRules.{rule}`) off.", ""]
-    md += arm_table(keys, summary, ARMS)
+          f"{len(work)} held-out {what} of {repos} "
+          f"({', '.join('.' + e for e in exts)} files). `paragraph stop` is the daemon as shipped, "
+          f"`before` the same engine with the rule (`StopRules.{rule}`) off"
+          + (f", `{KEYWORDS_ARM}` the rule with the definitions it first knew (`def`, `class`, `function`, `fn`, "
+             "`func`, `async def`, a decorator, each at the line's start)." if args.indented else "."), ""]
+    md += arm_table(keys, summary, arms)
+    if args.indented:
+        first = sum(x["text"] != y["text"] for x, y in zip(rows[ARMS[0]], rows[KEYWORDS_ARM]))
+        md += ["", f"Texts where `paragraph stop` and `{KEYWORDS_ARM}` differ: {first} of {len(work)}."]
     md += ["", f"Texts that differ: {len(changed)} of {len(work)}; each `paragraph stop` text a prefix of "
            f"`before`'s: {sum(y['text'].startswith(x['text']) for x, y in changed)} of {len(changed)}.", "",
            "Texts that differ (the shipped text's last line / what `before` showed after it, first 10):", ""]

@@ -13,8 +13,46 @@ from dataclasses import dataclass
 
 _OPENERS = (":", "{", "(", "[", "=>", "->", "do", "then")
 _CLOSERS_ONLY = re.compile(r"^[\s\)\]\}\"'`;,]*$")
-# a line that starts a definition: ``def``/``class`` (Python), ``function``/``fn``/``func``, a decorator
-_DEFINITION = re.compile(r"(?:async\s+)?(?:def|class|function|fn|func)\s|@\w")
+# What starts a definition (``starts_definition``), in the languages editors send.  Modifiers that may
+# stand before a definition's keyword (``export default function``, ``pub(crate) fn``, ``override fun``):
+_MODIFIERS = (r"(?:(?:export|default|public|private|protected|internal|static|final|abstract|override|virtual"
+              r"|async|unsafe|extern|inline|open|suspend|sealed|data|inner|readonly|declare|partial"
+              r"|synchronized|native|fileprivate|mutating|local|pub(?:\([\w\s:]*\))?|const(?=\s+fn\b))\s+)*")
+# a definition's keyword followed by a name, parameters or generics (``fn = f`` is no definition); ``object`` and
+# ``module`` (Kotlin, Scala, Ruby) before a capitalised name only (``object to send`` in a docstring is prose)
+_KEYWORD_DEFINITION = re.compile(
+    _MODIFIERS + r"(?:(?:def|defp|defmodule|class|function\*?|fn|func|fun|interface|struct|enum|trait|impl)"
+    r"\s+[\w$({<*&]|(?:object|module)\s+[A-Z]|impl<|function\s*\()")
+# a method with an access modifier, its brace perhaps on the next line (Java, C#, PHP: ``public void f()``)
+_ACCESS_METHOD = re.compile(r"(?:public|private|protected|internal|static|override|virtual|abstract)\s+[^=]*\(")
+# a header that opens a body after its parameters (``get name() {``, ``int main(void) {``, ``f(a): T {``)
+_HEADER = re.compile(r"[A-Za-z_$][\w$.:<>,\s\[\]*&?]*\(.*\)[^(){};=]*\{$")
+# an arrow function's body (``const f = (x) => {``, ``it("works", () => {``)
+_ARROW = re.compile(r"[A-Za-z_$\[(].*=>\s*\{$")
+# a decorator or annotation (``@property``, ``@Override``), an attribute (``#[inline]``), a doc comment
+_PREAMBLE = re.compile(r"@[A-Za-z_]|#\[\w|/\*\*|///")
+# statements whose header looks like a call with a body (``if (x) {``), never a definition
+_CONTROL = frozenset("if for while switch catch return else do try with using lock foreach synchronized elif unless "
+                     "until when match guard defer fixed checked unchecked await yield throw new case loop select "
+                     "go echo print".split())
+_FIRST_WORD = re.compile(r"[A-Za-z_$][\w$]*")
+
+
+def starts_definition(line: str) -> bool:
+    """Whether ``line`` starts a definition: a function, method, class or the like (Python's
+    ``def``/``class``; ``function``, ``fn``, ``func``, ``fun``, ``struct``, ``impl``... after
+    modifiers; a method's header: ``name(params) {``, ``public void f()``; an arrow function's
+    body), or what stands before one: a decorator or annotation, a Rust attribute, a doc comment
+    (``/**``, ``///``).  A control statement (``if (x) {``, ``catch (e) {``) is none."""
+    s = line.strip()
+    if not s:
+        return False
+    if _PREAMBLE.match(s) or _KEYWORD_DEFINITION.match(s):
+        return True
+    first = _FIRST_WORD.match(s)
+    if first and first.group() in _CONTROL:
+        return False
+    return bool(_ACCESS_METHOD.match(s) or _HEADER.match(s) or _ARROW.match(s))
 
 
 def leading_ws(line: str) -> str:
@@ -102,7 +140,7 @@ class StopRules:
         fresh = not shape.opens_block and not shape.line_prefix.strip()  # a blank line, its indentation typed
         # one paragraph: at the top level, or a definition started on an indented fresh line
         paragraph = fresh and (self.top_level_paragraphs and shape.base_indent == 0 or self.definition_paragraphs
-                               and shape.base_indent > 0 and bool(_DEFINITION.match(lines[0])))
+                               and shape.base_indent > 0 and starts_definition(lines[0]))
         code = bool(lines[0].strip())  # the completion has a line of code before this one
         for i, line in enumerate(complete):
             if i == 0:

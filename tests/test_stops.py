@@ -1,6 +1,6 @@
 """Stop rules, on text alone."""
 
-from codecomplete.model.stops import CompletionShape, StopRules
+from codecomplete.model.stops import CompletionShape, StopRules, starts_definition
 
 
 def rules(prefix, suffix, mode="auto", max_lines=12):
@@ -294,3 +294,57 @@ def test_an_indented_definition_is_one_paragraph():
         assert not rules(cls, "\n").check("def g(self):\n        return 1\n\n    def h(self):\n").stop
     finally:
         StopRules.definition_paragraphs = True
+
+
+def test_definitions_are_recognised_across_languages():
+    """Definitions as editors' languages write them: keywords after modifiers, methods of brace
+    languages by their headers, arrow functions' bodies, and what stands before a definition
+    (decorators, annotations, attributes, doc comments); control statements and plain code are not."""
+    definitions = [
+        "def f(x):", "async def f():", "class A(B):", "@property", "@Override", "#[inline]", "/**", "/// Parses it.",
+        "function load(url) {", "async function* walk(dir) {", "export default function App() {",
+        "export const fetchAll = async (ids) => {", "it('retries on 503', () => {", "toJSON(asStrings) {",
+        "static from(thing) {", "get size() {", "async request(configOrUrl, config) {",
+        "public static void main(String[] args) {", "private int size()", "public function index()",
+        "public async Task<IActionResult> Index()", "protected abstract Node parse(Reader in) throws IOException;",
+        "pub fn new() -> Self {", "pub(crate) fn parse(&mut self) -> Result<()> {", "const fn mask() -> u8 {",
+        "unsafe fn raw(p: *const u8) {", "impl<'a> Iterator for Chars<'a> {", "impl Display for Value {",
+        "fn deserialize_bool<V>(self, visitor: V) -> Result<V::Value, Error>",
+        "func (r *Reader) Read(p []byte) (int, error) {", "override fun onCreate(state: Bundle?) {",
+        "private func reload() {", "int main(void) {", "Foo::Foo() : size(0) {", "interface Props {", "enum Kind {",
+        "struct Point {", "trait Show {", "local function trim(s)", "defp parse(x) do", "template<T>(x: T): T {",
+    ]
+    statements = [
+        "", "x = 1", "return x", "print(x)", "self.x = y", "data = {}", "module = load()", "object.attr = 1",
+        "struct.pack('<I', n)", "type = 3", "# def f():", "// function x() {", "if (x) {", "} else {", "else if (a) {",
+        "} catch (e) {", "catch (IOException e) {", "for (let i = 0; i < n; i++) {", "while (true) {", "switch (x) {",
+        "try {", "return {", "x = {", "foo({", "return new Promise((resolve) => {", "match x {", "if let Some(v) = x {",
+        "synchronized (lock) {", "const x = { a: 1 };", "let y = foo(bar);", "private final Gson gson = new Gson();",
+        "await fetch(url)", "yield x",
+    ]
+    assert [d for d in definitions if not starts_definition(d)] == []
+    assert [s for s in statements if starts_definition(s)] == []
+
+
+def test_an_indented_definition_is_one_paragraph_in_brace_languages():
+    """The definition rule in languages with braces: a JavaScript method, a Java method after its
+    annotation, a Rust function after its doc comment, a test case's callback each stop before the
+    next definition at the cursor's indentation; a statement block (``if``) goes on as before."""
+    js = "class Client {\n  get(url) {\n    return this.request(url);\n  }\n\n  "
+    d = rules(js, "\n").check("post(url, data) {\n    const body = JSON.stringify(data);\n\n"
+                             "    return this.request(url, body);\n  }\n\n  put(url, data) {\n")
+    assert d.stop and d.reason == "block_end"
+    assert d.text == ("post(url, data) {\n    const body = JSON.stringify(data);\n\n"
+                      "    return this.request(url, body);\n  }")
+    java = "class T {\n  @Test\n  public void a() {\n  }\n\n  "
+    d = rules(java, "\n").check("@Test\n  public void b() {\n    assertTrue(ok());\n  }\n\n  @Test\n")
+    assert d.stop and d.text == "@Test\n  public void b() {\n    assertTrue(ok());\n  }"
+    rust = "impl Value {\n    fn a(&self) {}\n\n    "
+    d = rules(rust, "\n").check("/// The length.\n    pub fn len(&self) -> usize {\n        self.0.len()\n    }\n\n"
+                                   "    /// Whether empty.\n")
+    assert d.stop and d.text == "/// The length.\n    pub fn len(&self) -> usize {\n        self.0.len()\n    }"
+    spec = "describe('get', () => {\n  it('works', () => {\n  });\n\n  "
+    d = rules(spec, "\n").check("it('retries', async () => {\n    await get();\n  });\n\n  it('fails', () => {\n")
+    assert d.stop and d.text == "it('retries', async () => {\n    await get();\n  });"
+    body = "function f(x) {\n  const y = x + 1;\n\n  "
+    assert not rules(body, "\n").check("if (y > 1) {\n    log(y);\n  }\n\n  return y;\n").stop
