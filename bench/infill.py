@@ -1,6 +1,7 @@
 """HumanEval-Infilling through the engine: pass@1 (executed), exact match, edit similarity.
 
     python bench/infill.py [--model default] [--sets single,light] [--limit 150] [--format fim,efim]
+                           [--stop-rule NAME=0|1 ...]
 
 Sets: single (SingleLineInfilling), multi (MultiLineInfilling), light
 (RandomSpanInfillingLight); ``--limit`` takes a fixed, evenly spaced sample of a set.
@@ -11,7 +12,9 @@ the measured request is the EFIM continuation ``<P>prefix1<S>suffix<M>prefix2``;
 (prefix0 ends K lines before the cursor, those lines go after ``<M>``).  A
 prefix-only model (no FIM tokens, like SmolLM2-135M) ignores the suffix: its row is the
 "prefix-only" baseline of issue #3.  Greedy decoding; the program (prompt + completion +
-suffix + test) runs in a subprocess with a timeout.  Writes bench/results/infill.md/.json.
+suffix + test) runs in a subprocess with a timeout.  ``--stop-rule suffix_at_indentation=0`` turns
+one of ``stops.StopRules``' switches off (an A/B of a stop rule: two runs, their JSON files hold
+each task's completion).  Writes bench/results/infill.md/.json.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from common import RESULTS, header  # noqa: E402
 
 from codecomplete.daemon.replay import edit_similarity  # noqa: E402
 from codecomplete.model.api import CompletionRequest, EngineSettings, SpecSettings  # noqa: E402
+from codecomplete.model import stops  # noqa: E402
 from codecomplete.model.engine import Engine  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "human-eval-infilling"
@@ -136,8 +140,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-healing", action="store_true",
                     help="turn token healing at the cursor off (issue #3 part 9 measures the difference)")
+    ap.add_argument("--stop-rule", action="append", default=[], metavar="NAME=0|1",
+                    help="set a switch of stops.StopRules for this run (suffix_at_indentation, "
+                         "top_level_paragraphs, definition_paragraphs)")
     ap.add_argument("--out", default=str(RESULTS / "infill"))
     args = ap.parse_args()
+    rules = {}
+    for item in args.stop_rule:
+        name, _, value = item.partition("=")
+        if not isinstance(getattr(stops.StopRules, name, None), bool) or value not in ("0", "1"):
+            ap.error(f"--stop-rule {item!r}: expected one of StopRules' switches and 0 or 1")
+        rules[name] = value == "1"
+        setattr(stops.StopRules, name, rules[name])
     engine = Engine(EngineSettings(model=args.model, dtype=args.dtype, inc_bound=100000,
                                    token_healing=not args.no_healing, head_lines=0,
                                    speculation=SpecSettings(enabled=False))).start()  # plain greedy decoding
@@ -145,19 +159,22 @@ def main() -> None:
     st = engine.stats()
     if st["load_error"]:
         raise SystemExit(st["load_error"])
-    results = {}
+    results, texts = {}, {}
     for name in args.sets.split(","):
         tasks = load(name, args.limit)
         for fmt in args.format.split(","):
-            results[f"{name}/{fmt}"] = run(engine, tasks, SETS[name][1], fmt, args.seed)
+            texts[f"{name}/{fmt}"] = []
+            results[f"{name}/{fmt}"] = run(engine, tasks, SETS[name][1], fmt, args.seed, texts[f"{name}/{fmt}"])
     engine.close()
     out = Path(args.out)
-    res = {"model": st["model"], "template": st["template"], "dtype": st["dtype"], "results": results}
+    res = {"model": st["model"], "template": st["template"], "dtype": st["dtype"], "stop_rules": rules,
+           "results": results, "texts": texts}
     out.with_suffix(".json").write_text(json.dumps(res, indent=2))
     lines = [header("HumanEval-Infilling"),
              f"Model: {st['model']} (template {st['template']}, {st['dtype']}); greedy; "
              f"fixed evenly spaced samples of at most {args.limit} tasks per set; "
-             f"token healing {'off' if args.no_healing else 'on'}.", "",
+             f"token healing {'off' if args.no_healing else 'on'}"
+             + "".join(f"; StopRules.{k} = {v}" for k, v in rules.items()) + ".", "",
              "| set / prompt format | tasks | pass@1 | EM | ES | mean ms | prompt kinds |", "|---|---|---|---|---|---|---|"]
     for k, r in results.items():
         lines.append(f"| {k} | {r['n']} | {r['pass@1']} | {r['em']} | {r['es']} | {r['mean_ms']} | {r['prompt_kinds']} |")

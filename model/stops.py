@@ -73,12 +73,13 @@ class CompletionShape:
     base_indent: int  # indentation width of the cursor line
     opens_block: bool  # the cursor line ends with a block opener
     suffix_head: str  # first non-blank line of the suffix after the cursor line, stripped
+    suffix_head_indent: int = 0  # and its indentation width
 
     @classmethod
     def at_cursor(cls, prefix: str, suffix: str, mode: str = "auto") -> "CompletionShape":
         line_prefix = prefix.rsplit("\n", 1)[-1]
         line_suffix, _, rest = suffix.partition("\n")
-        head = next((ln.strip() for ln in rest.split("\n") if ln.strip()), "")
+        head = next((ln for ln in rest.split("\n") if ln.strip()), "")
         opens = line_prefix.rstrip().endswith(_OPENERS)
         if mode == "single":
             multi = False
@@ -94,7 +95,7 @@ class CompletionShape:
             else:
                 multi = bool(_CLOSERS_ONLY.match(rest)) and line_prefix.rstrip().endswith("{")
         return cls(multi, line_prefix, line_suffix,
-                   indent_width(leading_ws(line_prefix)), opens, head)
+                   indent_width(leading_ws(line_prefix)), opens, head.strip(), indent_width(leading_ws(head)))
 
 
 @dataclass
@@ -114,6 +115,10 @@ class StopRules:
     # stops before a line back at the cursor's indentation after a blank line: that definition
     # (bench/top_level.py --indented).
     definition_paragraphs = True
+    # A completion's line equal to the suffix's next line ends it only at that line's indentation
+    # (off: at any indentation, which cut an ``if``'s ``}`` before a class's ``}``; bench/infill.py
+    # --stop-rule suffix_at_indentation=0 is the other arm).
+    suffix_at_indentation = True
 
     def __init__(self, shape: CompletionShape, max_lines: int):
         self.shape = shape
@@ -155,7 +160,11 @@ class StopRules:
                 return StopDecision(True, "\n".join(lines[:i - blank_run]), "block_end")
             blank_run = 0
             code = True
-            if line.strip() == shape.suffix_head:
+            # The model wrote the suffix's next line, at its place: the suffix goes on from there.  At
+            # another indentation it is the completion's own line (an ``if``'s ``}`` before the
+            # class's ``}``, a nested ``return x`` before the function's), which stays.
+            if line.strip() == shape.suffix_head and (width == shape.suffix_head_indent
+                                                       or not self.suffix_at_indentation):
                 return StopDecision(True, "\n".join(lines[:i]), "suffix_overlap")
             limit = shape.base_indent if shape.opens_block else shape.base_indent - 1
             # A line at or left of the bound ends the block; a lone closer at the

@@ -348,3 +348,29 @@ def test_an_indented_definition_is_one_paragraph_in_brace_languages():
     assert d.stop and d.text == "it('retries', async () => {\n    await get();\n  });"
     body = "function f(x) {\n  const y = x + 1;\n\n  "
     assert not rules(body, "\n").check("if (y > 1) {\n    log(y);\n  }\n\n  return y;\n").stop
+
+
+def test_the_suffix_line_counts_only_at_its_own_indentation():
+    """A line equal to the suffix's next line stops the completion where the suffix goes on, at
+    that line's indentation; at another it is the completion's own (the closing brace of an
+    ``if`` or a method before the class's, a nested ``return`` before the function's) and stays."""
+    java = "class R {\n  Object read(JsonReader in) throws IOException {\n    "
+    d = rules(java, "\n  }\n}\n").check("if (in.peek() == NULL) {\n      in.nextNull();\n      return null;\n    }\n"
+                                       "    return in.next();\n  }\n")
+    assert d.stop and d.reason == "suffix_overlap"
+    assert d.text == "if (in.peek() == NULL) {\n      in.nextNull();\n      return null;\n    }\n    return in.next();"
+    js = "class Client {\n  get(url) {\n    return this.request(url);\n  }\n\n  "
+    d = rules(js, "\n}\n").check("post(url, data) {\n    return this.request(url, data);\n  }\n}\n")
+    assert d.stop and d.text == "post(url, data) {\n    return this.request(url, data);\n  }"
+    py = "def f(xs):\n    out = []\n    "
+    d = rules(py, "\n    return out\n").check("for x in xs:\n        if x is None:\n            return out\n"
+                                             "        out.append(x)\n    return out\n")
+    assert d.stop and d.reason == "suffix_overlap"
+    assert d.text == "for x in xs:\n        if x is None:\n            return out\n        out.append(x)"
+    # the other arm of bench/infill.py --stop-rule suffix_at_indentation=0: at any indentation
+    try:
+        StopRules.suffix_at_indentation = False
+        d = rules(java, "\n  }\n}\n").check("if (in.peek() == NULL) {\n      return null;\n    }\n")
+        assert d.stop and d.text == "if (in.peek() == NULL) {\n      return null;"
+    finally:
+        StopRules.suffix_at_indentation = True
