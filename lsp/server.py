@@ -81,6 +81,7 @@ class Answer:
     completion: Completion
     encoding: str
     selected: tuple[int, int, str] | None  # the menu's selected item: (start, end, text) offsets
+    covers: int = 0  # characters after the cursor the items replace (brackets the editor closed)
 
 
 @dataclass
@@ -130,6 +131,10 @@ class Counters:
 
 
 ECHO_CHARS = 1000  # an inline item repeats at most this much of the typed line (see _echo_start)
+# what an editor that closes pairs (VS Code's autoClosingBrackets / autoClosingQuotes, Neovim's
+# autopairs plugins) puts after the cursor when the user types the opener
+_PAIRS = {"(": ")", "[": "]", "{": "}", '"': '"', "'": "'", "`": "`"}
+_QUOTES = frozenset("\"'`")
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -686,11 +691,12 @@ class CodecompleteServer(LanguageServer):
 
         rid = f"c{next(self._ids)}"
         through = self._typed_through(uri, prefix, suffix) if cfg.type_through and alternatives == 1 else None
-        if through is not None:
+        if through is not None and not (through[1] and selected is not None):
             self._supersede(uri, superseded=True)  # older requests were for text typed since
             self.counters.typed_through += 1
-            self._record(rid, uri, position, through, "answered", started)
-            return self._answer(rid, uri, text, cursor, position, through, encoding, selected, started)
+            self._record(rid, uri, position, through[0], "answered", started)
+            return self._answer(rid, uri, text, cursor, position, through[0], encoding, selected, started,
+                                covers=through[1])
         context = await self._context(uri, text, cursor) if cfg.context_snippets and self.index else ""
         self.counters.with_context += bool(context)
 
@@ -878,22 +884,28 @@ class CodecompleteServer(LanguageServer):
             return "", ""
         return "".join(t + "\n\n" for t in before), "".join("\n\n" + t for t in after)
 
-    def _typed_through(self, uri: str, prefix: str, suffix: str) -> Completion | None:
+    def _typed_through(self, uri: str, prefix: str, suffix: str) -> tuple[Completion, int] | None:
         """The rest of the document's last completion when the user has typed its start
-        since (same text after the cursor, the text before it grown by a prefix of the
-        completion) and something is left: the suggestion stays as typed through, at no
+        since (the text before the cursor grown by a prefix of the completion, the same text
+        after it) and something is left: the suggestion stays as typed through, at no
         model cost, as Copilot's and Tabby's clients keep it.  After an invoked request, the
-        same for its alternatives (the one the user cycled to and types out).  None
-        otherwise."""
+        same for its alternatives (the one the user cycled to and types out).  The text after
+        the cursor may have grown by the closers of brackets and quotes the typed text left
+        open (``foo(|)``: an editor that closes pairs put them there): the rest then replaces
+        them, so accepting it gives the text the completion would have given.  Returns the
+        rest and how many characters after the cursor it replaces; None otherwise."""
         shown = self.shown.get(uri)
-        if shown is None or suffix != shown.suffix or len(prefix) <= len(shown.prefix) \
-                or not prefix.startswith(shown.prefix):
+        if shown is None or len(prefix) <= len(shown.prefix) or not prefix.startswith(shown.prefix) \
+                or not suffix.endswith(shown.suffix):
             return None
         typed = prefix[len(shown.prefix):].replace("\r\n", "\n")  # a CRLF buffer; completions break with \n
+        covers = len(suffix) - len(shown.suffix)
+        if covers and not _open_pairs(typed).startswith(suffix[:covers]):
+            return None
         for c in [shown.completion, *shown.completion.alternatives]:
             if c.text.startswith(typed) and c.text[len(typed):].strip():
                 return Completion(c.text[len(typed):], c.stop_reason, multiline=c.multiline,
-                                  prompt_kind="typed-through")  # no prompt, no tokens: nothing ran
+                                  prompt_kind="typed-through"), covers  # no prompt, no tokens: nothing ran
         return None
 
     def _record(self, rid: str, uri: str, position: types.Position, completion: Completion, status: str,
@@ -905,7 +917,7 @@ class CodecompleteServer(LanguageServer):
                             "status": status, "latency_ms": round((time.perf_counter() - started) * 1000, 2)})
 
     def _answer(self, rid: str, uri: str, text: str, cursor, position: types.Position, completion: Completion,
-                encoding: str, selected, started: float) -> Answer | None:
+                encoding: str, selected, started: float, covers: int = 0) -> Answer | None:
         """A completion that is to be offered: counted, logged and remembered for telemetry."""
         latency = (time.perf_counter() - started) * 1000
         through = completion.prompt_kind == "typed-through"
@@ -925,7 +937,7 @@ class CodecompleteServer(LanguageServer):
             self.issued[_item_id(rid, i)] = {"uri": uri, "chars": len(item), "at": time.time(), "rank": i}
         while len(self.issued) > 512:
             self.issued.popitem(last=False)
-        return Answer(rid, uri, text, cursor, completion, encoding, selected)
+        return Answer(rid, uri, text, cursor, completion, encoding, selected, covers)
 
     @staticmethod
     def _selected(text: str, cursor, info: types.SelectedCompletionInfo | None,
@@ -1034,10 +1046,11 @@ class CodecompleteServer(LanguageServer):
     def _edit(ans: Answer, completion: str, start: int) -> tuple[str, types.Range]:
         """The text from ``start`` (at or before the cursor, on its line) through
         ``completion``, and the range it replaces: up to the cursor, or to the line's end
-        when the completion rewrote what follows the cursor there."""
+        when the completion rewrote what follows the cursor there, or over the closers an
+        editor put after the cursor (``ans.covers``, typing through)."""
         text, cursor = ans.text, ans.cursor
         insert = text[start:cursor.offset] + completion
-        end = cursor.offset
+        end = cursor.offset + ans.covers
         rest_of_line = text[cursor.offset:cursor.line_end]
         if rewrites_rest(completion, rest_of_line):
             end = cursor.line_end
@@ -1196,6 +1209,29 @@ class ChunkReader:
         data = bytes(self.buf[:n])
         del self.buf[:n]
         return data
+
+
+def _open_pairs(typed: str) -> str:
+    """The closers of the brackets and quotes ``typed`` leaves open, innermost first
+    (``foo(bar("`` -> ``")``): what an editor that closes pairs put after the cursor while it
+    was typed.  Inside quotes only the quote (not after a backslash) closes; a closer of what
+    was opened before ``typed`` is passed over."""
+    stack: list[str] = []
+    escaped = False
+    for ch in typed:
+        if stack and stack[-1] in _QUOTES:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == stack[-1]:
+                stack.pop()
+            continue
+        if ch in _PAIRS:
+            stack.append(ch)
+        elif stack and ch == _PAIRS[stack[-1]]:
+            stack.pop()
+    return "".join(_PAIRS[c] for c in reversed(stack))
 
 
 def _inside_word(text: str, offset: int) -> bool:

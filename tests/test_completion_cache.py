@@ -87,5 +87,35 @@ def test_typing_through_a_line_break_in_a_crlf_buffer_keeps_the_completion():
     prefix = "def f(x):\r\n"
     server.shown[uri] = Shown(prefix, "\r\n", made("    y = x + 1\n    return y", reason="block_end"))
     through = server._typed_through(uri, prefix + "    y = x + 1\r\n", "\r\n")
-    assert through is not None and through.text == "    return y"
+    assert through is not None and through[0].text == "    return y" and through[1] == 0
     assert server._typed_through(uri, prefix + "    y = x + 2\r\n", "\r\n") is None
+
+
+def test_typing_through_brackets_the_editor_closed_keeps_the_completion():
+    """An editor that closes pairs (VS Code by default, Neovim's autopairs) puts ``)`` after the
+    cursor as the user types ``(``: typing through goes on, and the rest replaces those closers,
+    so accepting it gives the text the completion would have given."""
+    from codecomplete.daemon.config import Config
+    from codecomplete.lsp.documents import cursor_at
+    from codecomplete.lsp.server import Answer, CodecompleteServer, Shown
+
+    server = CodecompleteServer(None, Config())
+    uri = "file:///a.js"
+    prefix, suffix = "const x = ", ";\n"
+    shown = 'items.map((v) => f(v, "a"))'
+    server.shown[uri] = Shown(prefix, suffix, made(shown))
+    for typed, closers in [("items.map(", ")"), ("items.map((v", "))"), ("items.map((v) => f(v, \"", "\"))"),
+                           ("items.map((v) => f(v, \"a\"", "))"), ("items.map(", "")]:
+        through = server._typed_through(uri, prefix + typed, closers + suffix)
+        assert through is not None, typed
+        rest, covers = through
+        assert rest.text == shown[len(typed):] and covers == len(closers) and rest.prompt_kind == "typed-through"
+        # the item: its range runs from the line's start over the closers; accepting it gives the whole text
+        text = prefix + typed + closers + suffix
+        cursor = cursor_at(text, 0, len(prefix + typed))
+        (item,) = server._items(Answer("c1", uri, text, cursor, rest, "utf-16", None, covers))
+        assert (item.range.start.character, item.range.end.character) == (0, len(prefix + typed + closers))
+        assert item.insert_text == prefix + shown
+    # what was put after the cursor is not what the typed text left open: the model runs again
+    for typed, after in [("items.map(", "]"), ("items.map(", "x)"), ("items.map(", "))"), ("items", ")")]:
+        assert server._typed_through(uri, prefix + typed, after + suffix) is None, (typed, after)

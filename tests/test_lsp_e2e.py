@@ -841,6 +841,32 @@ async def test_typing_through_a_completion_keeps_its_rest_without_the_model(repo
             await client.stop()
 
 
+async def test_typing_through_a_bracket_the_editor_closed(repo, tiny_model, model_cache, reference_engine):
+    """Guards typing through with pairs closed by the editor (VS Code's autoClosingBrackets,
+    Neovim's autopairs): typing the completion up to its ``(`` puts ``)`` after the cursor; the
+    daemon still answers with the completion's rest, without the model, in an item whose range
+    covers that ``)``, so accepting it gives the line the completion would have given."""
+    text = POINT + "y = "
+    want = expected(reference_engine, text, "")
+    assert "(" in want.rstrip()[:-1], f"the tiny model should open a bracket here: {want!r}"
+    typed = want[:want.index("(") + 1]
+    client = await start_daemon(repo, tiny_model)
+    try:
+        uri = (repo / "pairs.py").as_uri()
+        open_doc(client, uri, text)
+        line, col = 3, len(text.split("\n")[-1])
+        assert proposed(await complete(client, uri, line, col), text.split("\n")[-1]) == [want]
+        insert(client, uri, 2, line, col, typed + ")")  # the editor closed the bracket
+        (item,) = await complete(client, uri, line, col + len(typed))
+        counters = (await stats(client))["counters"]
+        assert counters["typed_through"] == 1 and counters["completions"] == 2
+        assert (item.range.start.character, item.range.end.character) == (0, col + len(typed) + 1)
+        assert item.insert_text == text.split("\n")[-1] + want  # the line as the completion made it
+    finally:
+        await client.shutdown_session()
+        await client.stop()
+
+
 def expected_all(engine: Engine, prefix: str, suffix: str, n: int) -> list[str]:
     """What an invoked request offers: the completion, then its alternatives."""
     return engine.complete(CompletionRequest(prefix, suffix, session_key=f"reference-{next(_KEYS)}",

@@ -6,6 +6,7 @@ the plugin's own extmark client (used on Neovim 0.10/0.11)."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -95,6 +96,38 @@ def test_typing_before_the_daemon_attached_still_shows_ghost_text(builtin, tmp_p
     assert result["shown"], log
     want = ("        self." + expected_completions[0]).split("\n")
     assert result["lines"][3:3 + len(want)] == want
+
+
+@pytest.mark.parametrize("builtin", [True, False], ids=["builtin", "plugin-ghost"])
+def test_typing_through_with_autopairs_and_accepting(builtin, tmp_path, tiny_model, model_cache,
+                                                     expected_completions):
+    """Typing the shown completion up to its ``(`` with pairs closed (an autopairs mapping puts
+    ``)`` after the cursor): the ghost text comes back from the daemon without the model (typed
+    through), and accepting it replaces that ``)``, the line ending as the completion made it."""
+    want = expected_completions[0]
+    assert "(" in want.split("\n")[0], f"the tiny model should open a bracket here: {want!r}"
+    typed = want[:want.index("(") + 1]
+    result, log = run_nvim(tmp_path, tiny_model, builtin, CC_ROW="4", CC_TYPE=".", CC_CYCLE="0", CC_PAIRS=typed)
+    assert result["shown"] and result["shown_again"], log
+    assert result["paired_line"] == "        self." + typed + ")"
+    assert result["lines"][3:3 + len(want.split("\n"))] == ("        self." + want).split("\n")
+    counters = result["stats"]["counters"]
+    assert counters["typed_through"] >= 1 and counters["accepted"] == 1
+
+
+@pytest.mark.parametrize("builtin", [True, False], ids=["builtin", "plugin-ghost"])
+def test_accepting_a_word(builtin, tmp_path, tiny_model, model_cache, expected_completions):
+    """The accept-a-word key inserts the completion's first word and tells the daemon how much
+    was taken (textDocument/didPartiallyAcceptCompletion), on Neovim's own client too."""
+    want = expected_completions[0]
+    word = re.match(r"\s*(\w+|[^\w\s]+)", want).group(0)
+    assert word != want, f"the tiny model's completion should be longer than a word: {want!r}"
+    result, log = run_nvim(tmp_path, tiny_model, builtin, CC_ROW="4", CC_TYPE=".", CC_CYCLE="0",
+                           CC_ACCEPT="<M-Right>")
+    assert result["shown"], log
+    assert result["lines"][3] == "        self." + word
+    counters = result["stats"]["counters"]
+    assert counters["partially_accepted"] == 1 and counters["accepted"] == 0
 
 
 def test_plugin_units_and_health_check(tmp_path):

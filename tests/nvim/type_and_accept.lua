@@ -73,12 +73,47 @@ end, function(attached)
       return finish()
     end
     local function accept()
-      vim.api.nvim_feedkeys(vim.keycode('<Tab>'), 'm', false)
+      vim.api.nvim_feedkeys(vim.keycode(env.CC_ACCEPT or '<Tab>'), 'm', false)
       poll(function()
         return vim.api.nvim_get_current_line() ~= result.typed_line
       end, function()
         vim.defer_fn(finish, 300) -- let the accept command reach the daemon
       end, 5000)
+    end
+    if env.CC_PAIRS then
+      -- type the completion up to its bracket with pairs closed as autopairs plugins do (`(` brings
+      -- `)`, the cursor between): the daemon types through, its item covering that `)`
+      vim.keymap.set('i', '(', '()<Left>')
+      local want = result.typed_line .. env.CC_PAIRS .. (env.CC_PAIRS:sub(-1) == '(' and ')' or '')
+      vim.api.nvim_feedkeys(env.CC_PAIRS, 'm', false)
+      -- accept once the daemon has answered a request made after the typing (Neovim's own client
+      -- asks 200 ms after the last key; until then its item is the one from before)
+      local through, asking = 0, false
+      return poll(function()
+        if vim.api.nvim_get_current_line() ~= want or not ghost_visible() then
+          return false
+        end
+        local client = cc.client(0)
+        if not asking and client then
+          asking = true
+          local function got(_, res)
+            through, asking = res and res.counters.typed_through or through, false
+          end
+          if vim.fn.has('nvim-0.11') == 1 then
+            client:request('codecomplete/stats', {}, got, 0)
+          else
+            client.request('codecomplete/stats', {}, got, 0)
+          end
+        end
+        return through >= 1
+      end, function(again)
+        result.paired_line, result.shown_again = vim.api.nvim_get_current_line(), again
+        if not again then
+          return finish()
+        end
+        result.typed_line = result.paired_line
+        vim.defer_fn(accept, 150)
+      end, 30000)
     end
     if env.CC_CYCLE ~= '1' then
       return accept()

@@ -22,6 +22,14 @@ check('inline', l.above, false)
 check('inline text', l.inline .. '|' .. table.concat(l.lines, '|'), '(a, b)|    return c')
 l = ghost.layout('x, \n', 'foo(', 'y)')  -- code before the cursor: drawn inline as before
 check('mid-line inline', l.above, false)
+-- fit: an item whose range covers code after the cursor (the daemon's rewrite of it, or a bracket
+-- the editor closed) is drawn without that code when it ends with it, else replaces it on accept
+local t, d = ghost.fit('path);', ');')
+check('fit rewrite', t .. '|' .. d, 'path|0')
+t, d = ghost.fit('(v) => v * 2);', ')')
+check('fit replace', t .. '|' .. d, '(v) => v * 2);|1')
+t, d = ghost.fit('x = 1', '')
+check('fit none', t .. '|' .. d, 'x = 1|0')
 require('codecomplete').setup({ cmd = { vim.env.CC_DAEMON } })
 vim.cmd('checkhealth codecomplete')
 local health = table.concat(vim.api.nvim_buf_get_lines(0, 0, -1, false), '\n')

@@ -41,7 +41,7 @@ end
 local function clear(bufnr)
   local s = state[bufnr]
   if s then
-    s.item, s.text = nil, nil
+    s.item, s.text, s.cover = nil, nil, nil
   end
   if vim.api.nvim_buf_is_valid(bufnr) then
     vim.api.nvim_buf_clear_namespace(bufnr, ns, 0, -1)
@@ -60,11 +60,12 @@ local function notify(client, method, item, extra)
   end
 end
 
---- What the item adds at the cursor: its text minus what is already typed in its range.
+--- What the item adds at the cursor: its text minus what is already typed in its range; and
+--- the code after the cursor that its range covers (on the cursor's row), which it replaces.
 local function remainder(bufnr, item, encoding, row, col)
   local text = type(item.insertText) == 'string' and item.insertText or item.insertText.value
   if not item.range then
-    return text
+    return text, ''
   end
   local line = vim.api.nvim_buf_get_lines(bufnr, row, row + 1, false)[1] or ''
   if item.range.start.line ~= row then
@@ -75,7 +76,29 @@ local function remainder(bufnr, item, encoding, row, col)
   if text:sub(1, #typed) ~= typed then
     return nil -- the user typed past what the item proposes
   end
-  return text:sub(#typed + 1)
+  local cover = ''
+  if item.range['end'].line == row then
+    local stop = byte_col(line, item.range['end'].character, encoding)
+    if stop > col then
+      cover = line:sub(col + 1, stop)
+    end
+  end
+  return text:sub(#typed + 1), cover
+end
+
+--- How to draw and insert `text` where the item replaces `cover`, the code right after the
+--- cursor (the daemon's range covers it where the completion rewrote that code, or where the
+--- editor closed a bracket the completion closes later): a text that ends with that code is
+--- drawn and inserted without it, the code staying; any other replaces it when accepted
+--- whole (`delete`: the bytes after the cursor to remove first).
+function M.fit(text, cover)
+  if cover == '' then
+    return text, 0
+  end
+  if #text >= #cover and text:sub(-#cover) == cover then
+    return text:sub(1, #text - #cover), 0
+  end
+  return text, #cover
 end
 
 local function show(bufnr, client, item, hint)
@@ -85,8 +108,13 @@ local function show(bufnr, client, item, hint)
   end
   local row, col = unpack(vim.api.nvim_win_get_cursor(win))
   row = row - 1
-  local text = remainder(bufnr, item, client.offset_encoding, row, col)
-  if not text or text == '' then
+  local text, cover = remainder(bufnr, item, client.offset_encoding, row, col)
+  if not text then
+    return
+  end
+  local delete
+  text, delete = M.fit(text, cover)
+  if text == '' then
     return
   end
   clear(bufnr)
@@ -112,6 +140,7 @@ local function show(bufnr, client, item, hint)
   vim.api.nvim_buf_set_extmark(bufnr, ns, row, col, opts)
   local s = state[bufnr]
   s.item, s.text, s.row, s.col, s.client_id = item, text, row, col, client.id
+  s.cover = delete > 0 and cover or nil
   notify(client, 'codecomplete/didShowCompletion', item)
 end
 
@@ -339,11 +368,19 @@ function M.accept(part)
   if not s or not s.item then
     return false
   end
-  local item, text = s.item, s.text
+  local item, text, cover = s.item, s.text, s.cover
   local client = vim.lsp.get_client_by_id(s.client_id)
   clear(bufnr)
   local take = M.take(text, part)
   vim.schedule(function()
+    if cover and take == text then
+      -- the item replaces the code after the cursor (a bracket the editor closed): remove it first
+      local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+      local line = vim.api.nvim_buf_get_lines(0, row - 1, row, false)[1] or ''
+      if line:sub(col + 1, col + #cover) == cover then
+        vim.api.nvim_buf_set_text(0, row - 1, col, row - 1, col + #cover, { '' })
+      end
+    end
     insert_at_cursor(take)
     if client and take == text and item.command then
       -- The daemon's accept command: it counts the acceptance.
@@ -356,23 +393,41 @@ function M.accept(part)
   return true
 end
 
---- For the built-in client's on_accept: insert part of its current item.
+--- For the built-in client's on_accept: insert all or part of its current item at the cursor.
+--- The item may be older than the last keystrokes (Neovim asks again 200 ms after them, and its
+--- own accept then applies the old range, inserting what was typed since a second time): what was
+--- typed since its range started is not inserted again; where its range covers code after the
+--- cursor (a bracket the editor closed), accepting it whole replaces that code.
 function M.insert_partial(item, part)
   local bufnr = vim.api.nvim_get_current_buf()
   local row, col = unpack(vim.api.nvim_win_get_cursor(0))
   local client = vim.lsp.get_client_by_id(item.client_id)
   local text = type(item.insert_text) == 'string' and item.insert_text or tostring(item.insert_text.value)
+  local cover = ''
   if item.range then
-    local _, start = item.range.start:to_extmark()
+    -- a vim.Range: rows 0-based, columns in bytes
+    local start, stop = item.range.start, item.range.end_
     local line = vim.api.nvim_buf_get_lines(bufnr, row - 1, row, false)[1] or ''
-    local typed = line:sub(start + 1, col)
+    local typed = start.row == row - 1 and line:sub(start.col + 1, col) or ''
     if text:sub(1, #typed) == typed then
       text = text:sub(#typed + 1)
     end
+    if stop.row == row - 1 and stop.col > col then
+      cover = line:sub(col + 1, stop.col)
+    end
   end
+  local delete
+  text, delete = M.fit(text, cover)
   local take = M.take(text, part)
+  if delete > 0 and take == text then
+    vim.api.nvim_buf_set_text(bufnr, row - 1, col, row - 1, col + delete, { '' })
+  end
   insert_at_cursor(take)
-  if client then
+  if client and take == text and item.command then
+    -- the daemon's accept command: it counts the acceptance
+    call(client, 'request', 'workspace/executeCommand',
+      { command = item.command.command, arguments = item.command.arguments }, function() end, bufnr)
+  elseif client then
     notify(client, 'textDocument/didPartiallyAcceptCompletion', { command = item.command },
       { acceptedLength = #take })
   end

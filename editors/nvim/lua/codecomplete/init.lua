@@ -147,12 +147,10 @@ end
 function M.accept(part)
   local ghost = require('codecomplete.ghost')
   if M.use_builtin() and not ghost.visible(0) then
-    if part == nil or part == 'all' then
-      return vim.lsp.inline_completion.get()
-    end
+    -- inserted by the plugin, not by Neovim's accept: the item may predate the last keystrokes
     return vim.lsp.inline_completion.get({
       on_accept = function(item)
-        require('codecomplete.ghost').insert_partial(item, part)
+        require('codecomplete.ghost').insert_partial(item, part or 'all')
       end,
     })
   end
