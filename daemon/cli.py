@@ -296,11 +296,14 @@ def sessions_cmd(argv: list[str]) -> int:
                    help="open-line (default): open an empty line, then type the new lines there, as in an editor; "
                         "in-place: type them, line breaks included, in front of the code that follows (the "
                         "sessions made before 2026-11-28)")
+    g.add_argument("--pairs", action="store_true",
+                   help="the editor closes brackets as their opener is typed (VS Code's default, Neovim's autopairs)")
     args = p.parse_args(argv)
 
     try:
         made = sessions_from_git(args.repo, args.commits, args.seed, args.max_files,
-                                 tuple(args.suffix or [".py"]), skip=max(0, args.skip), typing=args.typing)
+                                 tuple(args.suffix or [".py"]), skip=max(0, args.skip), typing=args.typing,
+                                 pairs=args.pairs)
     except SessionError as exc:
         print(f"codecomplete-daemon sessions: {exc}", file=sys.stderr)
         return 2

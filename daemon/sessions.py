@@ -249,16 +249,39 @@ def _change(text: str, a: int, b: int, new: str) -> dict:
 
 
 TYPING = ("open-line", "in-place")
+# --pairs: the brackets an editor closes as their opener is typed (VS Code's autoClosingBrackets,
+# Neovim's autopairs), before these characters (VS Code's autoCloseBefore, in part) or a line's end
+PAIRS = {"(": ")", "[": "]", "{": "}"}
+_CLOSE_BEFORE = frozenset(" \t\r\n)]};:,.")
+
+
+def _closes_on_line(added: str, k: int) -> bool:
+    """Whether the bracket at ``added[k]`` is closed later on its line of ``added``."""
+    depth = 0
+    for ch in added[k:]:
+        if ch == "\n":
+            return False
+        if ch == added[k]:
+            depth += 1
+        elif ch == PAIRS[added[k]]:
+            depth -= 1
+            if depth == 0:
+                return True
+    return False
 
 
 def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
-              max_hunk_chars: int = 2000, typing: str = "open-line") -> tuple[list[dict], float]:
+              max_hunk_chars: int = 2000, typing: str = "open-line", pairs: bool = False) -> tuple[list[dict], float]:
     """Events that turn ``old`` into ``new`` hunk by hunk, typing the new lines.  ``typing``:
     "open-line" (what an editor's user does) first opens an empty line where the new lines go
     (Enter at the end of the line above, or Vim's ``O``: one change inserting a line break in
     front of the code that follows) and types the lines there, so the code below stays on a line
     of its own while they are typed; "in-place" types the new lines, their breaks included, in
-    front of that code (``new te|def existing():``), as sessions were made before."""
+    front of that code (``new te|def existing():``), as sessions were made before.  ``pairs``: the
+    editor closes brackets (``PAIRS``) as their opener is typed, where the bracket closes later on
+    its line and the next character allows it (``_CLOSE_BEFORE``): one change inserts both, and
+    typing the closer later steps over the one the editor put there (no change); the same random
+    draws and requests as without, the file ending the same."""
     events: list[dict] = []
     t = t0
     text = old
@@ -286,6 +309,7 @@ def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
         else:
             pos = start
             asked = False
+            auto: list[int] = []  # where the closers the editor put after the cursor stand
             opened = typing == "open-line" and added.endswith("\n") and start < len(text)
             if opened:  # one keystroke of a fixed length (no random draw: see below)
                 t += 100
@@ -312,14 +336,24 @@ def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
                     text = text[:pos] + wrong + text[pos:]
                     t += typist.key_ms() * 2
                     events.append({"t": round(t), "type": "change", "uri": uri, "changes": [_change(text, pos, pos + 1, "")]})
-                    text = text[:pos] + text[pos + 1:]
+                    text = text[:pos] + text[pos + 1:]  # the closers after the cursor are back where they were
                 t += typist.key_ms()
                 if opened and k == len(added) - 1:
                     # the hunk's last line break is already there: this keystroke leaves the line.  Both
                     # typings draw the same random numbers, so they ask at the same places
                     break
-                events.append({"t": round(t), "type": "change", "uri": uri, "changes": [_change(text, pos, pos, ch)]})
-                text = text[:pos] + ch + text[pos:]
+                if auto and auto[-1] == pos and text[pos] == ch:  # step over the closer the editor put there
+                    auto.pop()
+                    pos += 1
+                    continue
+                typed = ch
+                if pairs and ch in PAIRS and (pos == len(text) or text[pos] in _CLOSE_BEFORE) \
+                        and _closes_on_line(added, k):
+                    typed = ch + PAIRS[ch]
+                events.append({"t": round(t), "type": "change", "uri": uri,
+                               "changes": [_change(text, pos, pos, typed)]})
+                text = text[:pos] + typed + text[pos:]
+                auto = [a + len(typed) for a in auto] + ([pos + 1] if len(typed) > 1 else [])
                 pos += 1
         shift += (j2 - j1) - (i2 - i1)
     return events, t
@@ -328,10 +362,11 @@ def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
 def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: int = 3,
                       suffixes: tuple[str, ...] = (".py",), max_file_bytes: int = 200_000,
                       max_added_lines: int = 200, root_uri: str | None = None, skip: int = 0,
-                      typing: str = "open-line") -> list[Session]:
+                      typing: str = "open-line", pairs: bool = False) -> list[Session]:
     """One session per commit: its changed files, typed from the parent's text (``typing``: see
     ``type_file``).  ``skip``: pass over the newest ``skip`` commits that would make a session
-    (older history, for a set of sessions apart from an earlier one's)."""
+    (older history, for a set of sessions apart from an earlier one's).  ``pairs``: the editor closes
+    brackets as they are typed (``type_file``)."""
     if typing not in TYPING:
         raise SessionError(f"typing must be one of {', '.join(TYPING)}, not {typing!r}")
     repo = Path(repo).resolve()
@@ -353,7 +388,8 @@ def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: in
         if not files:
             continue
         session = Session(make_header(str(repo), sha, "git-history", "synthetic", parent=parent,
-                                      subject=git(repo, "log", "-1", "--format=%s", sha).strip(), typing=typing))
+                                      subject=git(repo, "log", "-1", "--format=%s", sha).strip(), typing=typing,
+                                      **({"pairs": True} if pairs else {})))
         t = 0.0
         for _, path in files[:max_files]:
             old, new = _show(repo, parent, path), _show(repo, sha, path)
@@ -361,7 +397,7 @@ def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: in
                 continue
             uri = f"{base_uri}/{path}"
             session.events.append({"t": round(t), "type": "open", "uri": uri, "languageId": "python", "text": old})
-            events, t = type_file(uri, old, new, typist, t, typing=typing)
+            events, t = type_file(uri, old, new, typist, t, typing=typing, pairs=pairs)
             session.events += events
             t += 1000
             session.events.append({"t": round(t), "type": "save", "uri": uri})

@@ -316,3 +316,32 @@ async def test_recorder_passes_messages_through_and_writes_a_replayable_session(
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert report["summary"][0]["requests"] == len(reqs)
+
+
+def test_sessions_with_pairs_close_brackets_as_editors_do(history: Path, tmp_path: Path):
+    """``--pairs``: the editor closes a bracket as its opener is typed (one change inserts both) and
+    typing the closer steps over it (no change); the sessions ask at the same places with the same
+    truths, end at each commit's text, and the header says so."""
+    plain = sessions_from_git(history, commits=5, seed=3)
+    paired = sessions_from_git(history, commits=5, seed=3, pairs=True)
+    assert [s.header["commit"] for s in paired] == [s.header["commit"] for s in plain]
+    closed = 0
+    for p, s in zip(paired, plain):
+        assert p.header["pairs"] is True and "pairs" not in s.header
+        assert final_texts(p) == final_texts(s)
+        assert [(r["line"], r["character"], r["truth_hunk"]) for r in p.requests] == \
+            [(r["line"], r["character"], r["truth_hunk"]) for r in s.requests]
+        inserted = [c["text"] for e in p.events if e["type"] == "change" for c in e["changes"]]
+        closed += sum(t in ("()", "[]", "{}") for t in inserted)
+        assert sum(t in (")", "]", "}") for t in inserted) < sum(
+            t in (")", "]", "}") for e in s.events if e["type"] == "change" for c in e["changes"] for t in [c["text"]])
+    assert closed >= 2  # print('héllo 😀', sys.argv), [v * 2 for v in values]: each typed as a pair
+    # a request after an opener the editor closed sees the closer after the cursor
+    rests = [r for s in paired for r in rest_of_line_at_requests(s)]
+    assert any(r.startswith((")", "]")) for r in rests)
+    out = tmp_path / "pairs.jsonl"
+    done = subprocess.run([sys.executable, "-m", "codecomplete.daemon", "sessions", "from-git", str(history),
+                           "--commits", "5", "--seed", "3", "--pairs", "--out", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert [x.events for x in read_sessions(out)] == [x.events for x in paired]
