@@ -330,22 +330,24 @@ def test_an_indented_definition_is_one_paragraph_in_brace_languages():
     """The definition rule in languages with braces: a JavaScript method, a Java method after its
     annotation, a Rust function after its doc comment, a test case's callback each stop before the
     next definition at the cursor's indentation; a statement block (``if``) goes on as before."""
-    js = "class Client {\n  get(url) {\n    return this.request(url);\n  }\n\n  "
-    d = rules(js, "\n").check("post(url, data) {\n    const body = JSON.stringify(data);\n\n"
-                             "    return this.request(url, body);\n  }\n\n  put(url, data) {\n")
-    assert d.stop and d.reason == "block_end"
-    assert d.text == ("post(url, data) {\n    const body = JSON.stringify(data);\n\n"
-                      "    return this.request(url, body);\n  }")
-    java = "class T {\n  @Test\n  public void a() {\n  }\n\n  "
-    d = rules(java, "\n").check("@Test\n  public void b() {\n    assertTrue(ok());\n  }\n\n  @Test\n")
-    assert d.stop and d.text == "@Test\n  public void b() {\n    assertTrue(ok());\n  }"
-    rust = "impl Value {\n    fn a(&self) {}\n\n    "
-    d = rules(rust, "\n").check("/// The length.\n    pub fn len(&self) -> usize {\n        self.0.len()\n    }\n\n"
-                                   "    /// Whether empty.\n")
-    assert d.stop and d.text == "/// The length.\n    pub fn len(&self) -> usize {\n        self.0.len()\n    }"
-    spec = "describe('get', () => {\n  it('works', () => {\n  });\n\n  "
-    d = rules(spec, "\n").check("it('retries', async () => {\n    await get();\n  });\n\n  it('fails', () => {\n")
-    assert d.stop and d.text == "it('retries', async () => {\n    await get();\n  });"
+    cases = [  # (the text before the cursor, what the model wrote, what the completion keeps)
+        ("class Client {\n  get(url) {\n    return this.request(url);\n  }\n\n  ",
+         "post(url, data) {\n    const body = JSON.stringify(data);\n\n    return this.request(url, body);\n  }\n\n"
+         "  put(url, data) {\n",
+         "post(url, data) {\n    const body = JSON.stringify(data);\n\n    return this.request(url, body);\n  }"),
+        ("class T {\n  @Test\n  public void a() {\n  }\n\n  ",
+         "@Test\n  public void b() {\n    assertTrue(ok());\n  }\n\n  @Test\n",
+         "@Test\n  public void b() {\n    assertTrue(ok());\n  }"),
+        ("impl Value {\n    fn a(&self) {}\n\n    ",
+         "/// The length.\n    pub fn len(&self) -> usize {\n        self.0.len()\n    }\n\n    /// Whether empty.\n",
+         "/// The length.\n    pub fn len(&self) -> usize {\n        self.0.len()\n    }"),
+        ("describe('get', () => {\n  it('works', () => {\n  });\n\n  ",
+         "it('retries', async () => {\n    await get();\n  });\n\n  it('fails', () => {\n",
+         "it('retries', async () => {\n    await get();\n  });"),
+    ]
+    for before, written, kept in cases:
+        d = rules(before, "\n").check(written)
+        assert d.stop and d.reason == "block_end" and d.text == kept, before
     body = "function f(x) {\n  const y = x + 1;\n\n  "
     assert not rules(body, "\n").check("if (y > 1) {\n    log(y);\n  }\n\n  return y;\n").stop
 
