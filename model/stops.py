@@ -36,6 +36,8 @@ _CONTROL = frozenset("if for while switch catch return else do try with using lo
                      "until when match guard defer fixed checked unchecked await yield throw new case loop select "
                      "go echo print".split())
 _FIRST_WORD = re.compile(r"[A-Za-z_$][\w$]*")
+# a comment line that is no doc comment or attribute (``// note``, ``# note``; not ``///``, ``#[``)
+_PLAIN_COMMENT = re.compile(r"//(?!/)|#(?!\[)")
 
 
 def starts_definition(line: str) -> bool:
@@ -53,6 +55,12 @@ def starts_definition(line: str) -> bool:
     if first and first.group() in _CONTROL:
         return False
     return bool(_ACCESS_METHOD.match(s) or _HEADER.match(s) or _ARROW.match(s))
+
+
+def first_code_line(lines: list[str]) -> str:
+    """The first of ``lines`` that is neither blank nor a plain comment ("" if none): what a
+    completion that opens with a comment (``# Parse the header.`` / ``def parse(...)``) starts."""
+    return next((line for line in lines if line.strip() and not _PLAIN_COMMENT.match(line.strip())), "")
 
 
 def leading_ws(line: str) -> str:
@@ -143,9 +151,10 @@ class StopRules:
         complete = lines[:-1]  # the last line may still be growing
         blank_run = 0
         fresh = not shape.opens_block and not shape.line_prefix.strip()  # a blank line, its indentation typed
-        # one paragraph: at the top level, or a definition started on an indented fresh line
+        # one paragraph: at the top level, or a definition started on an indented fresh line (perhaps
+        # after a comment)
         paragraph = fresh and (self.top_level_paragraphs and shape.base_indent == 0 or self.definition_paragraphs
-                               and shape.base_indent > 0 and starts_definition(lines[0]))
+                               and shape.base_indent > 0 and starts_definition(first_code_line(lines)))
         code = bool(lines[0].strip())  # the completion has a line of code before this one
         for i, line in enumerate(complete):
             if i == 0:

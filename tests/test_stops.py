@@ -328,8 +328,9 @@ def test_definitions_are_recognised_across_languages():
 
 def test_an_indented_definition_is_one_paragraph_in_brace_languages():
     """The definition rule in languages with braces: a JavaScript method, a Java method after its
-    annotation, a Rust function after its doc comment, a test case's callback each stop before the
-    next definition at the cursor's indentation; a statement block (``if``) goes on as before."""
+    annotation, a Rust function after its doc comment, a test case's callback, a method or a Python
+    function after a plain comment each stop before the next definition at the cursor's indentation;
+    a statement block (``if``) or a commented statement group goes on as before."""
     cases = [  # (the text before the cursor, what the model wrote, what the completion keeps)
         ("class Client {\n  get(url) {\n    return this.request(url);\n  }\n\n  ",
          "post(url, data) {\n    const body = JSON.stringify(data);\n\n    return this.request(url, body);\n  }\n\n"
@@ -341,6 +342,12 @@ def test_an_indented_definition_is_one_paragraph_in_brace_languages():
         ("impl Value {\n    fn a(&self) {}\n\n    ",
          "/// The length.\n    pub fn len(&self) -> usize {\n        self.0.len()\n    }\n\n    /// Whether empty.\n",
          "/// The length.\n    pub fn len(&self) -> usize {\n        self.0.len()\n    }"),
+        ("class Stack {\n  push(x) {\n    this.items.push(x);\n  }\n\n  ",  # a plain comment first
+         "// The top item.\n  peek() {\n    return this.items.at(-1);\n  }\n\n  // The size.\n  size() {\n",
+         "// The top item.\n  peek() {\n    return this.items.at(-1);\n  }"),
+        ("class A:\n    def f(self):\n        return 1\n\n    ",
+         "# The second.\n    def g(self):\n        return 2\n\n    def h(self):\n",
+         "# The second.\n    def g(self):\n        return 2"),
         ("describe('get', () => {\n  it('works', () => {\n  });\n\n  ",
          "it('retries', async () => {\n    await get();\n  });\n\n  it('fails', () => {\n",
          "it('retries', async () => {\n    await get();\n  });"),
@@ -348,6 +355,8 @@ def test_an_indented_definition_is_one_paragraph_in_brace_languages():
     for before, written, kept in cases:
         d = rules(before, "\n").check(written)
         assert d.stop and d.reason == "block_end" and d.text == kept, before
+    # a comment before a statement group is no definition: the paragraphs go on
+    assert not rules("def f(x):\n    y = 1\n\n    ", "\n").check("# add them up\n    y += x\n\n    return y\n").stop
     body = "function f(x) {\n  const y = x + 1;\n\n  "
     assert not rules(body, "\n").check("if (y > 1) {\n    log(y);\n  }\n\n  return y;\n").stop
 
