@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..model.stops import PAIRS as EDITOR_PAIRS
+
 FORMAT = "codecomplete-session"
 VERSION = 1
 EVENT_TYPES = {"open", "change", "request", "cursor", "accept", "reject", "save", "close"}
@@ -250,8 +252,9 @@ def _change(text: str, a: int, b: int, new: str) -> dict:
 
 TYPING = ("open-line", "in-place")
 # --pairs: the brackets an editor closes as their opener is typed (VS Code's autoClosingBrackets,
-# Neovim's autopairs), before these characters (VS Code's autoCloseBefore, in part) or a line's end
-PAIRS = {"(": ")", "[": "]", "{": "}"}
+# Neovim's autopairs; the daemon's own table, quotes left out), before these characters (VS Code's
+# autoCloseBefore, in part) or a line's end
+PAIRS = {k: v for k, v in EDITOR_PAIRS.items() if k in "([{"}
 _CLOSE_BEFORE = frozenset(" \t\r\n)]};:,.")
 
 

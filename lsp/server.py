@@ -40,7 +40,7 @@ from codecomplete.daemon.config import Config, editor_settings, engine_settings,
 from codecomplete.indexer.files import SourceError, language_of, read_source
 from codecomplete.indexer.folders import Folders
 from codecomplete.model.api import Completion, CompletionRequest
-from codecomplete.model.stops import rewrites_rest, word_char
+from codecomplete.model.stops import open_pairs, rewrites_rest, word_char
 
 from .cache import CompletionCache
 from .documents import PositionError, cursor_at, encoding_name, offset_at, position_at
@@ -131,10 +131,6 @@ class Counters:
 
 
 ECHO_CHARS = 1000  # an inline item repeats at most this much of the typed line (see _echo_start)
-# what an editor that closes pairs (VS Code's autoClosingBrackets / autoClosingQuotes, Neovim's
-# autopairs plugins) puts after the cursor when the user types the opener
-_PAIRS = {"(": ")", "[": "]", "{": "}", '"': '"', "'": "'", "`": "`"}
-_QUOTES = frozenset("\"'`")
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -900,7 +896,7 @@ class CodecompleteServer(LanguageServer):
             return None
         typed = prefix[len(shown.prefix):].replace("\r\n", "\n")  # a CRLF buffer; completions break with \n
         covers = len(suffix) - len(shown.suffix)
-        if covers and not _open_pairs(typed).startswith(suffix[:covers]):
+        if covers and not open_pairs(typed).startswith(suffix[:covers]):
             return None
         for c in [shown.completion, *shown.completion.alternatives]:
             if c.text.startswith(typed) and c.text[len(typed):].strip():
@@ -1209,29 +1205,6 @@ class ChunkReader:
         data = bytes(self.buf[:n])
         del self.buf[:n]
         return data
-
-
-def _open_pairs(typed: str) -> str:
-    """The closers of the brackets and quotes ``typed`` leaves open, innermost first
-    (``foo(bar("`` -> ``")``): what an editor that closes pairs put after the cursor while it
-    was typed.  Inside quotes only the quote (not after a backslash) closes; a closer of what
-    was opened before ``typed`` is passed over."""
-    stack: list[str] = []
-    escaped = False
-    for ch in typed:
-        if stack and stack[-1] in _QUOTES:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == stack[-1]:
-                stack.pop()
-            continue
-        if ch in _PAIRS:
-            stack.append(ch)
-        elif stack and ch == _PAIRS[stack[-1]]:
-            stack.pop()
-    return "".join(_PAIRS[c] for c in reversed(stack))
 
 
 def _inside_word(text: str, offset: int) -> bool:

@@ -11,6 +11,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# what an editor that closes pairs (VS Code's autoClosingBrackets / autoClosingQuotes, Neovim's
+# autopairs plugins) puts after the cursor when the user types the opener (``open_pairs``)
+PAIRS = {"(": ")", "[": "]", "{": "}", '"': '"', "'": "'", "`": "`"}
+_QUOTES = frozenset("\"'`")
 _OPENERS = (":", "{", "(", "[", "=>", "->", "do", "then")
 _CLOSERS_ONLY = re.compile(r"^[\s\)\]\}\"'`;,]*$")
 # What starts a definition (``starts_definition``), in the languages editors send.  Modifiers that may
@@ -360,6 +364,29 @@ def rewrites_rest(text: str, rest: str) -> bool:
     the model wrote that code again, so the text replaces it rather than going before it."""
     tail = rest.strip()
     return bool(tail) and text.rstrip().endswith(tail)
+
+
+def open_pairs(typed: str) -> str:
+    """The closers of the brackets and quotes ``typed`` leaves open, innermost first
+    (``foo(bar("`` -> ``")``): what an editor that closes pairs put after the cursor while it
+    was typed.  Inside quotes only the quote (not after a backslash) closes; a closer of what
+    was opened before ``typed`` is passed over."""
+    stack: list[str] = []
+    escaped = False
+    for ch in typed:
+        if stack and stack[-1] in _QUOTES:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == stack[-1]:
+                stack.pop()
+            continue
+        if ch in PAIRS:
+            stack.append(ch)
+        elif stack and ch == PAIRS[stack[-1]]:
+            stack.pop()
+    return "".join(PAIRS[c] for c in reversed(stack))
 
 
 def word_char(ch: str) -> bool:

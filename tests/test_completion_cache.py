@@ -117,11 +117,11 @@ def test_typing_through_brackets_the_editor_closed_keeps_the_completion():
         assert (item.range.start.character, item.range.end.character) == (0, len(prefix + typed + closers))
         assert item.insert_text == prefix + shown
     # what the typed text leaves open, innermost first: inside quotes only the quote closes
-    from codecomplete.lsp.server import _open_pairs
-    assert _open_pairs('f(g[1], {"a": "(') == '"})'
-    assert _open_pairs('f("a\\"(", x') == ")"  # an escaped quote and a bracket inside the string
-    assert _open_pairs("x) + (y") == ")"  # a closer of what was opened before the typed text
-    assert _open_pairs("done()") == ""
+    from codecomplete.model.stops import open_pairs
+    assert open_pairs('f(g[1], {"a": "(') == '"})'
+    assert open_pairs('f("a\\"(", x') == ")"  # an escaped quote and a bracket inside the string
+    assert open_pairs("x) + (y") == ")"  # a closer of what was opened before the typed text
+    assert open_pairs("done()") == ""
     # what was put after the cursor is not what the typed text left open: the model runs again
     for typed, after in [("items.map(", "]"), ("items.map(", "x)"), ("items.map(", "))"), ("items", ")")]:
         assert server._typed_through(uri, prefix + typed, after + suffix) is None, (typed, after)

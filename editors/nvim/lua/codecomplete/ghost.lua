@@ -60,8 +60,20 @@ local function notify(client, method, item, extra)
   end
 end
 
---- What the item adds at the cursor: its text minus what is already typed in its range; and
---- the code after the cursor that its range covers (on the cursor's row), which it replaces.
+--- An item's `text` at byte `col` of the cursor's `line`, its range starting at byte `start` of
+--- that line and ending at byte `stop` (nil: on another row): the text minus what is typed since
+--- `start` (nil when the user typed past what the item proposes), and the code after the cursor
+--- that the range covers, which the item replaces.
+local function at_cursor(line, text, start, stop, col)
+  local cover = stop and stop > col and line:sub(col + 1, stop) or ''
+  local typed = line:sub(start + 1, col)
+  if text:sub(1, #typed) ~= typed then
+    return nil, cover
+  end
+  return text:sub(#typed + 1), cover
+end
+
+--- What the item adds at the cursor (`at_cursor`), for an item as the daemon sent it.
 local function remainder(bufnr, item, encoding, row, col)
   local text = type(item.insertText) == 'string' and item.insertText or item.insertText.value
   if not item.range then
@@ -71,19 +83,12 @@ local function remainder(bufnr, item, encoding, row, col)
   if item.range.start.line ~= row then
     return nil
   end
-  local start = byte_col(line, item.range.start.character, encoding)
-  local typed = line:sub(start + 1, col)
-  if text:sub(1, #typed) ~= typed then
-    return nil -- the user typed past what the item proposes
+  local stop = item.range['end'].line == row and byte_col(line, item.range['end'].character, encoding) or nil
+  local rest, cover = at_cursor(line, text, byte_col(line, item.range.start.character, encoding), stop, col)
+  if not rest then
+    return nil
   end
-  local cover = ''
-  if item.range['end'].line == row then
-    local stop = byte_col(line, item.range['end'].character, encoding)
-    if stop > col then
-      cover = line:sub(col + 1, stop)
-    end
-  end
-  return text:sub(#typed + 1), cover
+  return rest, cover
 end
 
 --- How to draw and insert `text` where the item replaces `cover`, the code right after the
@@ -405,16 +410,13 @@ function M.insert_partial(item, part)
   local text = type(item.insert_text) == 'string' and item.insert_text or tostring(item.insert_text.value)
   local cover = ''
   if item.range then
-    -- a vim.Range: rows 0-based, columns in bytes
+    -- a vim.Range: rows 0-based, columns in bytes; a range starting on another row: nothing typed
     local start, stop = item.range.start, item.range.end_
     local line = vim.api.nvim_buf_get_lines(bufnr, row - 1, row, false)[1] or ''
-    local typed = start.row == row - 1 and line:sub(start.col + 1, col) or ''
-    if text:sub(1, #typed) == typed then
-      text = text:sub(#typed + 1)
-    end
-    if stop.row == row - 1 and stop.col > col then
-      cover = line:sub(col + 1, stop.col)
-    end
+    local rest
+    rest, cover = at_cursor(line, text, start.row == row - 1 and start.col or col,
+      stop.row == row - 1 and stop.col or nil, col)
+    text = rest or text
   end
   local delete
   text, delete = M.fit(text, cover)
