@@ -131,6 +131,7 @@ class Counters:
 
 
 ECHO_CHARS = 1000  # an inline item repeats at most this much of the typed line (see _echo_start)
+AFTER_CHARS = 200  # an inline item's command carries the line after the cursor up to this long (_line_after)
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -986,12 +987,26 @@ class CodecompleteServer(LanguageServer):
         for i, completion in enumerate(ans.completion.texts):
             if ans.selected is not None:
                 a, b, item = ans.selected
-                insert, rng = item + completion, _range(ans.text, a, b, ans.encoding)
+                insert, rng, end = item + completion, _range(ans.text, a, b, ans.encoding), b
             else:
-                insert, rng = self._edit(ans, completion, self._echo_start(ans))
-            items.append(types.InlineCompletionItem(insert_text=insert, range=rng,
-                                                    command=self._accept_command(_item_id(ans.rid, i), ans.uri)))
+                insert, rng, end = self._edit(ans, completion, self._echo_start(ans))
+            command = self._accept_command(_item_id(ans.rid, i), ans.uri, self._line_after(ans, end))
+            items.append(types.InlineCompletionItem(insert_text=insert, range=rng, command=command))
         return items
+
+    @staticmethod
+    def _line_after(ans: Answer, end: int) -> dict:
+        """The cursor's line after the cursor as it was for this answer, split at the item's
+        range end: the code the item replaces (``replaces``) and what follows it (``after``).
+        A client whose item is older than its last keystrokes (Neovim's own client asks 200 ms
+        after them) tells from them whether the text after the cursor has since grown by the
+        closers of what was typed (an editor that closes pairs), which the item then replaces
+        as a typed-through answer's range does (editors/nvim, ghost.lua).  Empty when more
+        than AFTER_CHARS follow."""
+        text, cursor = ans.text, ans.cursor
+        if not cursor.offset <= end <= cursor.line_end or cursor.line_end - end > AFTER_CHARS:
+            return {}
+        return {"replaces": text[cursor.offset:end], "after": text[end:cursor.line_end]}
 
     @staticmethod
     def _echo_start(ans: Answer) -> int:
@@ -1014,7 +1029,7 @@ class CodecompleteServer(LanguageServer):
 
     def _menu_item(self, ans: Answer, completion: str, i: int) -> types.CompletionItem:
         text, cursor, uri = ans.text, ans.cursor, ans.uri
-        insert, rng = self._edit(ans, completion, _word_start(text, cursor.offset, cursor.line_start))
+        insert, rng, _ = self._edit(ans, completion, _word_start(text, cursor.offset, cursor.line_start))
         lines = insert.split("\n")
         label = lines[0].strip() or insert.strip().split("\n")[0]
         if len(label) > 80:
@@ -1039,23 +1054,23 @@ class CodecompleteServer(LanguageServer):
         return types.MarkupKind.Markdown in (formats or [])
 
     @staticmethod
-    def _edit(ans: Answer, completion: str, start: int) -> tuple[str, types.Range]:
+    def _edit(ans: Answer, completion: str, start: int) -> tuple[str, types.Range, int]:
         """The text from ``start`` (at or before the cursor, on its line) through
-        ``completion``, and the range it replaces: up to the cursor, or to the line's end
-        when the completion rewrote what follows the cursor there, or over the closers an
-        editor put after the cursor (``ans.covers``, typing through)."""
+        ``completion``, the range it replaces and that range's end offset: up to the cursor,
+        or to the line's end when the completion rewrote what follows the cursor there, or
+        over the closers an editor put after the cursor (``ans.covers``, typing through)."""
         text, cursor = ans.text, ans.cursor
         insert = text[start:cursor.offset] + completion
         end = cursor.offset + ans.covers
         rest_of_line = text[cursor.offset:cursor.line_end]
         if rewrites_rest(completion, rest_of_line):
             end = cursor.line_end
-        return insert, _range(text, start, end, ans.encoding)
+        return insert, _range(text, start, end, ans.encoding), end
 
     @staticmethod
-    def _accept_command(rid: str, uri: str) -> types.Command:
+    def _accept_command(rid: str, uri: str, line_after: dict | None = None) -> types.Command:
         return types.Command(title="Accept completion", command=ACCEPT_COMMAND,
-                             arguments=[{"completionId": rid, "uri": uri}])
+                             arguments=[{"completionId": rid, "uri": uri, **(line_after or {})}])
 
     def _supersede(self, uri: str, superseded: bool) -> None:
         old = self.pending.get(uri)

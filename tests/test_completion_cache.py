@@ -116,6 +116,16 @@ def test_typing_through_brackets_the_editor_closed_keeps_the_completion():
         (item,) = server._items(Answer("c1", uri, text, cursor, rest, "utf-16", None, covers))
         assert (item.range.start.character, item.range.end.character) == (0, len(prefix + typed + closers))
         assert item.insert_text == prefix + shown
+        # its accept command carries the line after the cursor, split at the range's end (what a
+        # client whose item predates its last keystrokes compares with the line it has then)
+        assert item.command.arguments[0] == {"completionId": "c1", "uri": uri, "replaces": closers,
+                                             "after": ";"}
+    # a line with more than AFTER_CHARS after the range: nothing of it is sent
+    from codecomplete.lsp.server import AFTER_CHARS
+    text = prefix + "items.map(" + ")" + " " * AFTER_CHARS + ";"
+    cursor = cursor_at(text, 0, len(prefix + "items.map("))
+    (item,) = server._items(Answer("c2", uri, text, cursor, made(shown[len("items.map("):]), "utf-16", None, 1))
+    assert item.command.arguments[0] == {"completionId": "c2", "uri": uri}
     # what the typed text leaves open, innermost first: inside quotes only the quote closes
     from codecomplete.model.stops import open_pairs
     assert open_pairs('f(g[1], {"a": "(') == '"})'

@@ -855,13 +855,17 @@ async def test_typing_through_a_bracket_the_editor_closed(repo, tiny_model, mode
         uri = (repo / "pairs.py").as_uri()
         open_doc(client, uri, text)
         line, col = 3, len(text.split("\n")[-1])
-        assert proposed(await complete(client, uri, line, col), text.split("\n")[-1]) == [want]
+        (first,) = await complete(client, uri, line, col)
+        assert proposed([first], text.split("\n")[-1]) == [want]
+        # the line after the cursor as it was, for a client whose item is older than its keystrokes
+        assert {k: first.command.arguments[0].get(k) for k in ("replaces", "after")} == {"replaces": "", "after": ""}
         insert(client, uri, 2, line, col, typed + ")")  # the editor closed the bracket
         (item,) = await complete(client, uri, line, col + len(typed))
         counters = (await stats(client))["counters"]
         assert counters["typed_through"] == 1 and counters["completions"] == 2
         assert (item.range.start.character, item.range.end.character) == (0, col + len(typed) + 1)
         assert item.insert_text == text.split("\n")[-1] + want  # the line as the completion made it
+        assert {k: item.command.arguments[0].get(k) for k in ("replaces", "after")} == {"replaces": ")", "after": ""}
     finally:
         await client.shutdown_session()
         await client.stop()

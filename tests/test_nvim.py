@@ -17,6 +17,7 @@ import pytest
 
 from codecomplete.model.api import CompletionRequest
 from codecomplete.model.engine import Engine, EngineSettings
+from codecomplete.model.stops import open_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
 FILE = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self\n"
@@ -115,6 +116,26 @@ def test_typing_through_with_autopairs_and_accepting(builtin, tmp_path, tiny_mod
     assert counters["typed_through"] >= 1 and counters["accepted"] == 1
 
 
+def test_accepting_right_after_typing_an_autopaired_bracket(tmp_path, tiny_model, model_cache, expected_completions):
+    """Neovim's own client keeps the item it had until it asks again, 200 ms after the last key:
+    typing the shown completion up to its ``(`` (an autopairs mapping puts ``)`` after the
+    cursor) and accepting at once inserts from that older item, whose range does not cover the
+    ``)``.  The line after the cursor as it was for the item (in its accept command) tells the
+    plugin that the ``)`` came since, so the completion replaces it, as the daemon's own
+    typed-through answer does, and the line ends as the completion made it."""
+    want = expected_completions[0]
+    assert "(" in want.split("\n")[0], f"the tiny model should open a bracket here: {want!r}"
+    typed = want[:want.index("(") + 1]
+    result, log = run_nvim(tmp_path, tiny_model, True, CC_ROW="4", CC_TYPE=".", CC_CYCLE="0", CC_PAIRS=typed,
+                           CC_PAIRS_NOW="1")
+    assert result["shown"], log
+    assert result["paired_line"] == "        self." + typed + ")"
+    # the accepted item is the one from before the typing (its range ends where the cursor was)
+    assert result["item_end_col"] == len("        self.") < result["cursor_col"], log
+    assert result["lines"][3:3 + len(want.split("\n"))] == ("        self." + want).split("\n")
+    assert result["stats"]["counters"]["accepted"] == 1
+
+
 @pytest.mark.parametrize("builtin", [True, False], ids=["builtin", "plugin-ghost"])
 def test_accepting_a_word(builtin, tmp_path, tiny_model, model_cache, expected_completions):
     """The accept-a-word key inserts the completion's first word and tells the daemon how much
@@ -130,8 +151,12 @@ def test_accepting_a_word(builtin, tmp_path, tiny_model, model_cache, expected_c
     assert counters["partially_accepted"] == 1 and counters["accepted"] == 0
 
 
+PAIRS_CASES = ['f(g[1], {"a": "(', 'f("a\\"(", x', "x) + (y", "done()", "s = 'it\\'s (", "`${a(", "é(", ""]
+
+
 def test_plugin_units_and_health_check(tmp_path):
-    """Partial accept (word, line) and :checkhealth codecomplete, without a model."""
+    """Partial accept (word, line), the closers of typed text as the daemon finds them, and
+    :checkhealth codecomplete, without a model."""
     nvim = nvim_binary()
     if nvim is None:
         pytest.skip("no nvim binary")
@@ -139,13 +164,17 @@ def test_plugin_units_and_health_check(tmp_path):
     if daemon is None:
         pytest.skip("the codecomplete-daemon script is not installed")
     out = tmp_path / "units.json"
+    cases = [[typed, open_pairs(typed)] for typed in PAIRS_CASES]
     env = {**os.environ, "CC_PLUGIN": str(ROOT / "editors" / "nvim"), "CC_DAEMON": daemon, "CC_OUT": str(out),
-           "XDG_STATE_HOME": str(tmp_path / "state"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
+           "CC_PAIRS_CASES": json.dumps(cases), "XDG_STATE_HOME": str(tmp_path / "state"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config")}
     proc = subprocess.run([nvim, "--headless", "--clean", "-c", f"luafile {ROOT / 'tests/nvim/units.lua'}"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert out.is_file(), proc.stdout + proc.stderr
-    failed = [r for r in json.loads(out.read_text()) if not r["ok"]]
+    results = json.loads(out.read_text())
+    failed = [r for r in results if not r["ok"]]
     assert failed == []
+    assert sum(r["name"].startswith("open_pairs") for r in results) == len(PAIRS_CASES)
 
 
 @pytest.mark.parametrize("builtin", [True, False], ids=["builtin", "plugin-ghost"])

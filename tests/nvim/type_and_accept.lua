@@ -85,6 +85,27 @@ end, function(attached)
       -- `)`, the cursor between): the daemon types through, its item covering that `)`
       vim.keymap.set('i', '(', '()<Left>')
       local want = result.typed_line .. env.CC_PAIRS .. (env.CC_PAIRS:sub(-1) == '(' and ')' or '')
+      if env.CC_PAIRS_NOW == '1' then
+        -- accept at once, before Neovim's own client asks again: its item is the one from before
+        -- the typing, and the `)` the mapping put after the cursor is not in its range
+        local want = result.typed_line .. env.CC_PAIRS .. ')'
+        local ghost = require('codecomplete.ghost')
+        local insert_partial = ghost.insert_partial
+        ghost.insert_partial = function(item, part)
+          -- the item Neovim accepts: its range ends before the cursor when it predates the typing
+          result.item_end_col = item.range and item.range.end_.col
+          result.cursor_col = vim.api.nvim_win_get_cursor(0)[2]
+          return insert_partial(item, part)
+        end
+        vim.api.nvim_feedkeys(env.CC_PAIRS, 'm', false)
+        return poll(function()
+          return vim.api.nvim_get_current_line() == want
+        end, function()
+          result.paired_line = vim.api.nvim_get_current_line()
+          result.typed_line = result.paired_line
+          accept()
+        end, 5000, 5)
+      end
       vim.api.nvim_feedkeys(env.CC_PAIRS, 'm', false)
       -- accept once the daemon has answered a request made after the typing (Neovim's own client
       -- asks 200 ms after the last key; until then its item is the one from before)

@@ -30,6 +30,27 @@ t, d = ghost.fit('(v) => v * 2);', ')')
 check('fit replace', t .. '|' .. d, '(v) => v * 2);|1')
 t, d = ghost.fit('x = 1', '')
 check('fit none', t .. '|' .. d, 'x = 1|0')
+-- open_pairs: the daemon's stops.open_pairs on the cases the test sends (typed, its closers)
+for i, case in ipairs(vim.json.decode(vim.env.CC_PAIRS_CASES or '[]')) do
+  check('open_pairs ' .. i .. ' ' .. case[1], ghost.open_pairs(case[1]), case[2])
+end
+-- covered_since: what an item replaces after the cursor, given the line after the cursor as it
+-- was for the item (replaces: the code its range covered; after: what followed)
+local was = { replaces = '', after = '' }
+check('since closer', ghost.covered_since('    self.group(', ')', was), ')')
+check('since two', ghost.covered_since('x = f(g[', '])', was), '])')
+check('since unchanged', ghost.covered_since('x = f(', '', was), '')
+check('since not a closer', tostring(ghost.covered_since('x = f(', ']', was)), 'nil')
+-- a `)` that was there already is not taken for one the editor put there
+was = { replaces = '', after = ')' }
+check('since was there', ghost.covered_since('print(len(', ')', was), '')
+check('since was there, closed', ghost.covered_since('print(len(', '))', was), ')')
+-- the code the range covered stays covered, after the new closers
+was = { replaces = ');', after = '' }
+check('since covered', ghost.covered_since('foo(x, [', ']);', was), ']);')
+check('since fresh', ghost.covered_since('foo(', ');', was), ');')
+check('since changed', tostring(ghost.covered_since('foo(', ')', was)), 'nil')
+check('since no line', tostring(ghost.covered_since('foo(', ')', nil)), 'nil')
 require('codecomplete').setup({ cmd = { vim.env.CC_DAEMON } })
 vim.cmd('checkhealth codecomplete')
 local health = table.concat(vim.api.nvim_buf_get_lines(0, 0, -1, false), '\n')

@@ -60,17 +60,77 @@ local function notify(client, method, item, extra)
   end
 end
 
+local PAIRS = { ['('] = ')', ['['] = ']', ['{'] = '}', ['"'] = '"', ["'"] = "'", ['`'] = '`' }
+
+--- The closers of the brackets and quotes `typed` leaves open, innermost first (`foo(bar("` ->
+--- `")`), as the daemon's stops.open_pairs: inside quotes only the quote (not after a backslash)
+--- closes.
+function M.open_pairs(typed)
+  local stack, escaped = {}, false
+  for ch in typed:gmatch('.') do -- bytes: no byte of a multibyte character is a bracket
+    local top = stack[#stack]
+    if top and (top == '"' or top == "'" or top == '`') then
+      if escaped then
+        escaped = false
+      elseif ch == '\\' then
+        escaped = true
+      elseif ch == top then
+        stack[#stack] = nil
+      end
+    elseif PAIRS[ch] then
+      stack[#stack + 1] = ch
+    elseif top and ch == PAIRS[top] then
+      stack[#stack] = nil
+    end
+  end
+  local closers = {}
+  for i = #stack, 1, -1 do
+    closers[#closers + 1] = PAIRS[stack[i]]
+  end
+  return table.concat(closers)
+end
+
+--- The code after the cursor that an item replaces, from the line after the cursor as it was
+--- for the item (`was`: the daemon's `replaces`, the code its range covered, and `after`, what
+--- followed): that code, and before it the closers an editor that closes pairs has put there
+--- since, of brackets the `typed` text opened (`foo(|)` -> `)`); nil when the text after the
+--- cursor (`now`) is anything else.  The item may be older than the last keystrokes (Neovim's own
+--- client asks 200 ms after them), so its range alone cannot tell.
+function M.covered_since(typed, now, was)
+  if type(was) ~= 'table' or type(was.replaces) ~= 'string' or type(was.after) ~= 'string' then
+    return nil
+  end
+  local tail = was.replaces .. was.after
+  local k = #now - #tail
+  if k < 0 or now:sub(k + 1) ~= tail then
+    return nil
+  end
+  local added = now:sub(1, k)
+  if M.open_pairs(typed):sub(1, k) ~= added then
+    return nil
+  end
+  return added .. was.replaces
+end
+
 --- An item's `text` at byte `col` of the cursor's `line`, its range starting at byte `start` of
 --- that line and ending at byte `stop` (nil: on another row): the text minus what is typed since
 --- `start` (nil when the user typed past what the item proposes), and the code after the cursor
---- that the range covers, which the item replaces.
-local function at_cursor(line, text, start, stop, col)
-  local cover = stop and stop > col and line:sub(col + 1, stop) or ''
+--- that the item replaces: what its range covers, or as `covered_since` finds it from `was`
+--- (the line after the cursor as it was for the item).
+local function at_cursor(line, text, start, stop, col, was)
   local typed = line:sub(start + 1, col)
+  local cover = M.covered_since(typed, line:sub(col + 1), was)
+    or (stop and stop > col and line:sub(col + 1, stop) or '')
   if text:sub(1, #typed) ~= typed then
     return nil, cover
   end
   return text:sub(#typed + 1), cover
+end
+
+--- The line after the cursor as it was for the item, from the daemon's accept command.
+local function was_of(item)
+  local args = item.command and item.command.arguments
+  return type(args) == 'table' and type(args[1]) == 'table' and args[1] or nil
 end
 
 --- What the item adds at the cursor (`at_cursor`), for an item as the daemon sent it.
@@ -84,7 +144,8 @@ local function remainder(bufnr, item, encoding, row, col)
     return nil
   end
   local stop = item.range['end'].line == row and byte_col(line, item.range['end'].character, encoding) or nil
-  local rest, cover = at_cursor(line, text, byte_col(line, item.range.start.character, encoding), stop, col)
+  local rest, cover = at_cursor(line, text, byte_col(line, item.range.start.character, encoding), stop, col,
+    was_of(item))
   if not rest then
     return nil
   end
@@ -415,7 +476,7 @@ function M.insert_partial(item, part)
     local line = vim.api.nvim_buf_get_lines(bufnr, row - 1, row, false)[1] or ''
     local rest
     rest, cover = at_cursor(line, text, start.row == row - 1 and start.col or col,
-      stop.row == row - 1 and stop.col or nil, col)
+      stop.row == row - 1 and stop.col or nil, col, was_of(item))
     text = rest or text
   end
   local delete
