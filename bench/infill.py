@@ -142,14 +142,17 @@ def main() -> None:
                     help="turn token healing at the cursor off (issue #3 part 9 measures the difference)")
     ap.add_argument("--stop-rule", action="append", default=[], metavar="NAME=0|1",
                     help="set a switch of stops.StopRules for this run (suffix_at_indentation, "
-                         "top_level_paragraphs, definition_paragraphs)")
+                         "top_level_paragraphs, definition_paragraphs), or closer_rules (stops.CLOSER_RULES)")
     ap.add_argument("--out", default=str(RESULTS / "infill"))
     args = ap.parse_args()
     rules = {}
     for item in args.stop_rule:
         name, _, value = item.partition("=")
+        if name == "closer_rules" and value in ("0", "1"):  # a module switch (stops.CLOSER_RULES)
+            rules[name] = stops.CLOSER_RULES = value == "1"
+            continue
         if not isinstance(getattr(stops.StopRules, name, None), bool) or value not in ("0", "1"):
-            ap.error(f"--stop-rule {item!r}: expected one of StopRules' switches and 0 or 1")
+            ap.error(f"--stop-rule {item!r}: expected one of StopRules' switches (or closer_rules) and 0 or 1")
         rules[name] = value == "1"
         setattr(stops.StopRules, name, rules[name])
     engine = Engine(EngineSettings(model=args.model, dtype=args.dtype, inc_bound=100000,

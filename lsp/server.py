@@ -1063,7 +1063,7 @@ class CodecompleteServer(LanguageServer):
         insert = text[start:cursor.offset] + completion
         end = cursor.offset + ans.covers
         rest_of_line = text[cursor.offset:cursor.line_end]
-        if rewrites_rest(completion, rest_of_line):
+        if rewrites_rest(completion, rest_of_line, text[cursor.line_start:cursor.offset]):
             end = cursor.line_end
         return insert, _range(text, start, end, ans.encoding), end
 

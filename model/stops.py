@@ -218,7 +218,8 @@ class StopRules:
 
     def _suffix_on_line(self, text: str) -> StopDecision:
         # The model rewrote what already follows the cursor: stop after it.
-        if rewrites_rest(text, self.shape.line_suffix) and len(text.strip()) > len(self.shape.line_suffix.strip()):
+        if rewrites_rest(text, self.shape.line_suffix, self.shape.line_prefix, after_closers=False) \
+                and len(text.strip()) > len(self.shape.line_suffix.strip()):
             return StopDecision(True, text, "suffix_overlap")
         return StopDecision(False, text)
 
@@ -228,12 +229,16 @@ class StopRules:
         a complete line with code stands before it (a half-written statement, perhaps past the
         block's end, is no suggestion; the next request continues from the whole lines);
         trailing whitespace everywhere except before code on the cursor's line
-        (``_mid_line``); line breaks ``\n`` even in a CRLF file, where the model writes ``\r\n``
-        after CRLF lines: editors hold lines without their breaks and turn an inserted ``\n``
-        into the file's own (VS Code) or insert a ``\r`` as a character (Neovim's inline
-        completion splits at ``\n`` only; Emacs, Vim).  ``reason``: why decoding stopped
+        (``_mid_line``); nothing for a text that is only the code after the cursor on its line
+        again (``f(|)`` -> ``)``: accepting it changes nothing); line breaks ``\n`` even in a
+        CRLF file, where the model writes ``\r\n`` after CRLF lines: editors hold lines without
+        their breaks and turn an inserted ``\n`` into the file's own (VS Code) or insert a ``\r``
+        as a character (Neovim's inline completion splits at ``\n`` only; Emacs, Vim).  ``reason``: why decoding stopped
         (``line_end``: at a line break)."""
-        return self._shaped(text, budget_cut, reason).replace("\r\n", "\n")
+        text = self._shaped(text, budget_cut, reason).replace("\r\n", "\n")
+        if CLOSER_RULES and text.strip() and text.strip() == self.shape.line_suffix.strip():
+            return ""  # only the code after the cursor again (``f(|)`` -> ``)``): nothing to offer
+        return text
 
     def _shaped(self, text: str, budget_cut: bool, reason: str) -> str:
         if not self.shape.multiline and self.shape.line_suffix.strip():
@@ -263,7 +268,7 @@ class StopRules:
         body = text.rstrip() if tail[0].isspace() else text.rstrip("\r\n")
         if not body.strip():
             return ""
-        if rewrites_rest(body, tail):
+        if rewrites_rest(body, tail, self.shape.line_prefix):
             return body.rstrip()
         if broke_line and not self.shape.line_prefix.strip():
             return body.rstrip() + "\n" + self.shape.line_prefix
@@ -359,21 +364,55 @@ def line_loop(line: str, typed: int = 0,
         return start, unit
 
 
-def rewrites_rest(text: str, rest: str) -> bool:
+# rewrites_rest asks the text to close what the code after the cursor closes, takes closers with a statement's
+# end, and a text that is only that code is no completion; False: the rule before (bench A/B)
+CLOSER_RULES = True
+_BRACKET_CLOSERS = re.compile(r"[\)\]\}]+")
+_AFTER_CLOSERS = re.compile(r"\s*(?:[;,:]|\{|=>\s*\{?)")  # what a statement's or a header's closers come with
+
+
+def rewrites_rest(text: str, rest: str, line_prefix: str | None = None, after_closers: bool = True) -> bool:
     """Whether ``text`` ends with ``rest``, the code after the cursor on its line (both stripped):
-    the model wrote that code again, so the text replaces it rather than going before it."""
+    the model wrote that code again, so the text replaces it rather than going before it.  Where
+    that code is closing brackets (an editor's, ``foo(|)``), a text that ends with them and a
+    statement's end or a block's opening (``x);``, ``RuntimeError):``, ``x > 0) {``) rewrote them
+    too.  With ``line_prefix`` (the line before the cursor), only a text that closes there what
+    that code closes: after ``print(`` the text ``len(x)`` ends with the ``)`` after the cursor but
+    leaves ``print(`` open, and goes before it (brackets counted with strings skipped, or, for an
+    apostrophe in a comment, without).  ``after_closers=False``: the text ends with that code
+    itself (decoding stops there: at ``int(a),`` an argument list may go on)."""
     tail = rest.strip()
-    return bool(tail) and text.rstrip().endswith(tail)
+    body = text.rstrip()
+    if not tail:
+        return False
+    if not CLOSER_RULES:
+        return body.endswith(tail)
+    if body.endswith(tail):
+        head = body
+    elif after_closers and _BRACKET_CLOSERS.fullmatch(tail):
+        at = body.rfind(tail)
+        if at < 0 or not _AFTER_CLOSERS.fullmatch(body, at + len(tail)):
+            return False
+        head = body[:at + len(tail)]
+    else:
+        return False
+    if line_prefix is None:
+        return True
+    return any(open_pairs(line_prefix + head, quotes) == open_pairs(line_prefix + tail, quotes)
+               for quotes in (True, False))
 
 
-def open_pairs(typed: str) -> str:
+def open_pairs(typed: str, quotes: bool = True) -> str:
     """The closers of the brackets and quotes ``typed`` leaves open, innermost first
     (``foo(bar("`` -> ``")``): what an editor that closes pairs put after the cursor while it
     was typed.  Inside quotes only the quote (not after a backslash) closes; a closer of what
-    was opened before ``typed`` is passed over."""
+    was opened before ``typed`` is passed over.  ``quotes=False``: brackets alone, quote
+    characters ignored."""
     stack: list[str] = []
     escaped = False
     for ch in typed:
+        if not quotes and ch in _QUOTES:
+            continue
         if stack and stack[-1] in _QUOTES:
             if escaped:
                 escaped = False

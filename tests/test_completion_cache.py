@@ -135,3 +135,22 @@ def test_typing_through_brackets_the_editor_closed_keeps_the_completion():
     # what was put after the cursor is not what the typed text left open: the model runs again
     for typed, after in [("items.map(", "]"), ("items.map(", "x)"), ("items.map(", "))"), ("items", ")")]:
         assert server._typed_through(uri, prefix + typed, after + suffix) is None, (typed, after)
+
+
+def test_an_item_covers_the_closers_after_the_cursor_only_where_the_text_closes_them():
+    """The item's range reaches over the code after the cursor where the completion rewrote it:
+    for ``print(|)`` the text ``len(x))`` (it closes print's ``(``) but not ``len(x)``, which
+    goes before that ``)``; ``RuntimeError):`` rewrites the ``)`` of ``class Exit(|)``."""
+    from codecomplete.daemon.config import Config
+    from codecomplete.lsp.documents import cursor_at
+    from codecomplete.lsp.server import Answer, CodecompleteServer
+
+    server = CodecompleteServer(None, Config())
+    uri = "file:///a.py"
+    for line, completion, covered in [("    print(", "len(x))", True), ("    print(", "len(x)", False),
+                                      ("class Exit(", "RuntimeError):", True)]:
+        text = "import os\n" + line + ")\nx = 1\n"
+        cursor = cursor_at(text, 1, len(line))
+        (item,) = server._items(Answer("c1", uri, text, cursor, made(completion), "utf-16", None))
+        assert item.insert_text == line + completion
+        assert item.range.end.character == len(line) + covered, (line, completion)

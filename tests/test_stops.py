@@ -1,5 +1,8 @@
 """Stop rules, on text alone."""
 
+import pytest
+
+from codecomplete.model import stops
 from codecomplete.model.stops import CompletionShape, StopRules, starts_definition
 
 
@@ -233,7 +236,10 @@ def test_before_code_on_the_cursor_line_the_text_joins_that_code_as_written():
     # an end token ends the middle where the model chose: ``get_|value`` may be meant
     assert rules("x = ", "value\n").finish("get_") == "get_"
     # the model rewrote the rest of the line: unchanged (the item's range covers it)
-    assert rules("print(", "x)\n").finish("x)  ", reason="suffix_overlap") == "x)"
+    assert rules("print(", "x)\n").finish("y + x)  ", reason="suffix_overlap") == "y + x)"
+    # only that code again adds nothing: no completion (``f(|)`` -> ``)``)
+    assert rules("print(", "x)\n").finish("x)  ", reason="suffix_overlap") == ""
+    assert rules("f(g(", "))\n").finish("))", reason="suffix_overlap") == ""
     # only whitespace is nothing
     assert rules("f(", "x)\n").finish("  ", reason="line_end") == ""
 
@@ -385,3 +391,43 @@ def test_the_suffix_line_counts_only_at_its_own_indentation():
         assert d.stop and d.text == "if (in.peek() == NULL) {\n      return null;"
     finally:
         StopRules.suffix_at_indentation = True
+
+
+@pytest.mark.parametrize("text, rest, line_prefix, rewrites", [
+    ("len(x))", ")", "    print(", True),  # the text closes print( too
+    ("len(x)", ")", "    print(", False),  # ends with the ``)`` but leaves print( open: goes before it
+    ("a), b)", "))", "f(g(", False),  # closes g( and f( but not where the code after the cursor does
+    ("a, b);", ")", "foo(", True),  # the closer with a statement's end
+    ("RuntimeError):", ")", "class Exit(", True),  # with a header's colon
+    ("x > 0) {", ")", "  if (", True),  # with a block's opening
+    ("x) => {", ")", "items.map((", True),
+    ("(x) => {", ")", "items.map(", False),  # its ``)`` closes its own ``(``
+    ("x);", "x)", "f(", False),  # a statement's end only after closers alone
+    ("\n    // don't\n    x;\n  }", "}", "  f() {", True),  # an apostrophe in a comment
+    ('"(")', ")", "f(", True),  # a bracket inside a string
+    ("y + x)", "x)", "print(", True),
+    ("", ")", "f(", False),
+    ("x", "", "f(", False),
+])
+def test_a_text_rewrites_the_code_after_the_cursor_where_it_closes_what_that_code_closes(
+        text, rest, line_prefix, rewrites):
+    """Guards ``rewrites_rest``: the item replaces the code after the cursor (an editor's
+    closers) only where the text closes what that code closes; without the line before the
+    cursor, ending with it is enough (as before)."""
+    assert stops.rewrites_rest(text, rest, line_prefix) == rewrites
+    if text.rstrip().endswith(rest.strip()) and rest.strip():
+        assert stops.rewrites_rest(text, rest)
+
+
+def test_a_nested_call_does_not_stop_at_its_own_closer():
+    """``print(|)``: the model writes ``len(x)`` then ``)`` as two tokens; the text ``len(x)``
+    ends with the ``)`` after the cursor but leaves ``print(`` open, so decoding goes on (it
+    stopped there, and the item covered print's ``)``: ``print(len(x)``), and stops once it
+    closes print's too."""
+    r = rules("    print(", ")\n")
+    assert [r.check(t).stop for t in ("len(", "len(x", "len(x)", "len(x))")] == [False, False, False, True]
+    assert r.check("len(x))").reason == "suffix_overlap"
+    # a closer with a comma does not stop decoding: the argument list may go on
+    r = rules("    a, b = int(", ")\n")
+    assert not r.check("a),").stop and r.check("a), int(b)").stop
+    assert r.finish("a),", reason="line_end") == "a),"  # though where it ended, it rewrote the ``)``
