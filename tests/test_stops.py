@@ -240,6 +240,8 @@ def test_before_code_on_the_cursor_line_the_text_joins_that_code_as_written():
     # only that code again adds nothing: no completion (``f(|)`` -> ``)``)
     assert rules("print(", "x)\n").finish("x)  ", reason="suffix_overlap") == ""
     assert rules("f(g(", "))\n").finish("))", reason="suffix_overlap") == ""
+    # the line after the cursor written again at its start: the item would replace it with itself
+    assert rules("def f(x):\n", "    return x\n").finish("    return x", reason="line_end") == ""
     # only whitespace is nothing
     assert rules("f(", "x)\n").finish("  ", reason="line_end") == ""
 
