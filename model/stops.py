@@ -368,19 +368,22 @@ def line_loop(line: str, typed: int = 0,
 # end, and a text that is only that code is no completion; False: the rule before (bench A/B)
 CLOSER_RULES = True
 _BRACKET_CLOSERS = re.compile(r"[\)\]\}]+")
-_AFTER_CLOSERS = re.compile(r"\s*(?:[;,:]|\{|=>\s*\{?)")  # what a statement's or a header's closers come with
+# what a statement's or a header's closers come with: its end, a block's opening after a return type,
+# ``throws`` or ``where`` (``): void {``, ``) -> i32 {``), an arrow, Python's ``-> int:``
+_AFTER_CLOSERS = re.compile(r"\s*(?:[;,:]|=>\s*\{?|[^\n(){};]*\{|->[^\n(){};]*:)")
 
 
 def rewrites_rest(text: str, rest: str, line_prefix: str | None = None, after_closers: bool = True) -> bool:
     """Whether ``text`` ends with ``rest``, the code after the cursor on its line (both stripped):
     the model wrote that code again, so the text replaces it rather than going before it.  Where
     that code is closing brackets (an editor's, ``foo(|)``), a text that ends with them and a
-    statement's end or a block's opening (``x);``, ``RuntimeError):``, ``x > 0) {``) rewrote them
-    too.  With ``line_prefix`` (the line before the cursor), only a text that closes there what
-    that code closes: after ``print(`` the text ``len(x)`` ends with the ``)`` after the cursor but
-    leaves ``print(`` open, and goes before it (brackets counted with strings skipped, or, for an
-    apostrophe in a comment, without).  ``after_closers=False``: the text ends with that code
-    itself (decoding stops there: at ``int(a),`` an argument list may go on)."""
+    statement's end or a block's opening (``x);``, ``RuntimeError):``, ``x > 0) {``,
+    ``x: string): void {``, ``self) -> int:``) rewrote them too.  With ``line_prefix`` (the line
+    before the cursor), only a text that closes there what that code closes: after ``print(`` the
+    text ``len(x)`` ends with the ``)`` after the cursor but leaves ``print(`` open, and goes before
+    it (brackets counted with strings skipped, or, for an apostrophe in a comment, without).
+    ``after_closers=False``: the text ends with that code itself (decoding stops there: at
+    ``int(a),`` an argument list may go on)."""
     tail = rest.strip()
     body = text.rstrip()
     if not tail:

@@ -403,6 +403,11 @@ def test_the_suffix_line_counts_only_at_its_own_indentation():
     ("RuntimeError):", ")", "class Exit(", True),  # with a header's colon
     ("x > 0) {", ")", "  if (", True),  # with a block's opening
     ("x) => {", ")", "items.map((", True),
+    ("x: string): void {", ")", "  handle(", True),  # a return type, then the block
+    ("x: i32) -> i32 {", ")", "fn double(", True),
+    ("e) throws IOException {", ")", "  void run(", True),
+    ("self) -> list[int]:", ")", "    def sizes(", True),
+    ("x) + g(y) {", ")", "f(", True),  # it closes f( itself: before the ``)`` it would leave one too many
     ("(x) => {", ")", "items.map(", False),  # its ``)`` closes its own ``(``
     ("x);", "x)", "f(", False),  # a statement's end only after closers alone
     ("\n    // don't\n    x;\n  }", "}", "  f() {", True),  # an apostrophe in a comment
