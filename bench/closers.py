@@ -43,7 +43,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header, write_results  # noqa: E402
+from common import RESULTS, header, source_files, write_results  # noqa: E402
 from speculation import checkout  # noqa: E402
 
 from codecomplete.model import stops  # noqa: E402
@@ -56,11 +56,12 @@ _CALL = re.compile(r"\w\(")
 _COMMENT = re.compile(r"^\s*(#|//|/\*|\*)")
 
 
-def unbalanced(line: str) -> tuple[int, int]:
-    """Brackets a line leaves open and closers it has too many of (strings skipped)."""
-    depth, extra, quote, escaped = [], 0, None, False
-    pairs = {"(": ")", "[": "]", "{": "}"}
-    for ch in line:
+def code_chars(line: str, start: int = 0):
+    """(index, character) of ``line`` from ``start`` outside strings (quotes and what they hold
+    skipped, a backslash escaping inside them)."""
+    quote, escaped = None, False
+    for i in range(start, len(line)):
+        ch = line[i]
         if quote:
             if escaped:
                 escaped = False
@@ -68,10 +69,18 @@ def unbalanced(line: str) -> tuple[int, int]:
                 escaped = True
             elif ch == quote:
                 quote = None
-            continue
-        if ch in "\"'`":
+        elif ch in "\"'`":
             quote = ch
-        elif ch in pairs:
+        else:
+            yield i, ch
+
+
+def unbalanced(line: str) -> tuple[int, int]:
+    """Brackets a line leaves open and closers it has too many of (strings skipped)."""
+    depth, extra = [], 0
+    pairs = {"(": ")", "[": "]", "{": "}"}
+    for _, ch in code_chars(line):
+        if ch in pairs:
             depth.append(pairs[ch])
         elif ch in ")]}":
             if depth and depth[-1] == ch:
@@ -83,21 +92,9 @@ def unbalanced(line: str) -> tuple[int, int]:
 
 def closing_end(line: str, start: int, closers: str) -> int | None:
     """Where (after ``start``) the brackets behind ``closers`` are all closed in ``line``."""
-    need = len(closers)
-    depth, quote, escaped = 0, None, False
-    for i in range(start, len(line)):
-        ch = line[i]
-        if quote:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == quote:
-                quote = None
-            continue
-        if ch in "\"'`":
-            quote = ch
-        elif ch in "([{":
+    need, depth = len(closers), 0
+    for i, ch in code_chars(line, start):
+        if ch in "([{":
             depth += 1
         elif ch in ")]}":
             if depth:
@@ -114,15 +111,10 @@ def cursors(git_dirs: list[Path], per_repo: int, exts: tuple[str, ...], seed: in
     for git_dir in git_dirs:
         name, root = checkout(git_dir)
         found = []
-        for path in sorted(p for ext in exts for p in root.rglob(f"*.{ext}")):
-            if "test" in path.relative_to(root).as_posix().lower() or path.name.endswith(".d.ts"):
-                continue
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError):
-                continue
-            if not 200 < len(text) < 200_000:
-                continue
+        def skip(path: Path) -> bool:
+            return "test" in path.relative_to(root).as_posix().lower() or path.name.endswith(".d.ts")
+
+        for path, text in source_files(root, exts, skip):
             lines = text.split("\n")
             for n, line in enumerate(lines):
                 if _COMMENT.match(line) or len(line) > 160:

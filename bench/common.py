@@ -34,6 +34,20 @@ def git_commit() -> str:
     return f"{head} with uncommitted changes to {', '.join(changed)}" if changed else head
 
 
+def source_files(root: Path, exts: tuple[str, ...], skip=None):
+    """(path, text) of the files under ``root`` with these extensions (sorted), 200 B to 200 kB of
+    UTF-8; ``skip(path)``: leave the file out."""
+    for path in sorted(p for ext in exts for p in root.rglob(f"*.{ext}")):
+        if skip is not None and skip(path):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if 200 < len(text) < 200_000:
+            yield path, text
+
+
 def header(title: str) -> str:
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"# {title}\n\n- command: `{command_line()}`\n- machine: {machine()}\n"

@@ -46,7 +46,8 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LINES_ROWS, RESULTS, STOP_REASONS_ROW, arm_table, header, write_results  # noqa: E402
+from common import (LINES_ROWS, RESULTS, STOP_REASONS_ROW, arm_table, header, source_files,  # noqa: E402
+                    write_results)
 from speculation import checkout  # noqa: E402
 
 from codecomplete.daemon.replay import lines_right  # noqa: E402
@@ -99,13 +100,7 @@ def cursors(git_dirs: list[Path], per_repo: int, seed: int = 0, indented: bool =
     for git_dir in git_dirs:
         name, root = checkout(git_dir)
         found = []
-        for path in sorted(p for ext in exts for p in root.rglob(f"*.{ext}")):
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError):
-                continue
-            if not 200 < len(text) < 200_000:
-                continue
+        for path, text in source_files(root, exts):
             lines = text.split("\n")
             for a, b in (definitions if indented else paragraphs)(text):
                 indent = stops.leading_ws(lines[a])
