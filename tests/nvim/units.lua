@@ -30,6 +30,29 @@ t, d = ghost.fit('(v) => v * 2);', ')')
 check('fit replace', t .. '|' .. d, '(v) => v * 2);|1')
 t, d = ghost.fit('x = 1', '')
 check('fit none', t .. '|' .. d, 'x = 1|0')
+-- around: a one-line text that replaces the closer after the cursor and goes on past it is drawn
+-- in two parts, before and after that closer
+local a, b = ghost.around('RuntimeError):', ')')
+check('around header', a .. '|' .. b, 'RuntimeError|:')
+a, b = ghost.around('f(x), g(y)) {', ')')
+check('around last', a .. '|' .. b, 'f(x), g(y)| {')
+check('around none', tostring(ghost.around("'nof\"", ')')), 'nil')
+check('around lines', tostring(ghost.around('x\n});', '})')), 'nil')
+-- draw: `class Exit(|)` with `RuntimeError):` over the `)`: `RuntimeError` at the cursor, `:` after the `)`
+local buf = vim.api.nvim_create_buf(false, true)
+vim.api.nvim_buf_set_lines(buf, 0, -1, false, { 'class Exit()' })
+ghost.draw(buf, 0, 11, 'RuntimeError):', ')', 1)
+local drawn = {}
+for _, m in ipairs(vim.api.nvim_buf_get_extmarks(buf, -1, 0, -1, { details = true })) do
+  drawn[#drawn + 1] = m[3] .. '=' .. m[4].virt_text[1][1]
+end
+check('draw around', table.concat(drawn, ' '), '11=RuntimeError 12=:')
+ghost.draw(buf, 0, 11, "'nof\"", ')', 1) -- does not hold the closer: drawn whole at the cursor
+drawn = {}
+for _, m in ipairs(vim.api.nvim_buf_get_extmarks(buf, -1, 0, -1, { details = true })) do
+  drawn[#drawn + 1] = m[3] .. '=' .. m[4].virt_text[1][1]
+end
+check('draw whole', table.concat(drawn, ' '), "11='nof\"")
 -- open_pairs: the daemon's stops.open_pairs on the cases the test sends (typed, its closers)
 for i, case in ipairs(vim.json.decode(vim.env.CC_PAIRS_CASES or '[]')) do
   check('open_pairs ' .. i .. ' ' .. case[1], ghost.open_pairs(case[1]), case[2])

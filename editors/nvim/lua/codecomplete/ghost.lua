@@ -167,25 +167,38 @@ function M.fit(text, cover)
   return text, #cover
 end
 
-local function show(bufnr, client, item, hint)
-  local win = vim.api.nvim_get_current_win()
-  if vim.api.nvim_win_get_buf(win) ~= bufnr or not vim.api.nvim_get_mode().mode:match('^i') then
-    return
+--- How to draw a one-line `text` that replaces `cover` (the code right after the cursor) and
+--- does not end with it: the part before the last `cover` in it, drawn at the cursor, and the part
+--- after, drawn after that code (`RuntimeError):` over `)`: `RuntimeError` and `:`, so the line
+--- reads as accepting makes it); nil when the text does not hold `cover`.
+function M.around(text, cover)
+  if cover == '' or text:find('\n') then
+    return nil
   end
-  local row, col = unpack(vim.api.nvim_win_get_cursor(win))
-  row = row - 1
-  local text, cover = remainder(bufnr, item, client.offset_encoding, row, col)
-  if not text then
-    return
+  local at, from = nil, 1
+  while true do
+    local i = text:find(cover, from, true)
+    if not i then
+      break
+    end
+    at, from = i, i + 1
   end
-  local delete
-  text, delete = M.fit(text, cover)
-  if text == '' then
-    return
+  if not at then
+    return nil
   end
+  return text:sub(1, at - 1), text:sub(at + #cover)
+end
+
+--- Draw `text` as ghost text at byte `col` of `row` (0-based), where it replaces `cover` (the
+--- code after the cursor; `delete` > 0: the text does not end with it), with an optional `hint`.
+function M.draw(bufnr, row, col, text, cover, delete, hint)
   clear(bufnr)
   local line = vim.api.nvim_buf_get_lines(bufnr, row, row + 1, false)[1] or ''
-  local shape = M.layout(text, line:sub(1, col), line:sub(col + 1))
+  local before, after
+  if delete > 0 then
+    before, after = M.around(text, cover)
+  end
+  local shape = M.layout(before or text, line:sub(1, col), line:sub(col + 1))
   local virt_lines = {}
   for _, l in ipairs(shape.lines) do
     virt_lines[#virt_lines + 1] = { { l, 'Comment' } }
@@ -204,6 +217,29 @@ local function show(bufnr, client, item, hint)
     opts.virt_text_pos = 'inline'
   end
   vim.api.nvim_buf_set_extmark(bufnr, ns, row, col, opts)
+  if after and after ~= '' then
+    vim.api.nvim_buf_set_extmark(bufnr, ns, row, col + #cover,
+      { virt_text = { { after, 'Comment' } }, virt_text_pos = 'inline', hl_mode = 'combine' })
+  end
+end
+
+local function show(bufnr, client, item, hint)
+  local win = vim.api.nvim_get_current_win()
+  if vim.api.nvim_win_get_buf(win) ~= bufnr or not vim.api.nvim_get_mode().mode:match('^i') then
+    return
+  end
+  local row, col = unpack(vim.api.nvim_win_get_cursor(win))
+  row = row - 1
+  local text, cover = remainder(bufnr, item, client.offset_encoding, row, col)
+  if not text then
+    return
+  end
+  local delete
+  text, delete = M.fit(text, cover)
+  if text == '' then
+    return
+  end
+  M.draw(bufnr, row, col, text, cover, delete, hint)
   local s = state[bufnr]
   s.item, s.text, s.row, s.col, s.client_id = item, text, row, col, client.id
   s.cover = delete > 0 and cover or nil
