@@ -22,15 +22,19 @@ cc.setup({
 local helpers = dofile(debug.getinfo(1, 'S').source:sub(2):match('(.*/)') .. 'helpers.lua')
 local poll = helpers.poll
 
-local function ghost_visible()
-  if require('codecomplete.ghost').visible(0) then
-    return true -- the plugin's own drawing (on 0.12 too: alternatives, the first request after attach)
-  end
+local function builtin_visible()
   if not cc.use_builtin() then
     return false
   end
   local ns = vim.api.nvim_get_namespaces()['nvim.lsp.inline_completion']
   return ns ~= nil and #vim.api.nvim_buf_get_extmarks(0, ns, 0, -1, {}) > 0
+end
+
+local function ghost_visible()
+  if require('codecomplete.ghost').visible(0) then
+    return true -- the plugin's own drawing (on 0.12 too: alternatives, the first request after attach)
+  end
+  return builtin_visible()
 end
 
 local result = { builtin = cc.use_builtin() }
@@ -97,14 +101,31 @@ end, function(attached)
           result.cursor_col = vim.api.nvim_win_get_cursor(0)[2]
           return insert_partial(item, part)
         end
-        vim.api.nvim_feedkeys(env.CC_PAIRS, 'm', false)
+        -- the ghost text shown may be the plugin's own (its request when the client attached while
+        -- typing, perhaps answered late): dismiss it, and wait for Neovim's item, the one this is
+        -- about, with none of the plugin's for 300 ms
+        local clean = 0
         return poll(function()
-          return vim.api.nvim_get_current_line() == want
-        end, function()
-          result.paired_line = vim.api.nvim_get_current_line()
-          result.typed_line = result.paired_line
-          accept()
-        end, 5000, 5)
+          if ghost.visible(0) then
+            ghost.dismiss(0)
+            clean = 0
+          end
+          clean = builtin_visible() and clean + 1 or 0
+          return clean >= 15
+        end, function(builtin_item)
+          result.builtin_item = builtin_item
+          if not builtin_item then
+            return finish()
+          end
+          vim.api.nvim_feedkeys(env.CC_PAIRS, 'm', false)
+          poll(function()
+            return vim.api.nvim_get_current_line() == want
+          end, function()
+            result.paired_line = vim.api.nvim_get_current_line()
+            result.typed_line = result.paired_line
+            accept()
+          end, 5000, 5)
+        end, 30000)
       end
       vim.api.nvim_feedkeys(env.CC_PAIRS, 'm', false)
       -- accept once the daemon has answered a request made after the typing (Neovim's own client
