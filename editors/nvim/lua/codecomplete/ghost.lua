@@ -464,6 +464,27 @@ local function insert_at_cursor(text)
   vim.api.nvim_win_set_cursor(0, { new_row, new_col })
 end
 
+--- Insert `take`, all or part of the item's `text`, at the cursor and tell the daemon: its accept
+--- command counts a whole acceptance, a part is reported with its length.  Accepting the whole
+--- first removes `cover` (nil: none), the code after the cursor the item replaces (a bracket the
+--- editor closed), where it still stands there.
+local function accept_at_cursor(bufnr, client, item, text, take, cover)
+  if cover and take == text then
+    local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+    local line = vim.api.nvim_buf_get_lines(0, row - 1, row, false)[1] or ''
+    if line:sub(col + 1, col + #cover) == cover then
+      vim.api.nvim_buf_set_text(0, row - 1, col, row - 1, col + #cover, { '' })
+    end
+  end
+  insert_at_cursor(take)
+  if client and take == text and item.command then
+    call(client, 'request', 'workspace/executeCommand',
+      { command = item.command.command, arguments = item.command.arguments }, function() end, bufnr)
+  elseif client then
+    notify(client, 'textDocument/didPartiallyAcceptCompletion', item, { acceptedLength = #take })
+  end
+end
+
 function M.accept(part)
   local bufnr = vim.api.nvim_get_current_buf()
   local s = state[bufnr]
@@ -475,22 +496,7 @@ function M.accept(part)
   clear(bufnr)
   local take = M.take(text, part)
   vim.schedule(function()
-    if cover and take == text then
-      -- the item replaces the code after the cursor (a bracket the editor closed): remove it first
-      local row, col = unpack(vim.api.nvim_win_get_cursor(0))
-      local line = vim.api.nvim_buf_get_lines(0, row - 1, row, false)[1] or ''
-      if line:sub(col + 1, col + #cover) == cover then
-        vim.api.nvim_buf_set_text(0, row - 1, col, row - 1, col + #cover, { '' })
-      end
-    end
-    insert_at_cursor(take)
-    if client and take == text and item.command then
-      -- The daemon's accept command: it counts the acceptance.
-      call(client, 'request', 'workspace/executeCommand',
-        { command = item.command.command, arguments = item.command.arguments }, function() end, bufnr)
-    elseif client then
-      notify(client, 'textDocument/didPartiallyAcceptCompletion', item, { acceptedLength = #take })
-    end
+    accept_at_cursor(bufnr, client, item, text, take, cover)
   end)
   return true
 end
@@ -517,19 +523,7 @@ function M.insert_partial(item, part)
   end
   local delete
   text, delete = M.fit(text, cover)
-  local take = M.take(text, part)
-  if delete > 0 and take == text then
-    vim.api.nvim_buf_set_text(bufnr, row - 1, col, row - 1, col + delete, { '' })
-  end
-  insert_at_cursor(take)
-  if client and take == text and item.command then
-    -- the daemon's accept command: it counts the acceptance
-    call(client, 'request', 'workspace/executeCommand',
-      { command = item.command.command, arguments = item.command.arguments }, function() end, bufnr)
-  elseif client then
-    notify(client, 'textDocument/didPartiallyAcceptCompletion', { command = item.command },
-      { acceptedLength = #take })
-  end
+  accept_at_cursor(bufnr, client, item, text, M.take(text, part), delete > 0 and cover or nil)
 end
 
 function M.dismiss(bufnr)
