@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 MODES = ("full", "vpdpbusd", "tiles")  # the whole bf16 head; the greedy head's int8 bounds on AVX512-VNNI or AMX
+AVX2_MODES = ("full", "vpmaddwd")  # an AVX2 build: the bounds on vpmaddwd (linear.c)
 
 
 def step_ms(model, prompt: list[int], lengths: list[int], rows: list[int], rounds: int, modes: tuple[str, ...],
@@ -113,10 +114,13 @@ def main() -> None:
     lm = native_model(args.model)
     model = lm.model
     if model.native_stack.qhead is None:
-        sys.exit("the greedy head needs AVX512-VNNI and AVX512-BF16")
+        sys.exit("the greedy head needs AVX2 + FMA or AVX512-VNNI and AVX512-BF16")
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = [int(x) for x in args.rows.split(",")]
-    modes = MODES if model.native_stack.amx and native.amx_greedy_head() else MODES[:2]
+    if native.linear_bf16_path() == 1:
+        modes = AVX2_MODES
+    else:
+        modes = MODES if model.native_stack.amx and native.amx_greedy_head() else MODES[:2]
     long = prompts(lm.tokenizer, 1, max(lengths) + max(rows))
     if not long:
         sys.exit(f"no file of this repository has {max(lengths) + max(rows)} tokens")
@@ -148,7 +152,8 @@ def main() -> None:
              f"{args.rounds} interleaved rounds, medians. `decode_stack` uses the greedy head for at most "
              f"{native.greedy_head_rows(model.native_stack)} logit rows here (`native.greedy_head_rows`); in the "
              "first table it is forced at every size. The greedy head bounds every logit with the int8 copy on "
-             "AVX512-VNNI (vpdpbusd) or, from 4 rows where the tiles are granted, on AMX's int8 tiles (tiles).", "",
+             "AVX512-VNNI (vpdpbusd) or, from 4 rows where the tiles are granted, on AMX's int8 tiles (tiles); "
+             "an AVX2 build (no AVX512-BF16) on vpmaddwd.", "",
              "## One native step (every layer and the head), ms; the step's rows are the next tokens of a file, "
              "after its first L", "",
              "| L | S | " + " | ".join(modes) + " | full / best greedy |", "|---|---|" + "---|" * (len(modes) + 1)]
@@ -165,7 +170,8 @@ def main() -> None:
               f"({min(ratio):.3f}-{max(ratio):.3f}) |", "",
               f"Outputs identical: {identical}/{len(ps)}.", "",
               f"Vocabulary rows computed exactly per step ({len(kept)} steps): median {q(0.5)}, p90 {q(0.9)}, "
-              f"p99 {q(0.99)}, max {kept[-1]} of {model.args.vocab_size} (in groups of four).", ""]
+              f"p99 {q(0.99)}, max {kept[-1]} of {model.args.vocab_size} (in groups of "
+              f"{16 if native.linear_bf16_path() == 1 else 4}: the bf16 kernel's panels or groups).", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
 

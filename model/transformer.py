@@ -516,7 +516,7 @@ class Transformer(nn.Module):
 
     def use_greedy_head(self, rows: int) -> bool:
         """Whether a native step with ``rows`` logit rows whose caller reads only the greedy
-        choices should take the greedy head: it is on (``greedy_head``), built (AVX512-VNNI), and
+        choices should take the greedy head: it is on (``greedy_head``), built (AVX512-VNNI or AVX2), and
         it pays at that many rows (``native.greedy_head_rows``)."""
         stack = self.native_stack
         return self.greedy_head and stack is not None and rows <= native.greedy_head_rows(stack)

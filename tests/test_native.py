@@ -867,13 +867,53 @@ def test_long_bf16_prompt_runs_in_native_pieces(monkeypatch):
 
 
 needs_greedy_head = pytest.mark.skipif(not native.greedy_head_available(),
-                                       reason="the greedy head needs AVX512-VNNI and AVX512-BF16")
+                                       reason="the greedy head needs AVX2 + FMA or AVX512-VNNI and AVX512-BF16")
 
 
-@pytest.fixture(params=["default", "vpdpbusd", "tiles"])
-def greedy_bounds(request):
-    """The greedy head's int8 bounds as this machine computes them, and each way on its own where
-    both exist (AVX512-VNNI, or AMX's int8 tiles from 4 rows; linear.c)."""
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory):
+    """A build of the kernels for AVX2 + FMA (``-march=haswell``: the panel layout, the greedy head
+    on vpmaddwd), compiled once for the module: on a CPU with AVX512-BF16 that code is otherwise
+    never run here.  Skips where it cannot run or is this machine's build already."""
+    import platform
+    import shutil
+
+    from codecomplete.model.loader import cpu_flags
+
+    if platform.machine() not in ("x86_64", "AMD64") or not shutil.which("gcc"):
+        pytest.skip("needs gcc on x86-64")
+    if not {"avx2", "fma", "bmi2", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    if native.linear_bf16_path() == 1:
+        pytest.skip("this machine's build is the AVX2 build")
+    flags = ["-march=haswell" if f == "-march=native" else f for f in native._FLAGS]
+    out = tmp_path_factory.mktemp("avx2") / "lib-haswell.so"
+    proc = subprocess.run(["gcc", *flags, *map(str, native._SOURCES), "-o", str(out), "-lm"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+def swap_in(build: Path, monkeypatch) -> None:
+    """Load ``build`` in place of this machine's kernels for the rest of a test (models made after
+    it pack their weights for its layout)."""
+    import ctypes
+
+    monkeypatch.setattr(native, "_lib", native.configure(ctypes.CDLL(str(build))))
+    monkeypatch.setattr(native, "_path", None)
+    monkeypatch.setattr(native, "_amx", None)
+    assert native.linear_bf16_path() == 1 and not native.amx() and native.greedy_head_available()
+
+
+@pytest.fixture(params=["default", "vpdpbusd", "tiles", "avx2"])
+def greedy_bounds(request, monkeypatch):
+    """The greedy head's int8 bounds as this machine computes them, each way on its own where
+    both exist (AVX512-VNNI, or AMX's int8 tiles from 4 rows; linear.c), and the AVX2 build's
+    (vpmaddwd) on a CPU whose own build is another."""
+    if request.param == "avx2":
+        swap_in(request.getfixturevalue("avx2_build"), monkeypatch)
+        yield request.param
+        return
     yield from each_way(request, native.amx_greedy_head, "tiles")
 
 
@@ -893,7 +933,8 @@ def test_greedy_head_keeps_the_argmax_exactly(greedy_bounds, monkeypatch):
         model.head.weight[900] = tied.to(torch.bfloat16)
         model.head.weight[17] = tied.to(torch.bfloat16)  # identical to row 900: a tie the first index must win
     assert model.native_decode(True) and model.native_stack.qhead is not None
-    monkeypatch.setattr(native, "GREEDY_HEAD_ROWS", 16)  # every size through the greedy head, either way
+    for name in ("GREEDY_HEAD_ROWS", "GREEDY_HEAD_ROWS_AVX2"):  # every size through the greedy head, either way
+        monkeypatch.setattr(native, name, 16)
     torch.manual_seed(2)
     checked = ties = 0
     for bsz, s in ((1, 1), (1, 2), (1, 4), (3, 1), (2, 2), (1, 7), (1, 16), (4, 4), (3, 5)):
@@ -945,9 +986,12 @@ def test_greedy_heads_int8_copy_is_the_same_built_in_row_chunks():
 
 
 @needs_greedy_head
-def test_greedy_head_is_off_where_it_would_not_help_or_is_not_wanted():
-    """More logit rows than ``native.greedy_head_rows`` (4, or 16 on AMX's int8 tiles),
-    ``greedy_head`` off, or greedy not asked for: every logit is computed."""
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_greedy_head_is_off_where_it_would_not_help_or_is_not_wanted(build, request, monkeypatch):
+    """More logit rows than ``native.greedy_head_rows`` (4; 16 on AMX's int8 tiles, 2 on an AVX2
+    build), ``greedy_head`` off, or greedy not asked for: every logit is computed."""
+    if build == "avx2":
+        swap_in(request.getfixturevalue("avx2_build"), monkeypatch)
     model = random_bf16_model(5, 0.08, tie=True, unit_norms=True, vocab_size=500, dim=64, n_layers=1, n_heads=2,
                               n_kv_heads=1, head_dim=32, hidden_dim=128)
     assert model.native_decode(True)
@@ -960,7 +1004,8 @@ def test_greedy_head_is_off_where_it_would_not_help_or_is_not_wanted():
     assert not finite(1, True)
     most = native.greedy_head_rows(model.native_stack)
     tiles = native.amx() and native.amx_greedy_head()
-    assert most == (native.GREEDY_HEAD_ROWS_AMX if tiles else native.GREEDY_HEAD_ROWS)
+    assert most == (native.GREEDY_HEAD_ROWS_AMX if tiles else native.GREEDY_HEAD_ROWS_AVX2
+                    if native.linear_bf16_path() == 1 else native.GREEDY_HEAD_ROWS)
     assert not finite(most, True)
     assert finite(most + 1, True) and finite(1, False)
     model.greedy_head = False
@@ -987,8 +1032,10 @@ def test_the_library_links_and_loads_without_avx512_bf16(tmp_path, march):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lib = ctypes.CDLL(str(out))  # an undefined symbol fails here
-    # without AVX512-BF16: the portable loop, or AVX2 + FMA (haswell and skylake-avx512 have both)
-    assert lib.head_greedy_native() == 0 and lib.linear_bf16_path() == (0 if march == "x86-64-v2" else 1)
+    # without AVX512-BF16: the portable loop, or AVX2 + FMA (haswell and skylake-avx512 have both),
+    # whose greedy head bounds the logits with vpmaddwd
+    simd = march != "x86-64-v2"
+    assert lib.head_greedy_native() == simd and lib.linear_bf16_path() == simd
     for name in ("decode_stack", "decode_attention", "argmax_bf16", "silu_mul", "head_greedy_team"):
         assert hasattr(lib, name)
     needs = {"x86-64-v2": {"sse4_2"}, "haswell": {"avx2", "fma", "bmi2", "f16c"},

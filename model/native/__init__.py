@@ -572,7 +572,8 @@ class QHead(ctypes.Structure):
 
 
 def greedy_head_available() -> bool:
-    """Whether ``decode_stack`` can compute the greedy head (AVX512-VNNI and -BF16 compiled in)."""
+    """Whether ``decode_stack`` can compute the greedy head (AVX512-VNNI and -BF16, or AVX2 + FMA,
+    compiled in)."""
     return available() and bool(_lib.head_greedy_native())
 
 
@@ -598,7 +599,9 @@ def greedy_head_rows(stack: "Stack") -> int:
     """Logit rows up to which ``decode_stack(stack, greedy=True)`` takes the greedy head."""
     if stack.qhead is None:
         return 0
-    return GREEDY_HEAD_ROWS_AMX if stack.amx and amx_greedy_head() else GREEDY_HEAD_ROWS
+    if stack.amx and amx_greedy_head():
+        return GREEDY_HEAD_ROWS_AMX
+    return GREEDY_HEAD_ROWS_AVX2 if linear_bf16_path() == 1 else GREEDY_HEAD_ROWS
 
 
 def greedy_head_like(v: int, k: int) -> list[torch.Tensor]:
@@ -687,6 +690,11 @@ GREEDY_HEAD_ROWS = 4
 # the same on AMX's int8 tiles (``amx_greedy_head``), whose products cost little at any row count up to
 # a tile's 16: it wins at every size (bench/results/greedy_head_amx.md)
 GREEDY_HEAD_ROWS_AMX = 16
+# the same on an AVX2 build (no AVX512-BF16), the bounds on vpmaddwd: its sixteen products need an add
+# to accumulate, so they cost what the bf16 kernel's FMAs cost and only the halved bytes count; measured
+# on an AVX2 EPYC, a step 1.11-1.17x faster at 1 row, 0.97-1.11x at 2, even at 3-4, slower at 5-6
+# (bench/results/greedy_head_avx2.md)
+GREEDY_HEAD_ROWS_AVX2 = 2
 STACK_ROWS = 64  # rows (batch x new tokens) up to which a step runs as one decode_stack call
 # a long causal prompt of one sequence runs as decode_stack calls of this many rows (Transformer.forward):
 # measured on SmolLM2-135M, 1280 tokens in pieces of 64 / 128 / 256 / 512 rows: 0.64 / 0.57 / 0.55 / 0.57 s

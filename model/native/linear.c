@@ -338,14 +338,8 @@ static pthread_key_t panel_key;
 static pthread_once_t panel_once = PTHREAD_ONCE_INIT;
 static void panel_key_make(void) { pthread_key_create(&panel_key, free); }
 
-/* linear_team on the panel layout: this thread's share of the panels (contiguous, equal counts),
- * input rows in chunks of up to PANEL_XROWS converted to fp32, then panels in runs that fit the L2
- * (each re-read from it by the chunk's blocks of <= 6 rows, near-equal: 8 rows = 4 + 4). */
-static void panel_team(int M, int N, int K, const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y) {
-    const int np = (N + 15) / 16, T = omp_get_num_threads(), t = omp_get_thread_num();
-    const int p0 = (int)((long)np * t / T), p1 = (int)((long)np * (t + 1) / T);
-    if (p0 >= p1 || M <= 0) return;
-    const size_t need = (size_t)(M < PANEL_XROWS ? M : PANEL_XROWS) * K;
+/* this thread's copy, room for `need` floats (NULL without the memory) */
+static float *panel_xbuf(size_t need) {
     if (need > panel_xcap) {
         free(panel_x);
         panel_x = malloc(need * sizeof(float));
@@ -353,7 +347,17 @@ static void panel_team(int M, int N, int K, const uint16_t *x, const uint16_t *w
         pthread_once(&panel_once, panel_key_make);
         pthread_setspecific(panel_key, panel_x);
     }
-    if (!panel_x) { /* no memory for the copy: the same chains of FMAs, one output at a time */
+    return panel_x;
+}
+
+/* linear_team on the panel layout: this thread's share of the panels (contiguous, equal counts),
+ * input rows in chunks of up to PANEL_XROWS converted to fp32, then panels in runs that fit the L2
+ * (each re-read from it by the chunk's blocks of <= 6 rows, near-equal: 8 rows = 4 + 4). */
+static void panel_team(int M, int N, int K, const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y) {
+    const int np = (N + 15) / 16, T = omp_get_num_threads(), t = omp_get_thread_num();
+    const int p0 = (int)((long)np * t / T), p1 = (int)((long)np * (t + 1) / T);
+    if (p0 >= p1 || M <= 0) return;
+    if (!panel_xbuf((size_t)(M < PANEL_XROWS ? M : PANEL_XROWS) * K)) { /* no memory for the copy: the same chains of FMAs, one output at a time */
         for (int m = 0; m < M; m++)
             for (int n = 16 * p0; n < 16 * p1 && n < N; n++) {
                 const uint16_t *w = wp + (size_t)(n / 16) * K * 16 + (n % 8) * 2 + (n % 16) / 8;
@@ -613,10 +617,11 @@ int linear_bf16_path(void) {
  * the input's int8 broadcast (an embedded-broadcast operand) accumulates sixteen rows' sums per
  * instruction, with no horizontal reduction; the +128 comes off as 128 x the sum of a (or b).
  * Needs AVX512-VNNI and AVX512-BF16 (head_greedy_native()). */
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-#include <omp.h>
-
-static void quant_row(const uint16_t *x, int K, int Kp, QRow *r) {
+#if (defined(__AVX512BF16__) && defined(__AVX512VNNI__)) || defined(LINEAR_PANELS)
+/* input row x [K]'s 16-bit copy (K padded to Kp with zeros): int8 halves a and b ([Kp] each at r->a,
+ * r->b), or with `wide` the int16 c = 256 a + b ([Kp] at r->a, 2 Kp bytes; the AVX2 bounds); and
+ * 128 x the sums of a and b, t, |x|, |e|, whether it is finite */
+static void quant_row(const uint16_t *x, int K, int Kp, QRow *r, int wide) {
     float mx = 0.0f;
     int ok = 1;
     for (int i = 0; i < K; i++) {
@@ -638,8 +643,12 @@ static void quant_row(const uint16_t *x, int K, int Kp, QRow *r) {
         double e = (double)v - (double)t * ((double)a + (double)b / 256.0);
         xs += (double)v * v;
         es += e * e;
-        r->a[i] = (int8_t)a;
-        r->b[i] = (int8_t)b;
+        if (wide) {
+            ((int16_t *)r->a)[i] = (int16_t)(256 * (int)a + (int)b);
+        } else {
+            r->a[i] = (int8_t)a;
+            r->b[i] = (int8_t)b;
+        }
         sa += (int)a;
         sb += (int)b;
     }
@@ -649,6 +658,11 @@ static void quant_row(const uint16_t *x, int K, int Kp, QRow *r) {
     r->xn = (float)(sqrt(xs) * (1.0 + 1e-6));
     r->en = (float)(sqrt(es) * (1.0 + 1e-3) + 1e-30);
 }
+
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#include <omp.h>
 
 /* what the bounds of head rows j0 .. j0 + 16 need of them: scales, the two norms, which are rows */
 typedef struct {
@@ -786,7 +800,7 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
     for (int m = 0; m < M; m++) {
         qr[m].a = bytes + (size_t)m * 2 * Kp;
         qr[m].b = qr[m].a + Kp;
-        quant_row(x + (size_t)m * K, K, Kp, qr + m);
+        quant_row(x + (size_t)m * K, K, Kp, qr + m, 0);
     }
     /* implicit barrier: every row quantised */
 #ifdef QHEAD_AMX
@@ -850,6 +864,174 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
                     for (int i = 0; i < 4 && n0 + i < V; i++) y[(size_t)m * V + n0 + i] = 0xff80; /* -inf */
             }
         }
+    }
+}
+
+int head_greedy_native(void) { return 1; }
+#elif defined(LINEAR_PANELS)
+/* The greedy head on AVX2 + FMA (no VNNI): the same int8 copy, bound and exact rows as above, with
+ * the products on vpmaddwd.  Each input row is one int16 c = 256 a + b a column (quant_row's wide
+ * form: the same 16-bit copy, so the same bound); each 16 bytes of a 64-byte line (four head rows,
+ * four columns, u8 q + 128) are widened to int16 and multiplied by the row's four c broadcast, so
+ * a lane sums two columns of one head row, and the two lanes of a row are added at the end.
+ * vpmaddwd does sixteen multiply-adds where an FMA of the bf16 kernel does eight, on half the
+ * bytes.  A lane's sums stay exact in int32 for 32 lines (2 x 32 x 255 x 32639 < 2^29; a row's two
+ * lanes < 2^30), then move to float64 (exact: integers below 2^53); the rest is the AVX-512 qout in 8 lanes.
+ * Exact logits: the panels (16 head rows) where any input row needs one, by panel_run, the bits
+ * linear_team gives (each output one chain of FMAs whatever the tile). */
+enum { QCHUNK = 32 };
+#ifndef QHEAD_PF
+#define QHEAD_PF 1024 /* bytes ahead */
+#endif
+
+#define QACC_DECL(R) __m256i c##R##0 = z, c##R##1 = z, c##R##2 = z, c##R##3 = z;
+#define QACC_MADD(R, I)                                                                                          \
+    if (MR > R) c##R##I = _mm256_add_epi32(c##R##I, _mm256_madd_epi16(w, _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(x##R + 4 * kq)))));
+#define QACC_LINE(I)                                                                                             \
+    {                                                                                                            \
+        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wl + 16 * (I))));              \
+        QACC_MADD(0, I) QACC_MADD(1, I) QACC_MADD(2, I)                                                           \
+    }
+/* row R's 16 sums (head rows j0 .. j0 + 16 in order: hadd gives 0 1 4 5 2 3 6 7) added to d[R] */
+#define QACC_FLUSH(R)                                                                                            \
+    if (MR > R) {                                                                                                \
+        const __m256i o = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);                                              \
+        const __m256i lo = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(c##R##0, c##R##1), o);                    \
+        const __m256i hi_ = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(c##R##2, c##R##3), o);                   \
+        double *dr = d[R];                                                                                       \
+        _mm256_storeu_pd(dr, _mm256_add_pd(_mm256_loadu_pd(dr), _mm256_cvtepi32_pd(_mm256_castsi256_si128(lo))));  \
+        _mm256_storeu_pd(dr + 4, _mm256_add_pd(_mm256_loadu_pd(dr + 4), _mm256_cvtepi32_pd(_mm256_extracti128_si256(lo, 1)))); \
+        _mm256_storeu_pd(dr + 8, _mm256_add_pd(_mm256_loadu_pd(dr + 8), _mm256_cvtepi32_pd(_mm256_castsi256_si128(hi_)))); \
+        _mm256_storeu_pd(dr + 12, _mm256_add_pd(_mm256_loadu_pd(dr + 12), _mm256_cvtepi32_pd(_mm256_extracti128_si256(hi_, 1)))); \
+        c##R##0 = c##R##1 = c##R##2 = c##R##3 = z;                                                               \
+    }
+
+/* input row r's bounds of head rows j0 .. j0 + 16 from its exact sums d (of c (q + 128)):
+ * hi[j] = approx + err, and the running max of approx - err over the rows that exist */
+static inline void qout2(const double *d, const QRow *r, const QHead *qh, int j0, int V, float *hi, __m256 *lomax) {
+    const __m256 slack = _mm256_set1_ps(1.0f / 128.0f), tiny = _mm256_set1_ps(1e-6f), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const double off = 256.0 * (double)r->sa + (double)r->sb; /* 128 x the sum of c */
+    for (int h = 0; h < 16; h += 8) {
+        const __m256d lo = _mm256_mul_pd(_mm256_sub_pd(_mm256_loadu_pd(d + h), _mm256_set1_pd(off)), _mm256_set1_pd(1.0 / 256.0));
+        const __m256d up = _mm256_mul_pd(_mm256_sub_pd(_mm256_loadu_pd(d + h + 4), _mm256_set1_pd(off)), _mm256_set1_pd(1.0 / 256.0));
+        const __m256 dot = _mm256_set_m128(_mm256_cvtpd_ps(up), _mm256_cvtpd_ps(lo));
+        const __m256 s = _mm256_loadu_ps(qh->scale + j0 + h);
+        const __m256 approx = _mm256_mul_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(r->t)));
+        __m256 err = _mm256_fmadd_ps(_mm256_loadu_ps(qh->dnorm + j0 + h), _mm256_set1_ps(r->xn),
+                                     _mm256_mul_ps(_mm256_mul_ps(s, _mm256_loadu_ps(qh->qnorm + j0 + h)), _mm256_set1_ps(r->en)));
+        err = _mm256_add_ps(err, _mm256_fmadd_ps(slack, _mm256_add_ps(_mm256_andnot_ps(sign, approx), err), tiny));
+        _mm256_storeu_ps(hi + j0 + h, _mm256_add_ps(approx, err));
+        const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(j0 + h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(V), lane));
+        *lomax = _mm256_max_ps(*lomax, _mm256_blendv_ps(ninf, _mm256_sub_ps(approx, err), live));
+    }
+}
+
+/* hi[m][j] and the running max of approx - err of head rows g * 16 .. + 16 for input rows m0 .. m0 + MR
+ * (MR <= 3, a constant at each call site: 12 accumulators, a widened line and a broadcast) */
+static inline __attribute__((always_inline)) void qgroup2(int MR, const QHead *qh, const QRow *qr, int m0, int g,
+                                                          int V, float *hi, int Vp, __m256 *lomax) {
+    const int Kq = qh->Kp / 4;
+    const uint8_t *wg = qh->q + (size_t)g * Kq * 64;
+    const __m256i z = _mm256_setzero_si256();
+    QACC_DECL(0) QACC_DECL(1) QACC_DECL(2)
+    const int16_t *x0 = (const int16_t *)qr[m0].a;
+    const int16_t *x1 = MR > 1 ? (const int16_t *)qr[m0 + 1].a : x0, *x2 = MR > 2 ? (const int16_t *)qr[m0 + 2].a : x0;
+    double d[3][16] = {{0.0}};
+    for (int k0 = 0; k0 < Kq; k0 += QCHUNK) {
+        const int ke = k0 + QCHUNK < Kq ? k0 + QCHUNK : Kq;
+        for (int kq = k0; kq < ke; kq++) {
+            const uint8_t *wl = wg + (size_t)kq * 64;
+            if (QHEAD_PF) _mm_prefetch((const char *)wl + QHEAD_PF, _MM_HINT_T0);
+            QACC_LINE(0) QACC_LINE(1) QACC_LINE(2) QACC_LINE(3)
+        }
+        QACC_FLUSH(0) QACC_FLUSH(1) QACC_FLUSH(2)
+    }
+    for (int r = 0; r < MR; r++) qout2(d[r], qr + m0 + r, qh, g * 16, V, hi + (size_t)(m0 + r) * Vp, lomax + m0 + r);
+}
+#undef QACC_DECL
+#undef QACC_MADD
+#undef QACC_LINE
+#undef QACC_FLUSH
+
+int head_greedy_amx_set(int on) {
+    (void)on;
+    return 0;
+}
+
+/* head_greedy_team (above) on AVX2: wp the head in the panel layout; `amx` is never set here */
+void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp, const QHead *qh, QRow *qr,
+                      int8_t *bytes, float *hi, float *thr, float *T, uint16_t *y, int amx) {
+    (void)amx;
+    const int Kp = qh->Kp, Vp = (V + 15) / 16 * 16, groups = Vp / 16;
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) {
+        qr[m].a = bytes + (size_t)m * 2 * Kp;
+        qr[m].b = NULL;
+        quant_row(x + (size_t)m * K, K, Kp, qr + m, 1);
+    }
+    /* implicit barrier: every row quantised */
+    for (int m0 = 0; m0 < M; m0 += 64) {
+        const int mc = M - m0 < 64 ? M - m0 : 64;
+        __m256 lomax[64];
+        for (int m = 0; m < mc; m++) lomax[m] = _mm256_set1_ps(-INFINITY);
+#pragma omp for schedule(static) nowait
+        for (int g = 0; g < groups; g++) {
+            int m = 0;
+            for (; m + 3 <= mc; m += 3) qgroup2(3, qh, qr + m0, m, g, V, hi + (size_t)m0 * Vp, Vp, lomax);
+            if (mc - m == 2) qgroup2(2, qh, qr + m0, m, g, V, hi + (size_t)m0 * Vp, Vp, lomax);
+            else if (mc - m == 1) qgroup2(1, qh, qr + m0, m, g, V, hi + (size_t)m0 * Vp, Vp, lomax);
+        }
+        for (int m = 0; m < mc; m++) {
+            float t[8], mx = -INFINITY;
+            _mm256_storeu_ps(t, lomax[m]);
+            for (int i = 0; i < 8; i++) mx = t[i] > mx ? t[i] : mx;
+            thr[(size_t)tid * M + m0 + m] = mx;
+        }
+    }
+#pragma omp barrier
+#pragma omp single
+    for (int m = 0; m < M; m++) {
+        float t = -INFINITY;
+        for (int i = 0; i < nt; i++) t = thr[(size_t)i * M + m] > t ? thr[(size_t)i * M + m] : t;
+        T[m] = qr[m].ok && t == t ? t : -INFINITY; /* a non-finite row: every logit computed */
+    }
+    /* implicit barrier */
+    const int xr = M < PANEL_XROWS ? M : PANEL_XROWS;
+    float *xf = panel_xbuf((size_t)xr * K);
+#pragma omp for schedule(static)
+    for (int g = 0; g < groups; g++) {
+        int need = 0;
+        for (int m = 0; m < M && !need; m++) {
+            if (T[m] == -INFINITY) need = 1;
+            for (int j = 0; j < 16 && !need; j++) need = hi[(size_t)m * Vp + g * 16 + j] >= T[m];
+        }
+        if (need && xf) {
+            for (int r0 = 0; r0 < M; r0 += PANEL_XROWS) { /* the fp32 copy of (at most PANEL_XROWS) input rows */
+                const int mc = M - r0 < PANEL_XROWS ? M - r0 : PANEL_XROWS, blocks = (mc + 5) / 6;
+                for (size_t i = 0; i < (size_t)mc * K; i++) xf[i] = bf16_to_f32(x[(size_t)r0 * K + i]);
+                for (int b = 0, m0 = 0; b < blocks; b++) {
+                    const int mr = (mc - m0) / (blocks - b) + ((mc - m0) % (blocks - b) ? 1 : 0);
+                    panel_run(mr, 1, K, xf, wp, NULL, y + (size_t)r0 * V, V, g, m0, NULL, 1);
+                    m0 += mr;
+                }
+            }
+            continue;
+        }
+        if (need) { /* no memory for the copy: the same chains of FMAs, one output at a time */
+            for (int m = 0; m < M; m++)
+                for (int n = 16 * g; n < 16 * g + 16 && n < V; n++) {
+                    const uint16_t *w = wp + (size_t)g * K * 16 + (n % 8) * 2 + (n % 16) / 8;
+                    float s = 0.0f;
+                    for (int k = 0; k < K; k++) s = fmaf(bf16_to_f32(w[(size_t)k * 16]), bf16_to_f32(x[(size_t)m * K + k]), s);
+                    y[(size_t)m * V + n] = f32_to_bf16(s);
+                }
+            continue;
+        }
+        for (int m = 0; m < M; m++)
+            for (int n = 16 * g; n < 16 * g + 16 && n < V; n++) y[(size_t)m * V + n] = 0xff80; /* -inf */
     }
 }
 
