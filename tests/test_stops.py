@@ -407,6 +407,11 @@ def test_the_suffix_line_counts_only_at_its_own_indentation():
     ("x: i32) -> i32 {", ")", "fn double(", True),
     ("e) throws IOException {", ")", "  void run(", True),
     ("self) -> list[int]:", ")", "    def sizes(", True),
+    # return types with brackets of their own between the closer and the block or colon
+    ("x: i32) -> Result<(), E> {", ")", "fn run(", True),
+    ("x: i32) -> Option<(i32, i32)> {", ")", "fn pair(", True),
+    ("self) -> Callable[[], None]:", ")", "    def hook(", True),
+    ("a: number): (x: number) => void {", ")", "function make(", True),
     ("x) + g(y) {", ")", "f(", True),  # it closes f( itself: before the ``)`` it would leave one too many
     ("(x) => {", ")", "items.map(", False),  # its ``)`` closes its own ``(``
     ("x);", "x)", "f(", False),  # a statement's end only after closers alone
