@@ -53,6 +53,23 @@ for _, m in ipairs(vim.api.nvim_buf_get_extmarks(buf, -1, 0, -1, { details = tru
   drawn[#drawn + 1] = m[3] .. '=' .. m[4].virt_text[1][1]
 end
 check('draw whole', table.concat(drawn, ' '), "11='nof\"")
+-- draw above the first line: the window scrolls to show those lines (filler above line 1 is
+-- hidden unless the view's topfill covers it)
+local top = vim.api.nvim_create_buf(false, true)
+vim.api.nvim_win_set_buf(0, top)
+vim.api.nvim_buf_set_lines(top, 0, -1, false, { 'from x import y', 'z = 1' })
+vim.api.nvim_win_set_cursor(0, { 1, 0 })
+ghost.draw(top, 0, 0, 'import os\nimport re\n', '', 0)
+vim.cmd('redraw')
+local screen = {}
+for r = 1, 3 do
+  local chars = {}
+  for c = 1, 15 do
+    chars[#chars + 1] = vim.fn.screenstring(r, c)
+  end
+  screen[#screen + 1] = vim.trim(table.concat(chars))
+end
+check('draw above the first line', table.concat(screen, '|'), 'import os|import re|from x import y')
 -- open_pairs: the daemon's stops.open_pairs on the cases the test sends (typed, its closers)
 for i, case in ipairs(vim.json.decode(vim.env.CC_PAIRS_CASES or '[]')) do
   check('open_pairs ' .. i .. ' ' .. case[1], ghost.open_pairs(case[1]), case[2])

@@ -217,6 +217,16 @@ function M.draw(bufnr, row, col, text, cover, delete, hint)
     opts.virt_text_pos = 'inline'
   end
   vim.api.nvim_buf_set_extmark(bufnr, ns, row, col, opts)
+  if opts.virt_lines_above and row == 0 then
+    -- lines above the first line are filler a window shows only when scrolled to them (topfill)
+    for _, win in ipairs(vim.fn.win_findbuf(bufnr)) do
+      if vim.fn.line('w0', win) == 1 then
+        vim.api.nvim_win_call(win, function()
+          vim.fn.winrestview({ topfill = #virt_lines })
+        end)
+      end
+    end
+  end
   if after and after ~= '' then
     vim.api.nvim_buf_set_extmark(bufnr, ns, row, col + #cover,
       { virt_text = { { after, 'Comment' } }, virt_text_pos = 'inline', hl_mode = 'combine' })
