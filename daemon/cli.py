@@ -300,13 +300,16 @@ def sessions_cmd(argv: list[str]) -> int:
                    help="the editor closes brackets as their opener is typed (VS Code's default, Neovim's autopairs)")
     args = p.parse_args(argv)
 
+    skipped: list[tuple[str, str]] = []
     try:
         made = sessions_from_git(args.repo, args.commits, args.seed, args.max_files,
                                  tuple(args.suffix or [".py"]), skip=max(0, args.skip), typing=args.typing,
-                                 pairs=args.pairs)
+                                 pairs=args.pairs, skipped=skipped)
     except SessionError as exc:
         print(f"codecomplete-daemon sessions: {exc}", file=sys.stderr)
         return 2
+    for sha, why in skipped:
+        print(f"codecomplete-daemon sessions: passed over {sha[:12]}: {why}", file=sys.stderr)
     if not made:
         print("codecomplete-daemon sessions: no commit with a typable change found", file=sys.stderr)
         return 1

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..indexer.files import language_of
 from .sessions import Session, SessionError, apply_change, read_sessions, utf16_offset
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,8 @@ async def drive_user(client, user: int, sessions: list[Session], root: Path, spe
                 st.docs[uri] = e["text"]
                 st.versions[uri] = 1
                 client.text_document_did_open(T.DidOpenTextDocumentParams(T.TextDocumentItem(
-                    uri=uri, language_id=e.get("languageId") or "python", version=1, text=e["text"])))
+                    uri=uri, language_id=e.get("languageId") or language_of(uri.split("?", 1)[0]), version=1,
+                    text=e["text"])))
             elif kind == "change" and uri in st.docs:
                 st.versions[uri] += 1
                 changes = []

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..indexer.files import language_of
 from ..model.stops import PAIRS as EDITOR_PAIRS
 
 FORMAT = "codecomplete-session"
@@ -365,11 +366,14 @@ def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
 def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: int = 3,
                       suffixes: tuple[str, ...] = (".py",), max_file_bytes: int = 200_000,
                       max_added_lines: int = 200, root_uri: str | None = None, skip: int = 0,
-                      typing: str = "open-line", pairs: bool = False) -> list[Session]:
+                      typing: str = "open-line", pairs: bool = False,
+                      skipped: list[tuple[str, str]] | None = None) -> list[Session]:
     """One session per commit: its changed files, typed from the parent's text (``typing``: see
-    ``type_file``).  ``skip``: pass over the newest ``skip`` commits that would make a session
-    (older history, for a set of sessions apart from an earlier one's).  ``pairs``: the editor closes
-    brackets as they are typed (``type_file``)."""
+    ``type_file``), each opened with the language its name implies.  ``skip``: pass over the newest
+    ``skip`` commits that would make a session (older history, for a set of sessions apart from an
+    earlier one's).  ``pairs``: the editor closes brackets as they are typed (``type_file``).  A
+    commit git cannot diff (objects missing from a partial clone) is passed over, and with
+    ``skipped`` its sha and git's message are appended there."""
     if typing not in TYPING:
         raise SessionError(f"typing must be one of {', '.join(TYPING)}, not {typing!r}")
     repo = Path(repo).resolve()
@@ -385,7 +389,12 @@ def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: in
         if len(parents) != 1:
             continue
         parent = parents[0]
-        changed = [ln.split("\t") for ln in git(repo, "diff", "--numstat", parent, sha).splitlines()]
+        try:
+            changed = [ln.split("\t") for ln in git(repo, "diff", "--numstat", parent, sha).splitlines()]
+        except SessionError as exc:
+            if skipped is not None:
+                skipped.append((sha, str(exc)))
+            continue
         files = [(int(a), p) for a, d, p in changed
                  if a.isdigit() and p.endswith(suffixes) and 0 < int(a) <= max_added_lines]
         if not files:
@@ -399,7 +408,8 @@ def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: in
             if old is None or new is None or len(old) > max_file_bytes or len(new) > max_file_bytes:
                 continue
             uri = f"{base_uri}/{path}"
-            session.events.append({"t": round(t), "type": "open", "uri": uri, "languageId": "python", "text": old})
+            session.events.append({"t": round(t), "type": "open", "uri": uri, "languageId": language_of(path),
+                                   "text": old})
             events, t = type_file(uri, old, new, typist, t, typing=typing, pairs=pairs)
             session.events += events
             t += 1000

@@ -132,6 +132,40 @@ def test_sessions_open_a_line_before_typing_new_lines_as_editors_do(tmp_path: Pa
         sessions_from_git(repo, commits=1, typing="dictated")
 
 
+def test_sessions_open_files_in_their_language_and_pass_over_commits_git_cannot_read(history: Path,
+                                                                                     tmp_path: Path):
+    """Each typed file is opened with the language its name implies (a .js file as javascript: the
+    daemon's disabled languages go by it).  A commit whose diff git cannot read (a partial clone's
+    missing objects) is passed over with git's message, the others still make sessions; the
+    command says which it passed over."""
+    (history / "web.js").write_text("function f(x) {\n  return x;\n}\n")
+    git(history, "add", "-A")
+    git(history, "commit", "-qm", "js")
+    (history / "web.js").write_text("function f(x) {\n  const y = x * 2;\n  return y;\n}\n")
+    (history / "util.py").write_text("X = 2\nY = X + 1\nZ = Y * 2\n")
+    git(history, "add", "-A")
+    git(history, "commit", "-qm", "js and py")
+    (last,) = sessions_from_git(history, commits=1, seed=1, suffixes=(".py", ".js"))
+    opened = {e["uri"].rsplit("/", 1)[1]: e["languageId"] for e in last.events if e["type"] == "open"}
+    assert opened == {"web.js": "javascript", "util.py": "python"}
+    # the blob of app.py that only v1 has: its two diffs (v0 -> v1, v1 -> v2) cannot be read
+    blob = git(history, "rev-parse", "HEAD~3:app.py").strip()
+    (history / ".git" / "objects" / blob[:2] / blob[2:]).unlink()
+    skipped: list[tuple[str, str]] = []
+    made = sessions_from_git(history, commits=5, seed=1, suffixes=(".py", ".js"), skipped=skipped)
+    v = {git(history, "log", "-1", "--format=%s", sha).strip(): sha
+         for sha in git(history, "log", "--format=%H").split()}
+    assert [s.header["commit"] for s in made] == [v["js and py"]]  # "js" adds a file: nothing to type in
+    assert [sha for sha, _ in skipped] == [v["v2"], v["v1"]]
+    assert all(blob[:7] in why or "unable to read" in why or "bad object" in why for _, why in skipped), skipped
+    out = tmp_path / "s.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "codecomplete.daemon", "sessions", "from-git", str(history),
+                           "--commits", "5", "--suffix", ".py", "--out", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and out.is_file(), proc.stderr
+    assert proc.stderr.count("passed over") == 2 and v["v2"][:12] in proc.stderr
+
+
 def test_score_counts_a_completion_line_by_line():
     r = RequestResult(0, 0, 0, "file:///a.py", 3, 4, truth_line="x = 1",
                       truth_hunk="x = 1\n    y = 2\n\n    return x + y\n")
