@@ -659,6 +659,29 @@ static void quant_row(const uint16_t *x, int K, int Kp, QRow *r, int wide) {
     r->en = (float)(sqrt(es) * (1.0 + 1e-3) + 1e-30);
 }
 
+
+/* Inside a parallel region: every input row's copy (quant_row; `wide`: the AVX2 form), each in 2 Kp
+ * bytes of `bytes`; ends with the loop's barrier */
+static void quant_rows(int M, int K, int Kp, const uint16_t *x, QRow *qr, int8_t *bytes, int wide) {
+#pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) {
+        qr[m].a = bytes + (size_t)m * 2 * Kp;
+        qr[m].b = wide ? NULL : qr[m].a + Kp;
+        quant_row(x + (size_t)m * K, K, Kp, qr + m, wide);
+    }
+}
+
+/* Inside a parallel region: each row's threshold T[m], the largest lower bound over the nt threads'
+ * maxima thr [nt, M], or -inf (every logit computed) for a row that is not finite; ends with a barrier */
+static void thresholds(int M, int nt, const float *thr, const QRow *qr, float *T) {
+#pragma omp barrier
+#pragma omp single
+    for (int m = 0; m < M; m++) {
+        float t = -INFINITY;
+        for (int i = 0; i < nt; i++) t = thr[(size_t)i * M + m] > t ? thr[(size_t)i * M + m] : t;
+        T[m] = qr[m].ok && t == t ? t : -INFINITY;
+    }
+}
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -796,13 +819,7 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
                       int8_t *bytes, float *hi, float *thr, float *T, uint16_t *y, int amx) {
     const int Kp = qh->Kp, Vp = (V + 15) / 16 * 16, groups = Vp / 16, Kb = (K + 31) / 32;
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-#pragma omp for schedule(static)
-    for (int m = 0; m < M; m++) {
-        qr[m].a = bytes + (size_t)m * 2 * Kp;
-        qr[m].b = qr[m].a + Kp;
-        quant_row(x + (size_t)m * K, K, Kp, qr + m, 0);
-    }
-    /* implicit barrier: every row quantised */
+    quant_rows(M, K, Kp, x, qr, bytes, 0); /* every row quantised */
 #ifdef QHEAD_AMX
     if (amx && qhead_amx && M >= QHEAD_TILE_MIN && M <= 16 && Kp % 64 == 0) {
         const uint8_t tiles[8] = {(uint8_t)M, (uint8_t)M, 16, 16, (uint8_t)M, (uint8_t)M, (uint8_t)M, (uint8_t)M};
@@ -832,14 +849,7 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
         }
         for (int m = 0; m < mc; m++) thr[(size_t)tid * M + m0 + m] = _mm512_reduce_max_ps(lomax[m]);
     }
-#pragma omp barrier
-#pragma omp single
-    for (int m = 0; m < M; m++) {
-        float t = -INFINITY;
-        for (int i = 0; i < nt; i++) t = thr[(size_t)i * M + m] > t ? thr[(size_t)i * M + m] : t;
-        T[m] = qr[m].ok && t == t ? t : -INFINITY; /* a non-finite row: every logit computed */
-    }
-    /* implicit barrier */
+    thresholds(M, nt, thr, qr, T); /* a non-finite row: every logit computed */
 #pragma omp for schedule(static)
     for (int g = 0; g < groups; g++) { /* sixteen rows: four groups of the bf16 kernel */
         __mmask16 need = 0;
@@ -966,13 +976,7 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
     (void)amx;
     const int Kp = qh->Kp, Vp = (V + 15) / 16 * 16, groups = Vp / 16;
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-#pragma omp for schedule(static)
-    for (int m = 0; m < M; m++) {
-        qr[m].a = bytes + (size_t)m * 2 * Kp;
-        qr[m].b = NULL;
-        quant_row(x + (size_t)m * K, K, Kp, qr + m, 1);
-    }
-    /* implicit barrier: every row quantised */
+    quant_rows(M, K, Kp, x, qr, bytes, 1); /* every row quantised */
     for (int m0 = 0; m0 < M; m0 += 64) {
         const int mc = M - m0 < 64 ? M - m0 : 64;
         __m256 lomax[64];
@@ -991,14 +995,7 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
             thr[(size_t)tid * M + m0 + m] = mx;
         }
     }
-#pragma omp barrier
-#pragma omp single
-    for (int m = 0; m < M; m++) {
-        float t = -INFINITY;
-        for (int i = 0; i < nt; i++) t = thr[(size_t)i * M + m] > t ? thr[(size_t)i * M + m] : t;
-        T[m] = qr[m].ok && t == t ? t : -INFINITY; /* a non-finite row: every logit computed */
-    }
-    /* implicit barrier */
+    thresholds(M, nt, thr, qr, T); /* a non-finite row: every logit computed */
     const int xr = M < PANEL_XROWS ? M : PANEL_XROWS;
     float *xf = panel_xbuf((size_t)xr * K);
 #pragma omp for schedule(static)
