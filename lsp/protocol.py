@@ -26,6 +26,26 @@ from pygls.protocol.language_server import lsp_method
 log = logging.getLogger(__name__)
 
 
+def _deserialize_noise(record: logging.LogRecord) -> bool:
+    """pygls logs a message it cannot structure at ERROR with a traceback before raising, and
+    ``RobustProtocol`` then answers it with one warning that says why: the traceback is kept for
+    ``-vv`` (pygls at DEBUG) only."""
+    if str(record.msg).startswith("Unable to deserialize message"):
+        return logging.getLogger("pygls").isEnabledFor(logging.DEBUG)
+    return True
+
+
+logging.getLogger("pygls.protocol.json_rpc").addFilter(_deserialize_noise)
+
+
+def _why(exc: BaseException) -> str:
+    """The first validation error inside ``exc`` (cattrs nests them in exception groups), short."""
+    e = exc.__cause__ or exc
+    while getattr(e, "exceptions", None):  # an exception group (a backport's on Python 3.10)
+        e = e.exceptions[0]
+    return str(e)[:200] or type(e).__name__
+
+
 class _Rejected:
     """Stands in for a message that was answered with an error already."""
 
@@ -66,8 +86,8 @@ class RobustProtocol(LanguageServerProtocol):
             msg_id = data.get("id") if isinstance(data, dict) else None
             if msg_id is not None and "method" in data:
                 err = exc if isinstance(exc, JsonRpcInvalidParams) else JsonRpcInvalidParams()
-                log.warning("invalid params for %s (id %s): answered InvalidParams",
-                            data.get("method"), msg_id)
+                log.warning("invalid params for %s (id %s): answered InvalidParams: %s",
+                            data.get("method"), msg_id, _why(exc))
                 self._send_response(msg_id, None, err.to_response_error())
                 return _Rejected()
             raise

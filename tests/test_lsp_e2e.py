@@ -319,6 +319,29 @@ async def test_a_lone_surrogate_in_a_buffer_is_read_as_a_replacement_character(c
     assert s["counters"]["errors"] == 0, s["counters"]
 
 
+async def test_invalid_params_are_logged_as_one_line_that_says_why(repo, tiny_model, model_cache, tmp_path):
+    """Guards the log of a malformed request: one warning naming the field that is wrong (a
+    negative line), not pygls's ERROR with a traceback (kept for -vv); the request is answered
+    InvalidParams and the daemon serves on."""
+    log_file = tmp_path / "daemon.log"
+    client = await start_daemon(repo, tiny_model, extra_args=("--log-file", str(log_file)))
+    uri = (repo / "ok.py").as_uri()
+    open_doc(client, uri, POINT)
+    bad = {"jsonrpc": "2.0", "id": "neg", "method": "textDocument/inlineCompletion",
+           "params": {"textDocument": {"uri": uri}, "position": {"line": -1, "character": 0},
+                      "context": {"triggerKind": 1}}}
+    with pytest.raises(JsonRpcException) as err:
+        await asyncio.wait_for(send_raw(client, json.dumps(bad).encode(), msg_id="neg"), 30)
+    assert err.value.code == -32602  # InvalidParams
+    assert await complete(client, uri, 3, 13)
+    await client.shutdown_session()
+    await client.stop()
+    text = log_file.read_text()
+    warned = [ln for ln in text.splitlines() if "invalid params for textDocument/inlineCompletion (id neg)" in ln]
+    assert len(warned) == 1 and "Position.line" in warned[0] and "-1" in warned[0], text[-2000:]
+    assert "Unable to deserialize" not in text and "Traceback" not in text, text[-2000:]
+
+
 async def test_a_request_after_shutdown_is_answered_invalid_request(repo, tiny_model, model_cache):
     """Guards the LSP rule: after ``shutdown`` a request errors with InvalidRequest
     (pygls would drop it and the client would wait forever); ``exit`` still ends the
