@@ -168,10 +168,8 @@ def block_cursor(repo: str, path: str, lines: list[str], n: int) -> dict | None:
 def accepted_line(text: str, cur: dict) -> str:
     """The cursor's line (its first line, for a text of several) after accepting ``text``: the item
     replaces the closers where the text rewrote them (lsp.server's range), else goes before them."""
-    if stops.rewrites_rest(text, cur["closers"], cur["before"]):
-        return (cur["before"] + text).split("\n")[0]
-    return (cur["before"] + text + cur["closers"]).split("\n")[0] if "\n" not in text else \
-        (cur["before"] + text).split("\n")[0]
+    covered = "\n" in text or stops.rewrites_rest(text, cur["closers"], cur["before"])  # several lines: the first
+    return (cur["before"] + text + ("" if covered else cur["closers"])).split("\n")[0]
 
 
 def accepted(text: str, cur: dict) -> str:

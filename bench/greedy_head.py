@@ -171,7 +171,8 @@ def main() -> None:
               f"Outputs identical: {identical}/{len(ps)}.", "",
               f"Vocabulary rows computed exactly per step ({len(kept)} steps): median {q(0.5)}, p90 {q(0.9)}, "
               f"p99 {q(0.99)}, max {kept[-1]} of {model.args.vocab_size} (in groups of "
-              f"{16 if native.linear_bf16_path() == 1 else 4}: the bf16 kernel's panels or groups).", ""]
+              f"{16 if native.linear_bf16_path() == 1 or model.native_stack.amx else 4}: the bf16 kernel's "
+              "panels, tiles or groups).", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
 
