@@ -104,6 +104,10 @@ class EngineConfig:
     efim: bool = True  # EFIM prompts while the prefix grows (FIM models)
     inc_bound: int = field(default=256, metadata=_range(0, 4096))  # EFIM inc tokens before a rebase
     head_lines: int = field(default=8, metadata=_range(0, 64))  # lines after <M> in a new session's prompt
+    # While idle, prefill the prefix window's next opening when the window's start (on its
+    # 16-line grid) moves within this many more characters typed: the request or EFIM rebase
+    # after the move then prefills only the lines since, not the whole window.  0: off.
+    ahead_chars: int = field(default=600, metadata=_range(0, 100_000))
     max_batch: int = field(default=16, metadata=_range(1, 256))  # requests decoded together
     # the KV cache's dtype; auto: see docs/decisions.md
     kv_dtype: str = field(default="auto", metadata=_choice("auto", "float32", "bfloat16", "float16"))
@@ -323,6 +327,7 @@ def engine_settings(cfg: Config):
                           native_attention=m.native_attention, max_prefix_tokens=c.max_prefix_tokens,
                           max_suffix_tokens=c.max_suffix_tokens, token_healing=c.token_healing,
                           kv_budget_mb=e.kv_budget_mb, efim=e.efim, inc_bound=e.inc_bound, head_lines=e.head_lines,
+                          ahead_chars=e.ahead_chars,
                           max_batch=e.max_batch, kv_dtype=e.kv_dtype,
                           speculation=SpecSettings(**dataclasses.asdict(sp)),
                           early_exit=ExitSettings(**dataclasses.asdict(cfg.early_exit)))

@@ -132,6 +132,9 @@ class EngineSettings:
     efim: bool = True  # EFIM prompts while the prefix grows (FIM models)
     inc_bound: int = 256  # tokens of EFIM's inc before the session is rebased
     head_lines: int = 8  # a new session's last lines go after <M> (EFIM at once); 0: a PSM head
+    # idle time after a request prefills the prefix window's next opening when its start moves
+    # within this many more characters typed (prompts.ahead_heads); 0: off
+    ahead_chars: int = 600
     max_batch: int = 16  # requests decoded together per iteration
     kv_dtype: str = "auto"  # the KV cache's dtype: auto | float32 | bfloat16 | float16
     speculation: SpecSettings = field(default_factory=SpecSettings)  # retrieval drafts, verified exactly
@@ -145,7 +148,7 @@ def engine_counters() -> dict:
             "iterations": 0, "batched_tokens": 0, "max_batch_seen": 0,
             "spec_steps": 0, "accepted_tokens": 0, "layers_run": 0, "decode_passes": 0,
             "alternatives": 0, "warm_prefills": 0, "warm_tokens": 0, "warm_stopped": 0,
-            "warm_ms": 0.0}
+            "warm_ms": 0.0, "ahead_prefills": 0, "ahead_tokens": 0, "ahead_ms": 0.0}
 
 
 def _native_report(lm, settings: EngineSettings) -> dict | None:

@@ -33,7 +33,7 @@ from .early_exit import Exits, ExitPolicy, ExitsError, exit_forward, load_exits,
 from .kvstore import KVStore, Node
 from .loader import LoadedModel, ModelLoadError, load_model, load_stage, model_identity
 from .native import STACK_ROWS
-from .prompts import PromptPlan, SessionPool, Tokens
+from .prompts import PromptPlan, SessionPool, Tokens, ahead_heads
 from .sampling import greedy_tokens
 from .speculate import Drafter, LiveIndex, Tree, datastore_min_match, pass_rows, verify
 from .stops import CompletionShape, StopRules
@@ -239,6 +239,36 @@ def warm(lm: LoadedModel, ids: list[int], store: KVStore | None, cancel: threadi
     finally:
         store.unlock(match.nodes)
     return n - reused, reused
+
+
+class Arrival:
+    """A cancel flag that is set while a job waits in ``jobs`` (the engine's queue): idle
+    work stops for the next request."""
+
+    def __init__(self, jobs: queue.Queue):
+        self.jobs = jobs
+
+    def is_set(self) -> bool:
+        return not self.jobs.empty()
+
+
+def warm_ahead(lm: LoadedModel, request: CompletionRequest, settings: EngineSettings, store: KVStore | None,
+               cancel) -> tuple[int, int, int]:
+    """The prefix window's next openings (``prompts.ahead_heads``) for ``request``'s document
+    prefilled into ``store``, stopping between pieces once ``cancel`` is set.  The prompts
+    themselves are not changed: a request after the window moves plans what it would plan
+    anyway and finds the opening cached.  Returns (openings, tokens run, tokens cached)."""
+    if store is None or not settings.ahead_chars:
+        return 0, 0, 0
+    heads = ahead_heads(request.prefix, lm.template.template, Tokens(lm.tokenizer), settings.max_prefix_tokens,
+                        request.context, settings.ahead_chars)
+    ran = had = 0
+    for ids in heads:
+        if cancel.is_set():
+            break
+        r, h = warm(lm, ids, store, cancel)
+        ran, had = ran + r, had + h
+    return len(heads), ran, had
 
 
 def advance(lm: LoadedModel, live: Live, vocab: "_Vocab | None") -> bool:
@@ -616,6 +646,7 @@ class Engine:
         self._loaded_exits: tuple[str, Exits] | None = None
         self.exit_error: str | None = None
         self._retriever = None  # RepoIndex.lookup, given by the daemon (set_retriever)
+        self._ahead: CompletionRequest | None = None  # the last request, for idle time's warm-up ahead
         self.governor: ThreadGovernor | None = None  # CPU passes' thread count under contention
         self._default_threads = 0
         self._stats = engine_counters()
@@ -700,6 +731,9 @@ class Engine:
                 except queue.Empty:
                     if live:
                         break
+                    if self._ahead is not None and reload_to is None:
+                        self._run_ahead()
+                        continue  # a job may have come meanwhile
                     self._working.clear()  # idle until the next job
                     job = self._jobs.get()
                     self._working.set()
@@ -779,6 +813,25 @@ class Engine:
         fut.set_result(Completion("", "cancelled" if stopped else "warm", len(plan.ids), reused_tokens=had,
                                   timings={"queue_ms": queued_ms, "prefill_ms": ms}, prompt_kind=plan.kind))
 
+    def _run_ahead(self) -> None:
+        """Idle time after a request: the prefix window's next opening for its document
+        prefilled (``warm_ahead``), until a job arrives (what ran is kept)."""
+        request, self._ahead = self._ahead, None
+        if self.lm is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                heads, ran, had = warm_ahead(self.lm, request, self.settings, self.store, Arrival(self._jobs))
+        except Exception:
+            log.exception("[%s] ahead prefill failed", request.request_id)
+            return
+        if ran:
+            ms = (time.perf_counter() - t0) * 1000
+            self._count(ahead_prefills=1, ahead_tokens=ran, ahead_ms=ms)
+            log.info("[%s] ahead: %d window opening(s), ran %d (%d cached) in %.0f ms%s", request.request_id,
+                     heads, ran, had, ms, ", stopped" if Arrival(self._jobs).is_set() else "")
+
     def _iterate(self, live: list[Live]) -> None:
         """Advance every live request by one token; retire the finished ones."""
         vocab = self._healing_vocab()
@@ -827,6 +880,8 @@ class Engine:
                  lv.request.request_id, " alternative" if fork else "", r.prompt_kind, r.prompt_tokens,
                  r.reused_tokens, r.generated_tokens,
                  r.timings.get("prefill_ms", 0), r.timings.get("decode_ms", 0), r.stop_reason)
+        if not fork and self.settings.ahead_chars and r.stop_reason != "error":
+            self._ahead = lv.request  # idle time next: the document's next window (_run_ahead)
         head = lv.head or lv
         head.open -= 1
         if head.open == 0 and head.future is not None:

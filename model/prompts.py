@@ -103,6 +103,45 @@ def head_cut(prefix: str, start: int, lines: int) -> int:
     return cut
 
 
+def ahead_heads(prefix: str, template, toks: "Tokens", max_prefix_tokens: int, context: str = "",
+                lookahead: int = 0) -> list[list[int]]:
+    """The openings of the prompts the prefix window will have once it moves: one for the
+    window's start now and, where the start moves within ``lookahead`` more characters
+    typed at the cursor, one for the start it moves to.  Each is the prompt up to the
+    cursor's line (``<P>`` + the window's lines before it, as its own segment), so the
+    prompt of a later request or EFIM rebase with that start begins with it, give or take
+    the last token, whatever the user types on the cursor's line and after it.  A window
+    whose tokens may pass ``max_prefix_tokens`` (dense text, whose front ``cap_front``
+    cuts by its length) gives none: its start in tokens is not known ahead.
+
+    Prefilled while the engine is idle (``Engine`` ``ahead_chars``), they turn the move's
+    full prefill (every prompt token shifts) into the prefill of the lines typed since."""
+    budget = max_prefix_tokens * CHARS_PER_TOKEN
+    if lookahead <= 0 or len(prefix) + lookahead <= budget:
+        return []
+    line = prefix.rfind("\n")
+    heads = []
+    for start in dict.fromkeys((window_start(prefix, max_prefix_tokens),
+                                window_start(prefix + " " * lookahead, max_prefix_tokens))):
+        if line <= start:
+            continue
+        text = toks.encode(prefix[start:line])
+        if len(text) * (len(prefix) + lookahead - start) > max_prefix_tokens * (line - start):
+            continue  # at this text's density, the window would pass the cap before the move
+        heads.append(opening(toks, template, context) + text)
+    return heads
+
+
+def opening(toks: "Tokens", template, context: str = "") -> list[int]:
+    """A prompt's ids before its prefix text: BOS where the tokenizer adds one, ``<P>`` and
+    its pad (FIM templates), the repository snippets."""
+    tok = toks.tok
+    bos = [tok.bos_token_id] if getattr(tok, "add_bos_token", False) and tok.bos_token_id is not None else []
+    if template is None:
+        return bos + toks.encode(context)
+    return bos + [toks.special(template.prefix)] + toks.encode(template.prefix_pad) + toks.encode(context)
+
+
 class Tokens:
     """Tokenizing by segments, and token healing of the last one."""
 
@@ -151,14 +190,13 @@ class SessionPool:
         stays valid while the user types.  ``keep=False``: the prompt a request would get
         now, the sessions and counts left as they are (a warm-up's: the request after it
         plans from the same state as without it, so its prompt is the same)."""
-        bos = [toks.tok.bos_token_id] if getattr(toks.tok, "add_bos_token", False) and toks.tok.bos_token_id is not None else []
-        context_ids = toks.encode(context)
+        head = opening(toks, template, context)
         if template is None:
             start = window_start(prefix, max_prefix_tokens)
             ids, healed = toks.heal(cap_front(toks.prefix_ids(prefix[start:]), max_prefix_tokens))
             if keep:
                 self._count("prefix")
-            return PromptPlan(bos + context_ids + ids, healed, "prefix")
+            return PromptPlan(head + ids, healed, "prefix")
         with self._lock:
             session = self.sessions.get(key) if key and efim else None
             if session is not None:
@@ -180,8 +218,7 @@ class SessionPool:
             cut = nl + 1 if nl >= 0 else len(prefix)
         head_prefix = prefix[:cut]
         prefix_ids, healed = toks.heal(cap_front(toks.prefix_ids(head_prefix[start:]), max_prefix_tokens))
-        ids = (bos + [toks.special(template.prefix)] + toks.encode(template.prefix_pad) + context_ids + prefix_ids
-               + [toks.special(template.suffix)]
+        ids = (head + prefix_ids + [toks.special(template.suffix)]
                + toks.encode(suffix_window(suffix, max_suffix_tokens))[:max_suffix_tokens]
                + [toks.special(template.middle)] + toks.encode(template.middle_pad))
         if key and efim:

@@ -11,10 +11,11 @@ import torch
 
 from codecomplete.model.api import CompletionRequest, EngineSettings
 from codecomplete.model.engine import (BRANCH_MIN_P, BRANCH_WINDOW, Engine, _Vocab, advance, generate, plan_prompt,
-                                       release, start, step, warm)
+                                       release, start, step, warm, warm_ahead)
 from codecomplete.model.kvstore import KVStore
 from codecomplete.model.loader import load_model
-from codecomplete.model.prompts import SessionPool, Tokens
+from codecomplete.model import prompts
+from codecomplete.model.prompts import SessionPool, Tokens, ahead_heads, window_start
 
 POINT = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self."
 NO_HEAL = EngineSettings(token_healing=False)
@@ -301,6 +302,98 @@ def test_engine_thread_warms_without_completing(tiny_model):
         assert engine.stats()["warm_prefills"] == 1
     finally:
         engine.close()
+
+
+LONG_BODY = "".join(f"    value_{i} = compute(value_{i - 1}, {i})  # step {i}\n" for i in range(1, 120))
+LONG_SUFFIX = "\n    return value\n"
+
+
+@pytest.fixture
+def dense_window(monkeypatch):
+    """The tiny model's tokenizer makes about 2 characters a token, not the 3 windows are
+    sized for: a character a token keeps its windows under their token cap, as the real
+    models' 3.5-4 do with 3."""
+    monkeypatch.setattr(prompts, "CHARS_PER_TOKEN", 1)
+
+
+def common(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.parametrize("scheme", ["efim", "psm", "prefix"])
+def test_the_window_s_next_opening_is_planned_before_it_moves(lm, dense_window, scheme):
+    """Guards the warm-up ahead of a window move: while a long file is typed on, every prompt
+    whose window start moved (a full prefill without it) begins with an opening that
+    ``ahead_heads`` gave from the text at least a keystroke and at most ``lookahead``
+    characters before, all but its last token; with no lookahead there is none."""
+    vocab, toks = _Vocab(lm.tokenizer), Tokens(lm.tokenizer)
+    template = None if scheme == "prefix" else lm.template.template
+    settings = EngineSettings(max_prefix_tokens=1200, max_suffix_tokens=64)
+    pool = SessionPool(inc_bound=16, head_lines=2)
+    head, typed, lookahead = "def run():\n" + LONG_BODY[:2000], LONG_BODY[2000:4000], 600
+    earlier: list[tuple[int, list[list[int]]]] = []
+    moves, last = 0, None
+    key = "doc" if scheme == "efim" else None
+    for i in range(0, len(typed), 3):  # three characters a request
+        prefix = head + typed[:i + 1]
+        plan = pool.plan(key, prefix, LONG_SUFFIX, template, Tokens(lm.tokenizer, vocab), settings.max_prefix_tokens,
+                         settings.max_suffix_tokens)
+        window = plan.ids.index(lm.tokenizer.convert_tokens_to_ids("<fim_suffix>")) if template else len(plan.ids)
+        if last is not None and common(last, plan.ids) < window // 2:  # the window moved: all of it is new
+            moves += 1
+            best = max((common(h, plan.ids) for at, hs in earlier if i - at <= lookahead for h in hs), default=0)
+            assert best >= window * 0.9, (i, best, window)
+        last = plan.ids
+        earlier.append((i, ahead_heads(prefix, template, toks, settings.max_prefix_tokens, "", lookahead)))
+        assert ahead_heads(prefix, template, toks, settings.max_prefix_tokens, "", 0) == []
+    assert moves >= 2
+
+
+def test_idle_time_prefills_the_next_window_and_changes_no_completion(tiny_model, lm, dense_window):
+    """Guards the engine's warm-up ahead (``ahead_chars``): after a request near a window move
+    the idle engine prefills the next opening; the request after the move reuses it (most of
+    its prompt instead of a few tokens) and completes as it does without the warm-up."""
+    head = "def run():\n" + LONG_BODY[:2000]
+    base = dict(model=str(tiny_model), dtype="float32", max_prefix_tokens=1200, max_suffix_tokens=64)
+    # the first prefix past the window's move, and the same text two lines (about 100 characters) before
+    k = next(k for k in range(2000, len(LONG_BODY)) if window_start(head + LONG_BODY[2000:k], 1200) !=
+             window_start(head, 1200))
+    moved, near = head + LONG_BODY[2000:k], head + LONG_BODY[2000:k - 100]
+    results = {}
+    for chars in (0, 600):
+        engine = Engine(EngineSettings(**base, ahead_chars=chars)).start()
+        try:
+            first = engine.complete(CompletionRequest(near, LONG_SUFFIX, max_tokens=6))
+            assert first.error is None
+            assert wait_until(lambda: not engine.busy(), 60)
+            stats = engine.stats()
+            after = engine.complete(CompletionRequest(moved, LONG_SUFFIX, max_tokens=6))
+            results[chars] = (stats, after)
+        finally:
+            engine.close()
+    (off_stats, off), (on_stats, on) = results[0], results[600]
+    nxt = ahead_heads(near, lm.template.template, Tokens(lm.tokenizer), 1200, "", 600)[-1]
+    assert off_stats["ahead_prefills"] == 0 and on_stats["ahead_prefills"] == 1
+    assert on_stats["ahead_tokens"] >= len(nxt) - 8 > 200  # all but its first tokens (the last prompt's too)
+    assert off.reused_tokens < 10 and on.reused_tokens > 0.8 * (on.prompt_tokens - 64)  # the suffix is new
+    assert on.token_ids == off.token_ids and on.text == off.text and on.prompt_tokens == off.prompt_tokens
+
+
+def test_a_stopped_ahead_warm_up_keeps_what_ran(lm, dense_window):
+    """Guards the ahead warm-up's cooperation: a request arriving stops it between pieces,
+    and what ran is in the store (the next idle time goes on from there)."""
+    settings = EngineSettings(max_prefix_tokens=1200, ahead_chars=600)
+    prefix = "def run():\n" + LONG_BODY[:2900]
+    store = KVStore(64 * 2**20)
+    request = CompletionRequest(prefix, LONG_SUFFIX)
+    with torch.inference_mode():
+        heads = ahead_heads(prefix, lm.template.template, Tokens(lm.tokenizer), 1200, "", 600)
+        assert len(heads) == 2 and heads[0] != heads[1]
+        assert warm_ahead(lm, request, settings, store, TripAfter(1)) == (2, 256, 0)
+        n, ran, had = warm_ahead(lm, request, settings, store, threading.Event())
+    shared = common(*heads)  # the openings' first tokens, run with the first
+    assert shared < 256 and (n, had) == (2, 256 + shared) and ran == sum(map(len, heads)) - 256 - shared
+    assert all(store.match_prefix(h).length == len(h) for h in heads)
 
 
 def test_token_healing_backs_up_one_token_and_regenerates_it(lm):
