@@ -119,17 +119,34 @@ def ahead_heads(prefix: str, template, toks: "Tokens", max_prefix_tokens: int, c
     budget = max_prefix_tokens * CHARS_PER_TOKEN
     if lookahead <= 0 or len(prefix) + lookahead <= budget:
         return []
+    now = window_start(prefix, max_prefix_tokens)
+    to_move, soon = next_start(prefix, max_prefix_tokens, lookahead)
     line = prefix.rfind("\n")
     heads = []
-    for start in dict.fromkeys((window_start(prefix, max_prefix_tokens),
-                                window_start(prefix + " " * lookahead, max_prefix_tokens))):
+    for start in dict.fromkeys((now, soon)):
         if line <= start:
             continue
         text = toks.encode(prefix[start:line])
-        if len(text) * (len(prefix) + lookahead - start) > max_prefix_tokens * (line - start):
-            continue  # at this text's density, the window would pass the cap before the move
+        if len(text) * (len(prefix) + to_move - start) > max_prefix_tokens * (line - start):
+            continue  # at this text's density, the window would pass the cap before it moves
         heads.append(opening(toks, template, context) + text)
     return heads
+
+
+def next_start(prefix: str, max_tokens: int, lookahead: int) -> tuple[int, int]:
+    """(characters typed at the cursor until the window's start moves, the start it moves to),
+    the first move within ``lookahead`` characters; (lookahead, the start now) if none."""
+    now = window_start(prefix, max_tokens)
+    if window_start(prefix + " " * lookahead, max_tokens) == now:
+        return lookahead, now
+    lo, hi = 0, lookahead  # the start is `now` after lo more characters and moved after hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if window_start(prefix + " " * mid, max_tokens) == now:
+            lo = mid
+        else:
+            hi = mid
+    return hi, window_start(prefix + " " * hi, max_tokens)
 
 
 def opening(toks: "Tokens", template, context: str = "") -> list[int]:

@@ -330,7 +330,7 @@ def test_the_window_s_next_opening_is_planned_before_it_moves(lm, dense_window, 
     template = None if scheme == "prefix" else lm.template.template
     settings = EngineSettings(max_prefix_tokens=1200, max_suffix_tokens=64)
     pool = SessionPool(inc_bound=16, head_lines=2)
-    head, typed, lookahead = "def run():\n" + LONG_BODY[:2000], LONG_BODY[2000:4000], 600
+    head, typed, lookahead = "def run():\n" + LONG_BODY[:2000], LONG_BODY[2000:4000], 1000
     earlier: list[tuple[int, list[list[int]]]] = []
     moves, last = 0, None
     key = "doc" if scheme == "efim" else None
@@ -347,6 +347,9 @@ def test_the_window_s_next_opening_is_planned_before_it_moves(lm, dense_window, 
         earlier.append((i, ahead_heads(prefix, template, toks, settings.max_prefix_tokens, "", lookahead)))
         assert ahead_heads(prefix, template, toks, settings.max_prefix_tokens, "", 0) == []
     assert moves >= 2
+    # the openings are of the start now and the next one, none farther: the first window, each one
+    # moved to, and the one coming after the typing ends
+    assert len({tuple(h[:40]) for _, hs in earlier for h in hs}) <= moves + 2
 
 
 def test_idle_time_prefills_the_next_window_and_changes_no_completion(tiny_model, lm, dense_window):
