@@ -145,12 +145,18 @@ async def drive_user(client, user: int, sessions: list[Session], root: Path, spe
     for si, session in enumerate(sessions):
         ordinal = 0
         last_t = 0.0
+        mine: list = []  # this session's request tasks (real time)
         for e in session.events:
             if speed > 0:
                 due = start + (offset + e["t"]) / 1000 / speed
                 delay = due - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+            if max_requests and ordinal >= max_requests and all(t.done() for t in mine):
+                # the quota's requests are answered or dropped by this event's time: nothing
+                # from here is measured (until then, the typing is what makes a request stale)
+                last_t = e["t"]  # the next session starts a second after now, as after a last event
+                break
             last_t = e["t"]
             uri = remap(e["uri"], session.header, root, user)
             kind = e["type"]
@@ -194,6 +200,7 @@ async def drive_user(client, user: int, sessions: list[Session], root: Path, spe
                 task = asyncio.create_task(_request(client, params, res, typed, st, uri, tick))
                 if speed > 0:
                     inflight.append(task)
+                    mine.append(task)
                 else:
                     await task
                     if max_requests and ordinal >= max_requests:
@@ -476,7 +483,8 @@ def replay(argv: list[str]) -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="the daemon's device (default: its own, auto)")
-    p.add_argument("--max-requests", type=int, default=0, help="per session (0: all)")
+    p.add_argument("--max-requests", type=int, default=0,
+                   help="per session (0: all); a session ends once that many are answered or dropped")
     p.add_argument("--max-sessions", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("replay-report"))
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

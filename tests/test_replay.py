@@ -229,6 +229,37 @@ def test_a_compressed_replay_stops_a_session_at_its_request_quota(tmp_path: Path
     assert play(2) == 2 * ["open", "change", "request", "change", "change", "request"]
 
 
+def test_a_real_time_replay_ends_a_session_once_its_quota_is_answered(tmp_path: Path):
+    """Guards --max-requests in real time: the typing after a session's last counted request is
+    sent until that request is answered (it is what makes a request stale), then the session
+    ends and the next one starts, instead of playing on for minutes that measure nothing."""
+    import asyncio
+
+    from codecomplete.daemon.replay import drive_user
+
+    def session(name: str) -> Session:
+        uri = f"file:///r/{name}.py"
+        events = [{"t": 0, "type": "open", "uri": uri, "text": ""}]
+        for t in range(10, 80, 10):
+            kind = "request" if t in (20, 50) else "change"
+            events.append({"t": t, "type": "change", "uri": uri, "changes": [{"range": {
+                "start": {"line": 0, "character": 0}, "end": {"line": 0, "character": 0}}, "text": "x"}]}
+                if kind == "change" else {"t": t, "type": "request", "uri": uri, "line": 0, "character": 1,
+                                          "truth_line": "x"})
+        return Session(make_header(repo="/r"), events)
+
+    def play(max_requests: int) -> list:
+        client = _Recorder()
+        asyncio.run(drive_user(client, 0, [session("a"), session("b")], tmp_path, 1.0, [], max_requests,
+                               lambda: None))
+        return [kind for kind, _ in client.sent]
+
+    whole = ["open", "change", "request", "change", "change", "request", "change", "change"]
+    assert play(0) == 2 * whole
+    assert play(1) == 2 * ["open", "change", "request"]  # answered at once: no typing after it is needed
+    assert play(2) == 2 * whole[:6]
+
+
 def test_edit_similarity():
     assert edit_similarity("abc", "abc") == 1.0 and edit_similarity("", "") == 1.0
     assert edit_similarity("abcd", "abxd") == 0.75 and edit_similarity("a", "") == 0.0
