@@ -204,6 +204,11 @@ def start(lm: LoadedModel, request: CompletionRequest, plan: PromptPlan, store: 
     rest = torch.tensor([ids[live.reused:]], device=lm.device)
     live.logits = lm.model(rest, [cache], greedy=not (live.pending or live.branches))[0]
     live.timings["prefill_ms"] = (time.perf_counter() - t1) * 1000
+    if store is not None and len(ids) - live.reused > 1:
+        # the prompt's KV goes to the store once prefilled, not only when the request ends: the
+        # next keystroke's request, admitted before this one finishes (queued while it prefilled),
+        # reuses it instead of prefilling the same prompt again; release adds the rest
+        store.insert(ids, cache.k[:, :, :len(ids)], cache.v[:, :, :len(ids)])
     live.timings["decode_start"] = time.perf_counter()
     return live
 

@@ -126,9 +126,12 @@ class KVStore:
             return added
 
     def _split(self, child: Node, n: int) -> Node:
-        """Cut ``child``'s edge after ``n`` tokens; return the new upper node."""
+        """Cut ``child``'s edge after ``n`` tokens; return the new upper node.  Whoever locked
+        ``child`` holds its lower part (the same object) and unlocks that: the upper node takes
+        no locks of its own (a copy would never be released), and is not evicted while it
+        has the lower one under it (only leaves are)."""
         upper = Node(child.key[:n], child.k[:, :, :n].clone(), child.v[:, :, :n].clone(), child.parent,
-                     last_access=child.last_access, refs=child.refs)
+                     last_access=child.last_access)
         child.parent.children[child.key[0]] = upper
         child.key = child.key[n:]
         child.k = child.k[:, :, n:].clone()

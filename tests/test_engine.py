@@ -263,6 +263,30 @@ def test_warm_prefill_is_what_the_request_reuses(lm, checks):
     assert fast.token_ids == slow.token_ids and fast.text == slow.text
 
 
+def test_a_prompt_is_in_the_store_once_prefilled(lm):
+    """Guards requests admitted together (the next keystroke's, queued while this one
+    prefilled): a request's prompt KV is in the store as soon as it is prefilled, before the
+    request finishes, so the next request reuses it; both complete as they do without a store."""
+    vocab = _Vocab(lm.tokenizer)
+    settings = EngineSettings(token_healing=True)
+    store = KVStore(64 * 2**20)
+    suffix = "\n\n    def norm(self):\n        pass\n"
+    first = CompletionRequest(POINT * 3, suffix, mode="multi", max_tokens=6, max_lines=200)
+    second = CompletionRequest(POINT * 3 + "x", suffix, mode="multi", max_tokens=6, max_lines=200)
+    with torch.inference_mode():
+        plans = [plan_prompt(lm, r, settings, vocab, None) for r in (first, second)]
+        lives = [start(lm, r, p, store) for r, p in zip((first, second), plans)]  # neither finished
+        shared = common(*(p.ids for p in plans))
+        assert lives[0].reused == 0 and lives[1].reused == shared > 30
+        for live in lives:
+            while advance(lm, live, vocab):
+                step(lm, [live])
+            release(live, store)
+        for live, r, p in zip(lives, (first, second), plans):
+            alone = run_plan(lm, r, p, vocab, None)
+            assert live.result.token_ids == alone.token_ids and live.result.text == alone.text
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_warm_up_leaves_the_next_prompt_as_it_would_be(lm, seed):
     """Guards warm-ups' neutrality: a warm request plans the prompt a request at its cursor

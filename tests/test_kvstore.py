@@ -53,6 +53,24 @@ def test_budget_evicts_least_recently_used_unlocked_leaves():
     store.unlock(held.nodes)
 
 
+def test_a_locked_edge_split_by_an_insert_is_released_whole():
+    """Guards locks across splits: a request holding a matched edge while another sequence is
+    inserted through the middle of it (a request's own prompt, or another's output) leaves no
+    lock behind once it unlocks, so every node can be evicted again."""
+    one_token = 2 * 1 * 3 * 4 * 2
+    store = KVStore(100 * one_token)
+    store.insert([1, 2, 3, 4, 5], *kv([1, 2, 3, 4, 5]))
+    held = store.match_prefix([1, 2, 3, 9])  # ends inside the edge [1..5]
+    store.lock(held.nodes)
+    store.insert([1, 2, 3, 7, 8], *kv([1, 2, 3, 7, 8]))  # splits it after [1, 2, 3]
+    assert store.match_prefix([1, 2, 3, 4, 5]).length == 5 and store.match_prefix([1, 2, 3, 7, 8]).length == 5
+    store.unlock(held.nodes)
+    assert all(n.refs == 0 for n in store._nodes())
+    store.budget = one_token
+    store.insert([6], *kv([6]))  # an insert evicts down to the budget: all of [1..5] and [7, 8] can go
+    assert store.match_prefix([1]).length == 0 and store.snapshot()["bytes"] <= one_token
+
+
 def test_zero_budget_stores_nothing():
     store = KVStore(0)
     assert store.insert([1, 2], *kv([1, 2])) == 0
