@@ -140,8 +140,8 @@ def main() -> None:
         "(latency ms, prompt tokens, reused, status):", ""]
     for name, r in results.items():
         for a, b in zip(r["typing_cold_off"], r["same_requests_on"]):
-            lines.append(f"- {name}: off {a['latency_ms']} ms, {a['prompt_tokens']} / {a['reused_tokens']}, "
-                         f"{a['status']}; on {b['latency_ms']} ms, {b['prompt_tokens']} / {b['reused_tokens']}, "
+            lines.append(f"- {name}: off {a['latency_ms']:.0f} ms, {a['prompt_tokens']} / {a['reused_tokens']}, "
+                         f"{a['status']}; on {b['latency_ms']:.0f} ms, {b['prompt_tokens']} / {b['reused_tokens']}, "
                          f"{b['status']}")
     write_results(args.out, lines, results)
 
