@@ -34,17 +34,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header, run, write_results  # noqa: E402
+from common import RESULTS, header, replay_settings, write_results  # noqa: E402
 
 from codecomplete.daemon.replay import pct  # noqa: E402
 
 WORK = Path(__file__).resolve().parent / ".work" / "ahead"
 DEFAULT_CHARS = 600  # engine.ahead_chars as shipped
 NEAR = 16  # lines from the file's last request: typing on, not a jump
-
-
-def daemon(*args: str) -> None:
-    run([sys.executable, "-m", "codecomplete.daemon", *args])
 
 
 def typing_cold(reqs: list[dict]) -> list[int]:
@@ -94,17 +90,8 @@ def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     results = {}
     for git in args.repos.split(","):
-        name = Path(git).resolve().parent.name if Path(git).name == "repo" else Path(git).name
-        sessions = WORK / f"{name}.sessions.jsonl"
-        daemon("sessions", "from-git", git, "--commits", str(args.commits), "--seed", str(args.seed),
-               "--suffix", args.suffix, "--out", str(sessions))
-        runs = {}
-        for chars in (0, DEFAULT_CHARS):
-            out = WORK / f"{name}-ahead{chars}"
-            daemon("replay", str(sessions), "--scheme", "efim-through", "--model", args.model, "--speed", "1",
-                   "--users", "1", "--max-requests", str(args.max_requests),
-                   "--set", f"engine.ahead_chars={chars}", "--out", str(out))
-            runs[chars] = json.loads((out / "report.json").read_text())
+        name, runs = replay_settings(git, WORK, "engine.ahead_chars", (0, DEFAULT_CHARS), args.commits, args.seed,
+                                     args.model, ("--suffix", args.suffix), ("--max-requests", str(args.max_requests)))
         off, on = (runs[c]["runs"][0]["requests"] for c in (0, DEFAULT_CHARS))
         both = [(a, b) for a, b in zip(off, on) if a["status"] == b["status"] == "answered"]
         moved = typing_cold(off)  # the off run's cold requests while typing, and the same requests on

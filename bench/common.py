@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -140,6 +141,25 @@ def run(cmd: list[str]) -> str:
     if done.returncode != 0:
         raise SystemExit(done.stderr[-3000:])
     return " ".join(cmd)
+
+
+def replay_settings(git: str, work: Path, setting: str, values, commits: int, seed: int, model: str,
+                    sessions_args: tuple[str, ...] = (), replay_args: tuple[str, ...] = ()) -> tuple[str, dict]:
+    """Real-time replays of one repository's ``sessions from-git`` through the daemon as
+    shipped (``efim-through``, one user, ``--speed 1``), once per value of ``setting``
+    (``SECTION.KEY``), in that order.  Returns (the repository's name, {value: report.json})."""
+    name = Path(git).resolve().parent.name if Path(git).name == "repo" else Path(git).name
+    sessions = work / f"{name}.sessions.jsonl"
+    daemon = [sys.executable, "-m", "codecomplete.daemon"]
+    run(daemon + ["sessions", "from-git", git, "--commits", str(commits), "--seed", str(seed), *sessions_args,
+                  "--out", str(sessions)])
+    reports = {}
+    for value in values:
+        out = work / f"{name}-{setting.rsplit('.', 1)[-1]}{value}"
+        run(daemon + ["replay", str(sessions), "--scheme", "efim-through", "--model", model, "--speed", "1",
+                      "--users", "1", *replay_args, "--set", f"{setting}={value}", "--out", str(out)])
+        reports[value] = json.loads((out / "report.json").read_text())
+    return name, reports
 
 
 def build_revision(rev: str, out_dir: Path):

@@ -29,16 +29,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, header, run, write_results  # noqa: E402
+from common import RESULTS, header, replay_settings, write_results  # noqa: E402
 
 from codecomplete.daemon.replay import pct  # noqa: E402
 
 WORK = Path(__file__).resolve().parent / ".work" / "warmups"
 DEFAULT_MS = 50  # completion.warm_ms as shipped
-
-
-def daemon(*args: str) -> None:
-    run([sys.executable, "-m", "codecomplete.daemon", *args])
 
 
 def summary(report: dict) -> dict:
@@ -66,16 +62,8 @@ def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     results = {}
     for git in args.repos.split(","):
-        name = Path(git).resolve().parent.name if Path(git).name == "repo" else Path(git).name
-        sessions = WORK / f"{name}.sessions.jsonl"
-        daemon("sessions", "from-git", git, "--commits", str(args.commits), "--seed", str(args.seed),
-               "--out", str(sessions))
-        runs = {}
-        for ms in (0, DEFAULT_MS):
-            out = WORK / f"{name}-warm{ms}"
-            daemon("replay", str(sessions), "--scheme", "efim-through", "--model", args.model, "--speed", "1",
-                   "--users", "1", "--set", f"completion.warm_ms={ms}", "--out", str(out))
-            runs[ms] = json.loads((out / "report.json").read_text())
+        name, runs = replay_settings(git, WORK, "completion.warm_ms", (0, DEFAULT_MS), args.commits, args.seed,
+                                     args.model)
         off, on = (runs[ms]["runs"][0]["requests"] for ms in (0, DEFAULT_MS))
         both = [(a, b) for a, b in zip(off, on) if a["status"] == b["status"] == "answered"]
         results[name] = {"off": summary(runs[0]), "on": summary(runs[DEFAULT_MS]),
