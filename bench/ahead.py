@@ -35,6 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, header, replay_settings, write_results  # noqa: E402
+from warmups import is_cold  # noqa: E402
+from warmups import summary as replay_summary  # noqa: E402
 
 from codecomplete.daemon.replay import pct  # noqa: E402
 
@@ -52,29 +54,20 @@ def typing_cold(reqs: list[dict]) -> list[int]:
         at = r["line"]
         prev = last.get(r["uri"])
         last[r["uri"]] = at
-        if prev is not None and abs(at - prev) < NEAR and r["prompt_tokens"] and \
-                (r["reused_tokens"] or 0) < r["prompt_tokens"] / 2:
+        if prev is not None and abs(at - prev) < NEAR and is_cold(r):
             out.append(i)
     return out
 
 
 def summary(report: dict) -> dict:
-    s = report["summary"][0]
+    """``warmups.summary`` with the p99s, the cold requests while typing and the ahead counters."""
     reqs = report["runs"][0]["requests"]
     eng = report["runs"][0]["daemon"]["engine"]
     answered = [r["latency_ms"] for r in reqs if r["status"] == "answered"]
     every = [r["latency_ms"] for r in reqs if r["latency_ms"] is not None]
-    cold = sum(1 for r in reqs if r["prompt_tokens"] and (r["reused_tokens"] or 0) < r["prompt_tokens"] / 2)
-    return {"requests": len(reqs), "answered": s["status"]["answered"], "stale": s["status"]["stale"],
-            "superseded": s["status"]["superseded"], "answered_p50": pct(answered, 0.5),
-            "answered_p90": pct(answered, 0.9), "answered_p99": pct(answered, 0.99),
-            "answered_max": round(max(answered), 1) if answered else None,
-            "all_p50": pct(every, 0.5), "all_p90": pct(every, 0.9), "all_p99": pct(every, 0.99),
-            "all_max": round(max(every), 1) if every else None,
-            "reuse": s["reuse_rate"], "cold": cold, "typing_cold": len(typing_cold(reqs)),
-            "ahead_prefills": eng.get("ahead_prefills"), "ahead_tokens": eng.get("ahead_tokens"),
-            "ahead_ms": round(eng.get("ahead_ms") or 0.0), "edit_similarity": s["edit_similarity"],
-            "exact_match": s["exact_match"]}
+    return {**replay_summary(report), "answered_p99": pct(answered, 0.99), "all_p99": pct(every, 0.99),
+            "typing_cold": len(typing_cold(reqs)), "ahead_prefills": eng.get("ahead_prefills"),
+            "ahead_tokens": eng.get("ahead_tokens"), "ahead_ms": round(eng.get("ahead_ms") or 0.0)}
 
 
 def main() -> None:

@@ -37,12 +37,17 @@ WORK = Path(__file__).resolve().parent / ".work" / "warmups"
 DEFAULT_MS = 50  # completion.warm_ms as shipped
 
 
+def is_cold(r: dict) -> bool:
+    """A request that reused less than half of its prompt from the KV store."""
+    return bool(r["prompt_tokens"]) and (r["reused_tokens"] or 0) < r["prompt_tokens"] / 2
+
+
 def summary(report: dict) -> dict:
     s = report["summary"][0]
     reqs = report["runs"][0]["requests"]
     answered = [r["latency_ms"] for r in reqs if r["status"] == "answered"]
     every = [r["latency_ms"] for r in reqs if r["latency_ms"] is not None]
-    cold = sum(1 for r in reqs if r["prompt_tokens"] and (r["reused_tokens"] or 0) < r["prompt_tokens"] / 2)
+    cold = sum(map(is_cold, reqs))
     return {"requests": len(reqs), "answered": s["status"]["answered"], "stale": s["status"]["stale"],
             "superseded": s["status"]["superseded"], "answered_p50": pct(answered, 0.5),
             "answered_p90": pct(answered, 0.9), "answered_max": round(max(answered), 1) if answered else None,

@@ -152,12 +152,11 @@ async def drive_user(client, user: int, sessions: list[Session], root: Path, spe
                 delay = due - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+            last_t = e["t"]  # (also where the next session starts from, a second later)
             if max_requests and ordinal >= max_requests and all(t.done() for t in mine):
                 # the quota's requests are answered or dropped by this event's time: nothing
                 # from here is measured (until then, the typing is what makes a request stale)
-                last_t = e["t"]  # the next session starts a second after now, as after a last event
                 break
-            last_t = e["t"]
             uri = remap(e["uri"], session.header, root, user)
             kind = e["type"]
             if kind == "open":

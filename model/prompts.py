@@ -122,6 +122,7 @@ def ahead_heads(prefix: str, template, toks: "Tokens", max_prefix_tokens: int, c
     now = window_start(prefix, max_prefix_tokens)
     to_move, soon = next_start(prefix, max_prefix_tokens, lookahead)
     line = prefix.rfind("\n")
+    head = opening(toks, template, context)
     heads = []
     for start in dict.fromkeys((now, soon)):
         if line <= start:
@@ -129,7 +130,7 @@ def ahead_heads(prefix: str, template, toks: "Tokens", max_prefix_tokens: int, c
         text = toks.encode(prefix[start:line])
         if len(text) * (len(prefix) + to_move - start) > max_prefix_tokens * (line - start):
             continue  # at this text's density, the window would pass the cap before it moves
-        heads.append(opening(toks, template, context) + text)
+        heads.append(head + text)
     return heads
 
 
