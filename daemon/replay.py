@@ -70,6 +70,10 @@ class RequestResult:
     prompt_tokens: int = 0
     reused_tokens: int = 0
     prompt_kind: str = ""
+    generated_tokens: int = 0
+    queue_ms: float = 0.0  # the engine's share of latency_ms: waiting, prefill, decode
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
     accepted: bool = False
     exact: bool = False
     edit_similarity: float = 0.0
@@ -304,6 +308,8 @@ def _join_recent(results: list[RequestResult], recent: list[dict]) -> None:
         if q:
             rec = q.pop(0)
             r.prompt_tokens, r.reused_tokens, r.prompt_kind = rec["prompt_tokens"], rec["reused_tokens"], rec["prompt_kind"]
+            for k in ("generated_tokens", "queue_ms", "prefill_ms", "decode_ms"):
+                setattr(r, k, rec.get(k, 0))
 
 
 # -- report ----------------------------------------------------------------------------
@@ -329,6 +335,7 @@ def summarize(run: dict) -> dict:
             b[0] += r["reused_tokens"]
             b[1] += r["prompt_tokens"]
     n = len(reqs) or 1
+    slowest = sorted(served, key=lambda r: r["latency_ms"])
     eng = (run.get("daemon") or {}).get("engine") or {}
     gen, passes = eng.get("generated_tokens") or 0, eng.get("decode_passes") or 0
     return {
@@ -356,7 +363,22 @@ def summarize(run: dict) -> dict:
         "decode_ms_per_token": round(eng["decode_ms"] / gen, 2) if gen and eng.get("decode_ms") else None,
         "tokens_per_pass": round(gen / passes, 3) if passes else None,
         "speculation": eng.get("speculation"),
+        # where the served requests' time went, in all and in their slowest tenth (what sets p90)
+        "time_split": time_split(served),
+        "time_split_slowest_tenth": time_split(slowest[-max(1, len(served) // 10):] if served else []),
     }
+
+
+def time_split(reqs: list[dict]) -> dict:
+    """Mean milliseconds a request spent queued in the engine, prefilling, decoding, and
+    elsewhere (the LSP round trip, retrieval, planning), over ``reqs``."""
+    if not reqs:
+        return {}
+    n = len(reqs)
+    parts = {k: sum(r.get(f"{k}_ms", 0.0) for r in reqs) / n for k in ("queue", "prefill", "decode")}
+    parts["other"] = max(0.0, sum(r["latency_ms"] for r in reqs) / n - sum(parts.values()))
+    return {"requests": n, **{k: round(v, 1) for k, v in parts.items()},
+            "generated_tokens": round(sum(r.get("generated_tokens", 0) for r in reqs) / n, 1)}
 
 
 def _dash(value) -> str:
@@ -385,6 +407,15 @@ def write_report(out: Path, runs: list[dict], meta: dict) -> dict:
                      f"{s['lines_right']} / {s['lines_shown']} | {_dash(s['reuse_rate'])} | "
                      f"{_dash(s.get('decode_ms_per_token'))} | {_dash(s.get('tokens_per_pass'))} | "
                      f"{s.get('typed_through', 0)} | {s.get('cached', 0)} |")
+    lines += ["", "Where the time went (mean ms a served request spent queued in the engine / prefilling / "
+              "decoding / elsewhere, and its mean generated tokens): all served requests, then their slowest "
+              "tenth.", "",
+              "| scheme | all: queue / prefill / decode / other, tokens | slowest tenth: queue / prefill / decode / "
+              "other, tokens |", "|---|---|---|"]
+    for s in summaries:
+        cells = [" / ".join(str(t[k]) for k in ("queue", "prefill", "decode", "other")) + f", {t['generated_tokens']}"
+                 if t else "-" for t in (s["time_split"], s["time_split_slowest_tenth"])]
+        lines.append(f"| {s['scheme']} | {cells[0]} | {cells[1]} |")
     lines += ["", "Latency counts requests the daemon answered (with or without items); stale and "
               "superseded requests were dropped because the user typed on. Typed through: answered with "
               "the rest of the last completion, without the model (only where `completion.type_through` is on: "

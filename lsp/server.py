@@ -911,6 +911,10 @@ class CodecompleteServer(LanguageServer):
         self.recent.append({"id": rid, "uri": uri, "line": position.line, "character": position.character,
                             "prompt_tokens": completion.prompt_tokens, "reused_tokens": completion.reused_tokens,
                             "prompt_kind": completion.prompt_kind, "stop_reason": completion.stop_reason,
+                            "generated_tokens": completion.generated_tokens,
+                            # where the engine's time went (0 where nothing ran: cached, typed through)
+                            **{k: round(completion.timings.get(k, 0.0), 2)
+                               for k in ("queue_ms", "prefill_ms", "decode_ms")},
                             "status": status, "latency_ms": round((time.perf_counter() - started) * 1000, 2)})
 
     def _answer(self, rid: str, uri: str, text: str, cursor, position: types.Position, completion: Completion,

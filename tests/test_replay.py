@@ -12,7 +12,7 @@ import pytest
 from lsprotocol import types as T
 from pytest_lsp import make_test_lsp_client
 
-from codecomplete.daemon.replay import RequestResult, edit_similarity, parse_settings, score
+from codecomplete.daemon.replay import RequestResult, edit_similarity, parse_settings, score, time_split
 from codecomplete.daemon.sessions import (Session, SessionError, final_texts, make_header, read_sessions,
                                           rest_of_line_at_requests, sessions_from_git, write_sessions)
 
@@ -260,6 +260,15 @@ def test_a_real_time_replay_ends_a_session_once_its_quota_is_answered(tmp_path: 
     assert play(2) == 2 * whole[:6]
 
 
+def test_time_split_is_the_mean_of_each_part_and_the_rest_of_the_latency():
+    reqs = [{"latency_ms": 100.0, "queue_ms": 10.0, "prefill_ms": 30.0, "decode_ms": 50.0, "generated_tokens": 4},
+            {"latency_ms": 300.0, "queue_ms": 0.0, "prefill_ms": 200.0, "decode_ms": 60.0, "generated_tokens": 6},
+            {"latency_ms": 3.0}]  # answered without the model (typed through): no engine record
+    assert time_split(reqs) == {"requests": 3, "queue": 3.3, "prefill": 76.7, "decode": 36.7, "other": 17.7,
+                                       "generated_tokens": 3.3}
+    assert time_split([]) == {}
+
+
 def test_edit_similarity():
     assert edit_similarity("abc", "abc") == 1.0 and edit_similarity("", "") == 1.0
     assert edit_similarity("abcd", "abxd") == 0.75 and edit_similarity("a", "") == 0.0
@@ -341,7 +350,17 @@ def test_replay_against_the_real_daemon_reports_every_field(history: Path, tiny_
                 "exact", "edit_similarity", "chars_saved", "truth_line", "user", "lines_shown", "lines_right"):
         assert key in req
     assert {r["user"] for r in report["runs"][0]["requests"]} == {0, 1}
-    assert (out / "report.md").read_text().count("| baseline |") == 1
+    # the engine's share of each request's time, from the daemon's own record: a request the model
+    # answered spent time decoding its tokens, and no part of the split is longer than the request
+    ran = [r for run in report["runs"] for r in run["requests"] if r["status"] == "answered" and r["generated_tokens"]]
+    assert ran and all(r["decode_ms"] > 0 and r["prefill_ms"] >= 0 and r["queue_ms"] >= 0 for r in ran)
+    assert all(r["queue_ms"] + r["prefill_ms"] + r["decode_ms"] <= r["latency_ms"] + 1 for r in ran)
+    for s in by.values():
+        split, slow = s["time_split"], s["time_split_slowest_tenth"]
+        assert split["requests"] == s["status"]["answered"] + s["status"]["empty"] >= slow["requests"] >= 1
+        assert split["decode"] > 0 and split["generated_tokens"] > 0
+    assert by["baseline"]["time_split"]["prefill"] > by["efim"]["time_split"]["prefill"]  # no reuse: all prefilled
+    assert (out / "report.md").read_text().count("| baseline |") == 2
     assert (out / "latency_cdf.png").stat().st_size > 1000 and (out / "reuse_per_round.png").exists()
 
 
