@@ -359,7 +359,6 @@ def test_replay_against_the_real_daemon_reports_every_field(history: Path, tiny_
         split, slow = s["time_split"], s["time_split_slowest_tenth"]
         assert split["requests"] == s["status"]["answered"] + s["status"]["empty"] >= slow["requests"] >= 1
         assert split["decode"] > 0 and split["generated_tokens"] > 0
-    assert by["baseline"]["time_split"]["prefill"] > by["efim"]["time_split"]["prefill"]  # no reuse: all prefilled
     assert (out / "report.md").read_text().count("| baseline |") == 2
     assert (out / "latency_cdf.png").stat().st_size > 1000 and (out / "reuse_per_round.png").exists()
 
