@@ -335,7 +335,6 @@ def summarize(run: dict) -> dict:
             b[0] += r["reused_tokens"]
             b[1] += r["prompt_tokens"]
     n = len(reqs) or 1
-    slowest = sorted(served, key=lambda r: r["latency_ms"])
     eng = (run.get("daemon") or {}).get("engine") or {}
     gen, passes = eng.get("generated_tokens") or 0, eng.get("decode_passes") or 0
     return {
@@ -365,7 +364,8 @@ def summarize(run: dict) -> dict:
         "speculation": eng.get("speculation"),
         # where the served requests' time went, in all and in their slowest tenth (what sets p90)
         "time_split": time_split(served),
-        "time_split_slowest_tenth": time_split(slowest[-max(1, len(served) // 10):] if served else []),
+        "time_split_slowest_tenth": time_split(sorted(served, key=lambda r: r["latency_ms"])
+                                               [-max(1, len(served) // 10):]),
     }
 
 

@@ -265,7 +265,7 @@ def test_time_split_is_the_mean_of_each_part_and_the_rest_of_the_latency():
             {"latency_ms": 300.0, "queue_ms": 0.0, "prefill_ms": 200.0, "decode_ms": 60.0, "generated_tokens": 6},
             {"latency_ms": 3.0}]  # answered without the model (typed through): no engine record
     assert time_split(reqs) == {"requests": 3, "queue": 3.3, "prefill": 76.7, "decode": 36.7, "other": 17.7,
-                                       "generated_tokens": 3.3}
+                                "generated_tokens": 3.3}
     assert time_split([]) == {}
 
 
