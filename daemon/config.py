@@ -72,6 +72,9 @@ class CompletionConfig:
     # While the user types the start of the last completion, answer with its rest at once
     # instead of running the model again (the suggestion stays as typed through).
     type_through: bool = True
+    # While the user types what a completion still being made starts with, keep making it (instead
+    # of starting over at each keystroke) and answer the next request at the cursor with its rest.
+    type_along: bool = True
     # Answer a request whose document, cursor text, snippets and settings are exactly an
     # earlier request's with that request's completion, without the model (the user typed a
     # character and deleted it, moved away and back, asked again).  Entries kept; 0: off.

@@ -39,7 +39,7 @@ from .sessions import Session, SessionError, apply_change, read_sessions, utf16_
 log = logging.getLogger(__name__)
 
 # every request reaches the model: the schemes measure the engine
-ENGINE_ONLY = {"typeThrough": False, "cacheEntries": 0}
+ENGINE_ONLY = {"typeThrough": False, "typeAlong": False, "cacheEntries": 0}
 SCHEMES = {
     "baseline": {"engine": {"kvBudgetMb": 0, "efim": False}, "completion": ENGINE_ONLY},
     "fim": {"engine": {"efim": False}, "completion": ENGINE_ONLY},
@@ -351,6 +351,8 @@ def summarize(run: dict) -> dict:
         "lines_right": sum(r.get("lines_right", 0) for r in reqs),
         "typed_through": sum(r.get("prompt_kind") == "typed-through" for r in reqs),
         "cached": sum(r.get("prompt_kind") == "cached" for r in reqs),
+        # answered from a run an earlier request started, which the user typed along (completion.type_along)
+        "followed": sum(r.get("prompt_kind") == "followed" for r in reqs),
         # requests whose prompt opened with repository snippets (completion.context_snippets)
         "with_context": ((run.get("daemon") or {}).get("counters") or {}).get("with_context"),
         "chars_typed_after_requests": sum(len(r["truth_line"]) for r in reqs),
@@ -396,8 +398,8 @@ def write_report(out: Path, runs: list[dict], meta: dict) -> dict:
              f"- command: `{meta['command']}`", f"- machine: {meta.get('machine', '')}\n",
              "| scheme | requests | answered | stale | superseded | empty | latency p50 / p90 / p99 ms | "
              "acceptance | exact match | edit sim. | chars saved | lines right / shown | reuse | decode ms/token | "
-             "tokens/pass | typed through | cached |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tokens/pass | typed through | cached | followed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         st, lat = s["status"], s["latency_ms"]
         lines.append(f"| {s['scheme']} | {s['requests']} | {st['answered']} | {st['stale']} | {st['superseded']} | "
@@ -406,7 +408,7 @@ def write_report(out: Path, runs: list[dict], meta: dict) -> dict:
                      f"{s['chars_saved']} of {s['chars_typed_after_requests']} | "
                      f"{s['lines_right']} / {s['lines_shown']} | {_dash(s['reuse_rate'])} | "
                      f"{_dash(s.get('decode_ms_per_token'))} | {_dash(s.get('tokens_per_pass'))} | "
-                     f"{s.get('typed_through', 0)} | {s.get('cached', 0)} |")
+                     f"{s.get('typed_through', 0)} | {s.get('cached', 0)} | {s.get('followed', 0)} |")
     lines += ["", "Where the time went (mean ms a served request spent queued in the engine / prefilling / "
               "decoding / elsewhere, and its mean generated tokens): all served requests, then their slowest "
               "tenth.", "",
@@ -420,7 +422,9 @@ def write_report(out: Path, runs: list[dict], meta: dict) -> dict:
               "superseded requests were dropped because the user typed on. Typed through: answered with "
               "the rest of the last completion, without the model (only where `completion.type_through` is on: "
               "the efim-through scheme). Cached: answered with the completion an earlier request got for the "
-              "same text (`completion.cache_entries`; also only in efim-through). Lines right / shown: the "
+              "same text (`completion.cache_entries`; also only in efim-through). Followed: answered with the "
+              "rest of a completion still being made for an earlier request when the user typed on along it "
+              "(`completion.type_along`; only in efim-through). Lines right / shown: the "
               "completions' non-blank lines, and those equal (stripped) to what the user typed at that line.", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     (out / "report.md").write_text("\n".join(lines) + "\n")

@@ -60,6 +60,22 @@ COPILOT_SHOWN = "textDocument/didShowCompletion"
 COPILOT_PARTIAL = "textDocument/didPartiallyAcceptCompletion"
 
 
+@dataclass(eq=False)
+class Run:
+    """One engine run for a cursor: its request, the text around the cursor it was made for,
+    and once submitted the engine's answer.  ``doc``: the document's own text before and after
+    the cursor (no notebook cells, no selected menu item) where the user may type along the run
+    (``completion.type_along``), else None."""
+
+    request: CompletionRequest
+    prefix: str
+    suffix: str
+    doc: tuple[str, str] | None = None
+    waiter: asyncio.Future | None = None  # the engine's completion, once submitted
+    key: Any = None  # its completion-cache key and the cache's generation when it started
+    generation: int = 0
+
+
 @dataclass
 class Pending:
     """A completion request in flight for one document."""
@@ -68,6 +84,10 @@ class Pending:
     uri: str
     superseded: bool = False
     stale: bool = False
+    run: Run | None = None
+    # set when the request is to answer nothing while its run goes on (the user typed along it,
+    # or a newer request took it over)
+    released: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -99,6 +119,7 @@ class Counters:
     requests: int = 0
     completions: int = 0  # answered with at least one item
     typed_through: int = 0  # of them, answered from the last completion without the model
+    followed: int = 0  # of them, answered from a run an earlier request started, typed along since
     cached: int = 0  # requests answered from the completion cache (with or without items)
     empty: int = 0
     cancelled: int = 0
@@ -178,6 +199,9 @@ class CodecompleteServer(LanguageServer):
         self.cli_settings = cli_settings or {}
         self.counters = Counters()
         self.pending: dict[str, Pending] = {}
+        # uri -> the run the user typed along after its request went stale: the next request there
+        # takes its completion's rest (completion.type_along)
+        self.following: dict[str, Run] = {}
         self.issued: OrderedDict[str, dict] = OrderedDict()  # completion id -> info
         self._ids = itertools.count(1)
         self._told_unavailable = False
@@ -710,8 +734,21 @@ class CodecompleteServer(LanguageServer):
                 self.shown[uri] = Shown(prefix, suffix, hit)
             self._record(rid, uri, position, hit, "answered", started)
             return self._answer(rid, uri, text, cursor, position, hit, encoding, selected, started)
+        along = cfg.type_along and alternatives == 1 and selected is None
+        run = self._run_to_follow(uri, prefix, suffix) if along else None
+        if run is not None:
+            followed = await self._follow(rid, uri, position, run, prefix, suffix, started)
+            if followed is None:  # dropped or cancelled meanwhile
+                return None
+            if followed is not False:
+                self.counters.followed += 1
+                return self._answer(rid, uri, text, cursor, position, followed[0], encoding, selected, started,
+                                    covers=followed[1])
+            # the run ended before what was typed since: a run of this request's own
         request = self._engine_request(rid, uri, prefix, suffix, context, alternatives=alternatives)
-        pending = Pending(request, uri)
+        run = Run(request, prefix, suffix, (cursor.prefix, cursor.suffix) if along else None,
+                  key=key(alternatives), generation=generation)
+        pending = Pending(request, uri, run=run)
         self._supersede(uri, superseded=True)
         self._stop_warming()
         self._warm_line[uri] = position.line
@@ -721,15 +758,18 @@ class CodecompleteServer(LanguageServer):
                 await asyncio.sleep(cfg.debounce_ms / 1000)
             if request.cancel.is_set():
                 return self._dropped(pending)
-            completion: Completion = await asyncio.wrap_future(self.engine.submit(request))
+            run.waiter = asyncio.wrap_future(self.engine.submit(request))
+            completion = await self._wait(pending)
         except asyncio.CancelledError:
-            request.cancel.set()
-            self.counters.cancelled += 1
-            log.info("[%s] cancelled by the client", rid)
+            self._cancelled(rid, uri, run)
             raise
         finally:
             if self.pending.get(uri) is pending:
                 del self.pending[uri]
+        if completion is None:  # released: the run goes on for the text typed since (or a newer request)
+            self._record(rid, uri, position, Completion("", "handed on"), "stale" if pending.stale else "superseded",
+                         started)
+            return self._dropped(pending)
         self._record(rid, uri, position, completion, "stale" if pending.stale else "superseded" if pending.superseded
                      else "cancelled" if completion.cancelled else "answered", started)
         if pending.superseded or pending.stale or completion.cancelled:
@@ -744,6 +784,121 @@ class CodecompleteServer(LanguageServer):
             # its first completion is greedy decoding's, what a request while typing gets
             self.cache.put(key(1), replace(completion, alternatives=[]), generation)
         return self._answer(rid, uri, text, cursor, position, completion, encoding, selected, started)
+
+    # -- typing along a run in flight ---------------------------------------------------
+    # While a request's run is being decoded, the user may type what its completion starts with
+    # (a multi-line completion takes ~0.6 s on a CPU; keystrokes come every ~0.1 s).  Instead of
+    # dropping the run at each keystroke and starting over, the run goes on as long as what was
+    # typed agrees with what it has written so far (checked at each edit here and after each of
+    # its tokens by the engine, CompletionRequest.typed), and the next request at the cursor
+    # takes its completion's rest, as typing through a shown completion does (Copilot's and
+    # Continue's clients reuse an in-flight completion the same way).
+
+    def _run_to_follow(self, uri: str, prefix: str, suffix: str) -> Run | None:
+        """The document's run that a request for ``prefix``/``suffix`` may take over: the run the
+        user typed along (``following``), or the one in flight for an earlier request, when this
+        request's text is its cursor's grown by text (perhaps none) that agrees with its output
+        so far."""
+        run = self.following.get(uri)
+        if run is None:
+            pending = self.pending.get(uri)
+            run = pending.run if pending is not None else None
+        if run is None or run.doc is None or run.waiter is None or run.request.cancel.is_set():
+            return None
+        grown = text_along(run.prefix, run.suffix, prefix, suffix)
+        if grown is None:
+            return None
+        done = run.waiter.done() and not run.waiter.cancelled() and run.waiter.exception() is None
+        so_far = run.waiter.result().text if done else run.request.progress
+        return run if agrees(so_far, grown[0]) else None
+
+    async def _follow(self, rid: str, uri: str, position: types.Position, run: Run, prefix: str, suffix: str,
+                      started: float) -> tuple[Completion, int] | bool | None:
+        """Take ``run`` over for this request: its completion's rest after the text typed since
+        (the rest and the characters after the cursor it replaces); None when this request was
+        dropped or cancelled meanwhile; False when the run's completion does not reach past
+        what was typed (the request then runs the model itself)."""
+        self.following.pop(uri, None)
+        old = self.pending.get(uri)
+        if old is not None:
+            old.superseded = True
+            old.released.set()  # answers nothing; its run goes on for this request
+        pending = Pending(run.request, uri, run=run)
+        self.pending[uri] = pending
+        self._stop_warming()
+        self._warm_line[uri] = position.line
+        try:
+            completion = await self._wait(pending)
+        except asyncio.CancelledError:
+            self._cancelled(rid, uri, run)
+            raise
+        finally:
+            if self.pending.get(uri) is pending:
+                del self.pending[uri]
+        if completion is None or pending.stale or pending.superseded:
+            self._record(rid, uri, position, Completion("", "handed on"), "stale" if pending.stale else "superseded",
+                         started)
+            return self._dropped(pending)
+        if completion.error or completion.cancelled:
+            return False
+        if run.key is not None:
+            self.cache.put(run.key, completion, run.generation)
+        shown = Shown(run.prefix, run.suffix, completion)
+        rest = rest_along(shown, prefix, suffix)
+        if rest is None:
+            log.debug("[%s] the run of %s ended before the text typed since", rid, run.request.request_id)
+            return False
+        self.shown[uri] = shown
+        rest = (replace(rest[0], prompt_kind="followed"), rest[1])
+        log.info("[%s] followed the run of %s", rid, run.request.request_id)
+        self._record(rid, uri, position, rest[0], "answered", started)
+        return rest
+
+    async def _wait(self, pending: Pending) -> Completion | None:
+        """The completion of the pending request's run; None once the request is released
+        (its run goes on for the text typed since, or for a newer request)."""
+        released = asyncio.ensure_future(pending.released.wait())
+        try:
+            await asyncio.wait({pending.run.waiter, released}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            released.cancel()
+        return None if pending.released.is_set() else pending.run.waiter.result()
+
+    def _cancelled(self, rid: str, uri: str, run: Run) -> None:
+        """The client cancelled a request: its run stops, unless the user typed along it since
+        (the next request is to take it over)."""
+        if self.following.get(uri) is not run:
+            run.request.cancel.set()
+        self.counters.cancelled += 1
+        log.info("[%s] cancelled by the client", rid)
+
+    def typed_along(self, uri: str) -> bool:
+        """After an edit: whether the document's run goes on (the edit typed text that agrees with
+        what the run has written so far, at its cursor).  Its request then answers nothing (its
+        cursor is gone) and the run waits in ``following`` for the next request."""
+        pending = self.pending.get(uri)
+        run = pending.run if pending is not None and pending.run is not None else self.following.get(uri)
+        if run is None or not self.config.completion.type_along or run.doc is None or run.waiter is None \
+                or run.request.cancel.is_set():
+            return False
+        text = self.open_text(uri)
+        typed = typed_between(text, *run.doc) if text is not None else None
+        if typed is None:
+            return False
+        if run.waiter.done():
+            if run.waiter.cancelled() or run.waiter.exception() is not None:
+                return False
+            done = run.waiter.result()
+            if done.cancelled or done.error or not (done.text.startswith(typed) and done.text[len(typed):].strip()):
+                return False
+        elif not agrees(run.request.progress, typed):
+            return False
+        run.request.typed = typed  # the engine stops the run once its output departs from it
+        self.following[uri] = run
+        if pending is not None:
+            pending.stale = True
+            pending.released.set()
+        return True
 
     def _completions_off(self, uri: str) -> str | None:
         """Why completions are off for ``uri`` (a disabled language or path), or None."""
@@ -760,6 +915,19 @@ class CodecompleteServer(LanguageServer):
                                  time_budget_ms=cfg.time_budget_ms, session_key=uri, context=context, **extra)
 
     # -- warm-ups: the prompt at the user's edit prefilled before the request ----------
+    def changed(self, params: types.DidChangeTextDocumentParams) -> None:
+        """A didChange, applied to the workspace's copy already: the document's request in
+        flight goes stale (its run goes on if the user typed along it), the index's view of the
+        buffer follows, a warm-up is scheduled."""
+        uri = params.text_document.uri
+        workspace = self.workspace
+        if isinstance(workspace, LspWorkspace) and not workspace.is_open(uri):
+            return  # ignored (and logged) by the workspace: not a buffer to overlay
+        if not self.typed_along(uri):
+            self._supersede(uri, superseded=False)
+        self.overlay(uri)
+        self.edited(uri, params)
+
     def edited(self, uri: str, params: types.DidChangeTextDocumentParams) -> None:
         """After a didChange: schedule a warm-up at the last change's end (where the user's
         cursor is), found from the change alone (no read of the document per keystroke)."""
@@ -824,7 +992,8 @@ class CodecompleteServer(LanguageServer):
         """The warm-up itself, unless the document changed again or a request is in flight."""
         self._warm_timer = None
         doc = self.workspace.text_documents.get(unquote(uri))
-        if self.pending or doc is None or doc.version != version or self._warm_line.get(uri) == position.line:
+        if self.pending or self.following or doc is None or doc.version != version \
+                or self._warm_line.get(uri) == position.line:
             return  # a request came, or the user typed on: its edit schedules again; or asked there since
         cfg = self.config.completion
         text = self.open_text(uri)
@@ -840,7 +1009,7 @@ class CodecompleteServer(LanguageServer):
         except Exception:  # a courtesy: never a reason to fail an edit
             log.exception("warm-up at %s failed", uri)
             return
-        if self.pending or doc.version != version:
+        if self.pending or self.following or doc.version != version:
             return
         request = self._engine_request(f"w{next(self._ids)}", uri, before + cursor.prefix, cursor.suffix + after,
                                        context, warm=True)
@@ -892,18 +1061,9 @@ class CodecompleteServer(LanguageServer):
         them, so accepting it gives the text the completion would have given.  Returns the
         rest and how many characters after the cursor it replaces; None otherwise."""
         shown = self.shown.get(uri)
-        if shown is None or len(prefix) <= len(shown.prefix) or not prefix.startswith(shown.prefix) \
-                or not suffix.endswith(shown.suffix):
+        if shown is None or len(prefix) <= len(shown.prefix):
             return None
-        typed = prefix[len(shown.prefix):].replace("\r\n", "\n")  # a CRLF buffer; completions break with \n
-        covers = len(suffix) - len(shown.suffix)
-        if covers and not open_pairs(typed).startswith(suffix[:covers]):
-            return None
-        for c in [shown.completion, *shown.completion.alternatives]:
-            if c.text.startswith(typed) and c.text[len(typed):].strip():
-                return Completion(c.text[len(typed):], c.stop_reason, multiline=c.multiline,
-                                  prompt_kind="typed-through"), covers  # no prompt, no tokens: nothing ran
-        return None
+        return rest_along(shown, prefix, suffix)
 
     def _record(self, rid: str, uri: str, position: types.Position, completion: Completion, status: str,
                 started: float) -> None:
@@ -1077,6 +1237,9 @@ class CodecompleteServer(LanguageServer):
                              arguments=[{"completionId": rid, "uri": uri, **(line_after or {})}])
 
     def _supersede(self, uri: str, superseded: bool) -> None:
+        run = self.following.pop(uri, None)
+        if run is not None:
+            run.request.cancel.set()
         old = self.pending.get(uri)
         if old is not None:
             if superseded:
@@ -1151,6 +1314,61 @@ class CodecompleteServer(LanguageServer):
             return
         self.counters.server_errors += 1
         log.error("server error (%s): %s", getattr(source, "__name__", source), error)
+
+
+def text_along(prefix0: str, suffix0: str, prefix: str, suffix: str) -> tuple[str, int] | None:
+    """The text typed at a cursor that had ``prefix0`` before it and ``suffix0`` after it, now
+    that it has ``prefix`` and ``suffix`` (line breaks as ``\\n``: a CRLF buffer's typed break
+    matches a completion's), and how many characters the text after it grew by: the closers of
+    brackets and quotes the typed text left open, which an editor that closes pairs put there.
+    None when the text around the cursor changed otherwise."""
+    if len(prefix) < len(prefix0) or not prefix.startswith(prefix0) or not suffix.endswith(suffix0):
+        return None
+    typed = prefix[len(prefix0):].replace("\r\n", "\n")
+    covers = len(suffix) - len(suffix0)
+    if covers and not open_pairs(typed).startswith(suffix[:covers]):
+        return None
+    return typed, covers
+
+
+def rest_along(shown: Shown, prefix: str, suffix: str) -> tuple[Completion, int] | None:
+    """The rest of ``shown``'s completion (or of an alternative) after the text typed at its
+    cursor since, when that text is its start and something is left, and the characters after the
+    cursor the rest replaces (``text_along``); None otherwise."""
+    grown = text_along(shown.prefix, shown.suffix, prefix, suffix)
+    if grown is None:
+        return None
+    typed, covers = grown
+    for c in [shown.completion, *shown.completion.alternatives]:
+        if c.text.startswith(typed) and c.text[len(typed):].strip():
+            return Completion(c.text[len(typed):], c.stop_reason, multiline=c.multiline,
+                              prompt_kind="typed-through"), covers  # no prompt, no tokens: nothing ran
+    return None
+
+
+CLOSERS_READ = 32  # typed_between reads at most this many characters at an edit's end as closers
+
+
+def typed_between(text: str, before: str, after: str) -> str | None:
+    """What was typed at a cursor that had ``before`` and ``after`` around it, now that the
+    document is ``text`` (line breaks as ``\\n``); None when it changed elsewhere.  The cursor's
+    place is not in an edit: the end of the new text is read as the closers an editor that closes
+    pairs put after it wherever it can be (``foo()`` -> ``foo(``), which the completion's own
+    ``)`` agrees with either way."""
+    if len(text) < len(before) + len(after) or not text.startswith(before) or not text.endswith(after):
+        return None
+    middle = text[len(before):len(text) - len(after)]
+    for k in range(min(len(middle), CLOSERS_READ), 0, -1):
+        if open_pairs(middle[:-k]).startswith(middle[-k:]):
+            middle = middle[:-k]
+            break
+    return middle.replace("\r\n", "\n")
+
+
+def agrees(so_far: str, typed: str) -> bool:
+    """Whether a completion's text so far and the text typed at its cursor since agree: one
+    starts the other."""
+    return so_far.startswith(typed) or typed.startswith(so_far)
 
 
 def plain(value: Any) -> Any:
@@ -1313,12 +1531,7 @@ def create_server(engine, config: Config, repo: Path | None = None,
 
     @server.feature(types.TEXT_DOCUMENT_DID_CHANGE)
     def did_change(ls: CodecompleteServer, params: types.DidChangeTextDocumentParams):
-        workspace = ls.workspace
-        if isinstance(workspace, LspWorkspace) and not workspace.is_open(params.text_document.uri):
-            return  # ignored (and logged) by the workspace: not a buffer to overlay
-        ls._supersede(params.text_document.uri, superseded=False)
-        ls.overlay(params.text_document.uri)
-        ls.edited(params.text_document.uri, params)
+        ls.changed(params)
 
     @server.feature(types.TEXT_DOCUMENT_DID_SAVE)
     def did_save(ls: CodecompleteServer, params: types.DidSaveTextDocumentParams):

@@ -28,6 +28,12 @@ class CompletionRequest:
     # prefill only (the daemon warming the KV store at the user's edit before a request comes):
     # no completion; cancel stops it between pieces of the prompt, keeping what ran
     warm: bool = False
+    # While in flight: the completion's text so far (the engine sets it after each token), and
+    # the text the user has typed at the cursor since the request was made (the daemon keeps a
+    # run going while the user types along it, ``lsp/server.py``): once the text so far departs
+    # from what was typed the engine cancels the run.  "" typed: nothing to check.
+    progress: str = ""
+    typed: str = ""
 
 
 @dataclass

@@ -301,6 +301,12 @@ def advance(lm: LoadedModel, live: Live, vocab: "_Vocab | None") -> bool:
         live.pending = "" if piece.startswith(live.pending) else live.pending[len(piece):]
     if not live.pending:
         live.text = decoded(lm, live, vocab)[len(live.plan.healed):]
+        if live.head is None:  # the request's own completion (not an alternative's fork)
+            request.progress = live.text
+            typed = request.typed
+            if typed and not (live.text.startswith(typed) or typed.startswith(live.text)):
+                request.cancel.set()  # the user typed something else than this run writes
+                return _finish(live, "", "cancelled")
         if not request.ignore_eos:
             decision = rules.check(live.text)
             if decision.stop:

@@ -684,3 +684,24 @@ def test_incremental_decode_is_the_whole_decode(tiny_model, which):
             appended += before == len(live.generated) - 1 > 0 and live.decoded_n == len(live.generated)
         if k == 0:  # plain text: most tokens were appended, not decoded again
             assert appended > len(seq) // 2
+
+
+def test_a_run_the_user_types_along_stops_once_its_text_departs_from_the_typed(lm):
+    """CompletionRequest.typed (the daemon keeps a run going while the user types what it
+    writes): a run whose output agrees with the typed text is the run without it, its text so
+    far readable in ``progress``; one whose output departs from it is cancelled at that token."""
+    prefix, suffix = "def mean(data):\n    total = 0\n    for x in data:\n        total", "\n    return total\n"
+    req = dict(mode="multi", max_tokens=24, max_lines=200)
+    alone = generate(lm, CompletionRequest(prefix, suffix, **req), NO_HEAL)
+    assert len(alone.text.strip()) >= 3 and len(alone.token_ids) >= 2, alone
+    along = CompletionRequest(prefix, suffix, **req)
+    along.typed = alone.text[:3]
+    same = generate(lm, along, NO_HEAL)
+    assert (same.text, same.token_ids, same.stop_reason) == (alone.text, alone.token_ids, alone.stop_reason)
+    # the text so far as the last token left it (the completion is cut from it by the stop rules)
+    assert not along.cancel.is_set() and along.progress.startswith(alone.text)
+    other = CompletionRequest(prefix, suffix, **req)
+    other.typed = alone.text[:1] + "\u00a7"  # its first character, then one it does not write
+    gone = generate(lm, other, NO_HEAL)
+    assert gone.cancelled and gone.text == "" and other.cancel.is_set()
+    assert 1 <= gone.generated_tokens < len(alone.token_ids)  # stopped at the token that departed

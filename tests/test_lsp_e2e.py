@@ -864,6 +864,41 @@ async def test_typing_through_a_completion_keeps_its_rest_without_the_model(repo
             await client.stop()
 
 
+async def test_typing_along_a_completion_still_being_made_keeps_its_run(repo, model_cache):
+    """Guards typing along (completion.type_along) in the real daemon with the default model,
+    whose multi-line completion here takes many decode steps: a keystroke while the request's
+    run is in flight makes the request stale without stopping the run, and the request at the
+    next character gets the run's rest; the model ran once for both."""
+    text = "class Config:\n    def __init__(self, host, port, user, password, timeout, retries, verbose):\n        "
+    c = await start_daemon(repo, "default", init_options={"completion": {
+        "debounceMs": 0, "mode": "multi", "maxTokens": 160, "maxLines": 40, "timeBudgetMs": 60000}})
+    try:
+        for _ in range(1200):
+            if (await stats(c))["engine"]["ready"]:
+                break
+            await asyncio.sleep(0.1)
+        uri = (repo / "along.py").as_uri()
+        open_doc(c, uri, text)
+        first = asyncio.ensure_future(complete(c, uri, 2, 8))
+        for _ in range(200):  # the daemon took the request (with no debounce: its run is submitted)
+            if (await stats(c))["counters"]["requests"]:
+                break
+            await asyncio.sleep(0.005)
+        insert(c, uri, 2, 2, 8, "s")  # "self.host = host" and on: its first character
+        second = await complete(c, uri, 2, 9)
+        assert await first == []  # stale: the document changed
+        now = await stats(c, recent=True)
+        assert now["counters"]["followed"] == 1, now["counters"]
+        assert (now["engine"]["completions"], now["engine"]["cancelled"]) == (1, 0)  # one run, not stopped
+        assert [(r["status"], r["prompt_kind"]) for r in now["recent"]] == [("stale", ""), ("answered", "followed")]
+        (item,) = second
+        rest = item.insert_text[len("        s"):]
+        assert rest.startswith("elf.") and "\n" in rest, rest  # the run's own text: the attributes, line by line
+    finally:
+        await c.shutdown_session()
+        await c.stop()
+
+
 async def test_typing_through_a_bracket_the_editor_closed(repo, tiny_model, model_cache, reference_engine):
     """Guards typing through with pairs closed by the editor (VS Code's autoClosingBrackets,
     Neovim's autopairs): typing the completion up to its ``(`` puts ``)`` after the cursor; the

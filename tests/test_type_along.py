@@ -1,0 +1,213 @@
+"""Typing along a run in flight (``completion.type_along``, lsp/server.py): the server's
+rules, with an engine whose runs finish when the test says (``HeldEngine``), so that each
+edit and request lands while a run is known to be in flight.  The engine's own side (it
+stops a run whose text departs from the typed) is in test_engine.py; the real daemon's in
+test_lsp_e2e.py and the replay harness (bench/results)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+from lsprotocol import types as T
+
+from codecomplete.daemon.config import Config
+from codecomplete.lsp.server import CodecompleteServer, agrees, text_along, typed_between
+from codecomplete.lsp.workspace import LspWorkspace
+from codecomplete.model.api import Completion, CompletionRequest
+
+URI = "file:///work/sums.py"
+TEXT = "def total(a, b):\n    \n"  # the cursor: line 1, character 4
+WRITES = "result = a + b\n    return result"  # what the run writes there
+
+
+class HeldEngine:
+    """``submit`` hands back a future that the test resolves (``finish``); what a run has
+    written so far is set by the test too (``request.progress``), as the real engine sets it
+    after each token."""
+
+    def __init__(self):
+        self.runs: list[tuple[CompletionRequest, concurrent.futures.Future]] = []
+
+    def submit(self, request: CompletionRequest) -> concurrent.futures.Future:
+        fut = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()
+        self.runs.append((request, fut))
+        return fut
+
+    def finish(self, i: int, text: str, reason: str = "block_end") -> None:
+        request, fut = self.runs[i]
+        fut.set_result(Completion("", "cancelled") if request.cancel.is_set() else
+                       Completion(text, reason, prompt_tokens=20, generated_tokens=9, multiline=True))
+
+
+def server(**completion) -> tuple[CodecompleteServer, HeldEngine]:
+    config = Config()
+    config.completion.debounce_ms = 0
+    for k, v in completion.items():
+        setattr(config.completion, k, v)
+    engine = HeldEngine()
+    ls = CodecompleteServer(engine, config)
+    ls.protocol._workspace = LspWorkspace(None, T.TextDocumentSyncKind.Incremental)
+    ls.workspace.put_text_document(T.TextDocumentItem(uri=URI, language_id="python", version=1, text=TEXT))
+    return ls, engine
+
+
+def type_at(ls: CodecompleteServer, line: int, character: int, text: str) -> None:
+    """A keystroke as a client sends it: the workspace takes the edit, then the server's handler."""
+    doc = ls.workspace.get_text_document(URI)
+    pos = T.Position(line, character)
+    params = T.DidChangeTextDocumentParams(T.VersionedTextDocumentIdentifier(uri=URI, version=doc.version + 1),
+                                           [T.TextDocumentContentChangePartial(range=T.Range(pos, pos), text=text)])
+    ls.workspace.update_text_document(params.text_document, params.content_changes[0])
+    ls.changed(params)
+
+
+def ask(ls: CodecompleteServer, line: int, character: int) -> asyncio.Task:
+    params = T.InlineCompletionParams(
+        context=T.InlineCompletionContext(trigger_kind=T.InlineCompletionTriggerKind.Automatic),
+        text_document=T.TextDocumentIdentifier(uri=URI), position=T.Position(line, character))
+    return asyncio.ensure_future(ls.inline_completion(params))
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def offered(result: T.InlineCompletionList, line_typed: str) -> list[str]:
+    """The items' text after what the line already has before the cursor."""
+    return [item.insert_text[len(line_typed):] for item in result.items]
+
+
+async def test_typing_along_a_run_keeps_it_and_the_next_request_takes_its_rest():
+    ls, engine = server()
+    first = ask(ls, 1, 4)
+    await settle()
+    (request, _), = engine.runs
+    request.progress = "res"  # three characters written so far
+    type_at(ls, 1, 4, "r")
+    type_at(ls, 1, 5, "e")
+    # the first request answers nothing at once (its cursor is gone); its run goes on
+    assert (await asyncio.wait_for(first, 1)).items == []
+    assert not request.cancel.is_set() and request.typed == "re"
+    second = ask(ls, 1, 6)
+    await settle()
+    assert not second.done()  # it waits for the run
+    engine.finish(0, WRITES)
+    result = await asyncio.wait_for(second, 1)
+    assert offered(result, "    re") == [WRITES[2:]]
+    assert len(engine.runs) == 1  # one model run for both requests
+    c = ls.counters
+    assert (c.followed, c.completions, c.stale, c.typed_through) == (1, 1, 1, 0)
+    kinds = [(r["status"], r["prompt_kind"]) for r in ls.recent]
+    assert kinds == [("stale", ""), ("answered", "followed")]
+    # typing on through the answer is typing through (the completion is the run's, at its cursor)
+    type_at(ls, 1, 6, "s")
+    third = await asyncio.wait_for(ask(ls, 1, 7), 1)
+    assert offered(third, "    res") == [WRITES[3:]] and ls.counters.typed_through == 1
+
+
+async def test_typing_ahead_of_what_the_run_wrote_keeps_it_until_it_departs():
+    ls, engine = server()
+    first = ask(ls, 1, 4)
+    await settle()
+    (request, _), = engine.runs
+    type_at(ls, 1, 4, "res")  # nothing written yet: nothing to disagree with
+    assert not request.cancel.is_set() and request.typed == "res"
+    assert (await asyncio.wait_for(first, 1)).items == []
+    request.progress = "ret"  # it wrote something else than typed: the next keystroke ends it
+    type_at(ls, 1, 7, "u")
+    assert request.cancel.is_set() and ls.following == {}
+    second = ask(ls, 1, 8)
+    await settle()
+    assert len(engine.runs) == 2 and engine.runs[1][0].prefix.endswith("    resu")  # a run of its own
+    engine.finish(1, "lt = a + b")
+    assert offered(await asyncio.wait_for(second, 1), "    resu") == ["lt = a + b"]
+    assert ls.counters.followed == 0
+
+
+async def test_a_run_that_ends_before_the_typed_text_leaves_the_request_its_own_run():
+    ls, engine = server()
+    first = ask(ls, 1, 4)
+    await settle()
+    engine.runs[0][0].progress = "re"
+    type_at(ls, 1, 4, "re")
+    await asyncio.wait_for(first, 1)
+    second = ask(ls, 1, 6)
+    await settle()
+    engine.finish(0, "re", reason="line_end")  # nothing left after what was typed
+    await settle()
+    assert len(engine.runs) == 2  # the request ran the model itself
+    engine.finish(1, "sult = a + b")
+    assert offered(await asyncio.wait_for(second, 1), "    re") == ["sult = a + b"]
+    assert ls.counters.followed == 0
+
+
+async def test_a_request_at_the_same_text_takes_over_the_run_in_flight():
+    """An editor that asks again without an edit (VS Code after a focus change) gets the run
+    already going, not a second one."""
+    ls, engine = server()
+    first = ask(ls, 1, 4)
+    await settle()
+    second = ask(ls, 1, 4)
+    assert (await asyncio.wait_for(first, 1)).items == []  # superseded: handed its run on
+    assert len(engine.runs) == 1 and not engine.runs[0][0].cancel.is_set()
+    engine.finish(0, WRITES)
+    assert offered(await asyncio.wait_for(second, 1), "    ") == [WRITES]
+    assert ls.counters.followed == 1
+
+
+async def test_the_client_cancelling_the_stale_request_does_not_stop_a_run_typed_along():
+    ls, engine = server()
+    first = ask(ls, 1, 4)
+    await settle()
+    request = engine.runs[0][0]
+    first.cancel()  # as VS Code cancels the request of a keystroke ago: before the edit is seen
+    await settle()
+    assert request.cancel.is_set()  # nobody typed along it: it stops
+    third = ask(ls, 1, 4)
+    await settle()
+    request = engine.runs[1][0]
+    type_at(ls, 1, 4, "r")  # the edit first, then the client's cancel
+    third.cancel()
+    await settle()
+    assert not request.cancel.is_set() and ls.following
+    fourth = ask(ls, 1, 5)
+    await settle()
+    fourth.cancel()  # the request that took it over is cancelled and nothing was typed since: it stops
+    await settle()
+    assert request.cancel.is_set()
+
+
+async def test_an_edit_elsewhere_or_the_setting_off_stops_the_run_as_before():
+    ls, engine = server()
+    first = ask(ls, 1, 4)
+    await settle()
+    type_at(ls, 0, 0, "#")  # another line: the run's cursor text is gone
+    assert engine.runs[0][0].cancel.is_set()
+    engine.finish(0, WRITES)  # the engine answers a cancelled run at its next step
+    assert (await asyncio.wait_for(first, 1)).items == [] and ls.counters.stale == 1
+    ls, engine = server(type_along=False)
+    first = ask(ls, 1, 4)
+    await settle()
+    engine.runs[0][0].progress = "res"
+    type_at(ls, 1, 4, "r")
+    assert engine.runs[0][0].cancel.is_set() and ls.following == {}
+    engine.finish(0, WRITES)
+    assert (await asyncio.wait_for(first, 1)).items == []
+
+
+def test_the_text_typed_at_a_cursor():
+    assert text_along("a = ", "\n", "a = f(", ")\n") == ("f(", 1)  # the editor closed the bracket
+    assert text_along("a = ", "\n", "a = ", "\n") == ("", 0)
+    assert text_along("a = ", "\n", "b = f", "\n") is None  # changed before the cursor
+    assert text_along("a = ", "\n", "a = f", "]\n") is None  # a closer nothing typed opened
+    assert text_along("x\r\n", "", "x\r\n  y\r\n", "") == ("  y\n", 0)
+    # the document's text alone (no cursor): its end is read as closers wherever it can be
+    assert typed_between("a = f()\n", "a = ", "\n") == "f("
+    assert typed_between('a = f("")\n', "a = ", "\n") == 'f("'
+    assert typed_between("a = fx\n", "a = ", "\n") == "fx"
+    assert typed_between("b = f\n", "a = ", "\n") is None
+    assert agrees("return x", "ret") and agrees("ret", "return x") and agrees("", "r")
+    assert not agrees("return x", "reg")
