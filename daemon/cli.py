@@ -280,7 +280,7 @@ def index(argv: list[str]) -> int:
 
 
 def sessions_cmd(argv: list[str]) -> int:
-    from .sessions import TYPING, SessionError, sessions_from_git, write_sessions
+    from .sessions import ASKS, TYPING, SessionError, sessions_from_git, write_sessions
 
     p = argparse.ArgumentParser(prog="codecomplete-daemon sessions", description="Make editing sessions.")
     sub = p.add_subparsers(dest="what", required=True)
@@ -298,13 +298,16 @@ def sessions_cmd(argv: list[str]) -> int:
                         "sessions made before 2026-11-28)")
     g.add_argument("--pairs", action="store_true",
                    help="the editor closes brackets as their opener is typed (VS Code's default, Neovim's autopairs)")
+    g.add_argument("--asks", choices=ASKS, default=ASKS[0],
+                   help="where the editor asks for completions: pauses (default: at some word and line boundaries "
+                        "where the typing stops) or keys (after every character typed, as VS Code asks)")
     args = p.parse_args(argv)
 
     skipped: list[tuple[str, str]] = []
     try:
         made = sessions_from_git(args.repo, args.commits, args.seed, args.max_files,
                                  tuple(args.suffix or [".py"]), skip=max(0, args.skip), typing=args.typing,
-                                 pairs=args.pairs, skipped=skipped)
+                                 pairs=args.pairs, asks=args.asks, skipped=skipped)
     except SessionError as exc:
         print(f"codecomplete-daemon sessions: {exc}", file=sys.stderr)
         return 2

@@ -252,6 +252,10 @@ def _change(text: str, a: int, b: int, new: str) -> dict:
 
 
 TYPING = ("open-line", "in-place")
+# when the editor asks for a completion: "pauses" where the typing stops at a word or line boundary
+# (some of them, at random: an editor with a long debounce, or a user's invoked requests), "keys"
+# after every character typed (VS Code asks at each change; the daemon debounces)
+ASKS = ("pauses", "keys")
 # --pairs: the brackets an editor closes as their opener is typed (VS Code's autoClosingBrackets,
 # Neovim's autopairs; the daemon's own table, quotes left out), before these characters (VS Code's
 # autoCloseBefore, in part) or a line's end
@@ -275,7 +279,8 @@ def _closes_on_line(added: str, k: int) -> bool:
 
 
 def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
-              max_hunk_chars: int = 2000, typing: str = "open-line", pairs: bool = False) -> tuple[list[dict], float]:
+              max_hunk_chars: int = 2000, typing: str = "open-line", pairs: bool = False,
+              asks: str = "pauses") -> tuple[list[dict], float]:
     """Events that turn ``old`` into ``new`` hunk by hunk, typing the new lines.  ``typing``:
     "open-line" (what an editor's user does) first opens an empty line where the new lines go
     (Enter at the end of the line above, or Vim's ``O``: one change inserting a line break in
@@ -285,7 +290,8 @@ def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
     editor closes brackets (``PAIRS``) as their opener is typed, where the bracket closes later on
     its line and the next character allows it (``_CLOSE_BEFORE``): one change inserts both, and
     typing the closer later steps over the one the editor put there (no change); the same random
-    draws and requests as without, the file ending the same."""
+    draws and requests as without, the file ending the same.  ``asks`` (``ASKS``): where requests
+    come, at some pauses or after every character typed; the same random draws, so the same typing."""
     events: list[dict] = []
     t = t0
     text = old
@@ -325,7 +331,7 @@ def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
                 boundary = "line" if prev == "\n" else "word" if (prev in " .(,:=" and ch not in " ") else None
                 if boundary and k:
                     # The editor asks when the typing stops; the pause is the user's wait.
-                    if rng.random() < typist.request_rate or not asked:  # at least one per hunk
+                    if (rng.random() < typist.request_rate or not asked) and asks == "pauses":  # one per hunk at least
                         asked = True
                         rest = added[k:]
                         events.append({"t": round(t + 30), "type": "request", "uri": uri,
@@ -349,6 +355,8 @@ def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
                 if auto and auto[-1] == pos and text[pos] == ch:  # step over the closer the editor put there
                     auto.pop()
                     pos += 1
+                    if asks == "keys":
+                        events.append(_ask(t, uri, text, pos, added[k + 1:]))
                     continue
                 typed = ch
                 if pairs and ch in PAIRS and (pos == len(text) or text[pos] in _CLOSE_BEFORE) \
@@ -359,14 +367,24 @@ def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
                 text = text[:pos] + typed + text[pos:]
                 auto = [a + len(typed) for a in auto] + ([pos + 1] if len(typed) > 1 else [])
                 pos += 1
+                if asks == "keys":
+                    events.append(_ask(t, uri, text, pos, added[k + 1:]))
         shift += (j2 - j1) - (i2 - i1)
     return events, t
+
+
+def _ask(t: float, uri: str, text: str, pos: int, rest: str) -> dict:
+    """A request at ``pos`` just after a keystroke at ``t`` (``asks="keys"``); ``rest``: what the
+    user types from there."""
+    line, character = position_of(text, pos)
+    return {"t": round(t + 30), "type": "request", "uri": uri, "line": line, "character": character,
+            "trigger": "automatic", "truth_line": rest.split("\n")[0], "truth_hunk": rest}
 
 
 def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: int = 3,
                       suffixes: tuple[str, ...] = (".py",), max_file_bytes: int = 200_000,
                       max_added_lines: int = 200, root_uri: str | None = None, skip: int = 0,
-                      typing: str = "open-line", pairs: bool = False,
+                      typing: str = "open-line", pairs: bool = False, asks: str = "pauses",
                       skipped: list[tuple[str, str]] | None = None) -> list[Session]:
     """One session per commit: its changed files, typed from the parent's text (``typing``: see
     ``type_file``), each opened with the language its name implies.  ``skip``: pass over the newest
@@ -376,6 +394,8 @@ def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: in
     ``skipped`` its sha and git's message are appended there."""
     if typing not in TYPING:
         raise SessionError(f"typing must be one of {', '.join(TYPING)}, not {typing!r}")
+    if asks not in ASKS:
+        raise SessionError(f"asks must be one of {', '.join(ASKS)}, not {asks!r}")
     repo = Path(repo).resolve()
     rng = random.Random(seed)
     typist = Typist(rng)
@@ -401,7 +421,8 @@ def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: in
             continue
         session = Session(make_header(str(repo), sha, "git-history", "synthetic", parent=parent,
                                       subject=git(repo, "log", "-1", "--format=%s", sha).strip(), typing=typing,
-                                      **({"pairs": True} if pairs else {})))
+                                      **({"pairs": True} if pairs else {}),
+                                      **({"asks": asks} if asks != "pauses" else {})))
         t = 0.0
         for _, path in files[:max_files]:
             old, new = _show(repo, parent, path), _show(repo, sha, path)
@@ -410,7 +431,7 @@ def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: in
             uri = f"{base_uri}/{path}"
             session.events.append({"t": round(t), "type": "open", "uri": uri, "languageId": language_of(path),
                                    "text": old})
-            events, t = type_file(uri, old, new, typist, t, typing=typing, pairs=pairs)
+            events, t = type_file(uri, old, new, typist, t, typing=typing, pairs=pairs, asks=asks)
             session.events += events
             t += 1000
             session.events.append({"t": round(t), "type": "save", "uri": uri})

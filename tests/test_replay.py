@@ -13,8 +13,9 @@ from lsprotocol import types as T
 from pytest_lsp import make_test_lsp_client
 
 from codecomplete.daemon.replay import RequestResult, edit_similarity, parse_settings, score, time_split
-from codecomplete.daemon.sessions import (Session, SessionError, final_texts, make_header, read_sessions,
-                                          rest_of_line_at_requests, sessions_from_git, write_sessions)
+from codecomplete.daemon.sessions import (Session, SessionError, apply_change, final_texts, make_header,
+                                          read_sessions, rest_of_line_at_requests, sessions_from_git, utf16_offset,
+                                          write_sessions)
 
 from .lsp_client import insert, open_doc
 
@@ -130,6 +131,37 @@ def test_sessions_open_a_line_before_typing_new_lines_as_editors_do(tmp_path: Pa
     assert any(rest.strip() == "return a" for rest in rests["in-place"])
     with pytest.raises(SessionError, match="typing must be one of"):
         sessions_from_git(repo, commits=1, typing="dictated")
+
+
+def test_sessions_that_ask_after_every_key_type_the_same_and_ask_at_each_character(history: Path):
+    """``asks="keys"`` (an editor that asks at each change, as VS Code does): the same typing as
+    with requests at pauses (the same changes at the same times), and a request just after every
+    character typed, at the cursor, whose truth is what the commit has from there."""
+    (pauses,) = sessions_from_git(history, commits=1, seed=2)
+    (keys,) = sessions_from_git(history, commits=1, seed=2, asks="keys")
+    assert keys.header["asks"] == "keys" and "asks" not in pauses.header
+    changes = [[e for e in s.events if e["type"] != "request"] for s in (pauses, keys)]
+    assert changes[0] == changes[1]
+    assert len(keys.requests) > 3 * len(pauses.requests)
+    final = final_texts(keys)
+    docs: dict = {}
+    last = None
+    for e in keys.events:
+        if e["type"] == "open":
+            docs[e["uri"]] = e["text"]
+        elif e["type"] == "change":
+            for ch in e["changes"]:
+                docs[e["uri"]] = apply_change(docs[e["uri"]], ch)
+            last = e
+        elif e["type"] == "request":
+            assert last is not None and e["t"] == last["t"] + 30 and len(last["changes"]) == 1
+            text = docs[e["uri"]]
+            off = utf16_offset(text, e["line"], e["character"])
+            start = last["changes"][0]["range"]["start"]
+            assert off == utf16_offset(text, start["line"], start["character"]) + 1  # just after the key
+            assert final[e["uri"]].startswith(text[:off]) and final[e["uri"]][off:].startswith(e["truth_hunk"])
+    with pytest.raises(SessionError, match="asks must be one of"):
+        sessions_from_git(history, commits=1, asks="always")
 
 
 def test_sessions_open_files_in_their_language_and_pass_over_commits_git_cannot_read(history: Path,
