@@ -11,10 +11,11 @@ exact match and edit similarity against the ground truth, and characters saved.
 
 Schemes map to engine settings: ``baseline`` = no KV reuse and no EFIM, ``fim`` = KV
 reuse with PSM prompts, ``efim`` = KV reuse with EFIM prompts; in these every request runs
-the model (``completion.type_through`` off, ``completion.cache_entries`` 0).  ``efim-through``
-is the daemon as shipped: typing the start of the last completion answers with its rest
-without the model (counted as "typed through"), and a request for text an earlier request
-saw gets that request's completion (counted as "cached").  With a prefix-only model
+the model (``completion.type_through`` and ``type_along`` off, ``completion.cache_entries`` 0).
+``efim-through`` is the daemon as shipped: typing the start of the last completion answers with
+its rest without the model (counted as "typed through"), a request for text an earlier request
+saw gets that request's completion (counted as "cached"), and typing what a completion still
+being made has written keeps its run for the next request (counted as "followed").  With a prefix-only model
 ``fim`` and ``efim`` build the same prompts.
 """
 
@@ -74,6 +75,9 @@ class RequestResult:
     queue_ms: float = 0.0  # the engine's share of latency_ms: waiting, prefill, decode
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    # ms from the request to the user's next edit in the session (None: no edit after it); from
+    # PAUSE_MS on the user waits there, where a suggestion matters (``at_pauses``)
+    pause_ms: float | None = None
     accepted: bool = False
     exact: bool = False
     edit_similarity: float = 0.0
@@ -116,6 +120,41 @@ def score(r: RequestResult) -> None:
     r.lines_shown, r.lines_right = lines_right(comp, r.truth_hunk)
 
 
+PAUSE_MS = 250  # a request followed by this long without an edit is one the user waits at (the
+# sessions' shortest pause at a word boundary)
+
+
+def pauses_after_requests(session: Session) -> dict[int, float | None]:
+    """For each of the session's requests, by its index in ``session.events``: the milliseconds
+    to the next edit (a ``change`` event) after it, None when there is none."""
+    out: dict[int, float | None] = {}
+    waiting: list[int] = []  # requests whose next edit is still to come
+    for i, e in enumerate(session.events):
+        if e["type"] == "request":
+            waiting.append(i)
+        elif e["type"] == "change":
+            for j in waiting:
+                out[j] = e["t"] - session.events[j]["t"]
+            waiting = []
+    out.update(dict.fromkeys(waiting))
+    return out
+
+
+def at_pauses(reqs: list[dict]) -> dict:
+    """The requests the user waited at (``pause_ms`` >= PAUSE_MS: the typing stopped there):
+    how many, answered with a completion, accepted (what was typed next starts with it), and the
+    answered ones' latency."""
+    waited = [r for r in reqs if r.get("pause_ms") is not None and r["pause_ms"] >= PAUSE_MS]
+    shown = [r for r in waited if r["status"] == "answered" and r["completion"].strip()]
+    lat = sorted(r["latency_ms"] for r in waited if r["status"] == "answered")
+
+    def pct(p: float) -> float | None:
+        return round(lat[min(len(lat) - 1, int(p * len(lat)))], 1) if lat else None
+
+    return {"requests": len(waited), "shown": len(shown), "accepted": sum(r["accepted"] for r in waited),
+            "latency_ms": {"p50": pct(0.5), "p90": pct(0.9)}}
+
+
 def lines_right(completion: str, typed: str) -> tuple[int, int]:
     """A multi-line completion line by line (acceptance sees only whether all of it is
     right): its non-blank lines, and how many equal (stripped) the typed line at their place."""
@@ -148,9 +187,10 @@ async def drive_user(client, user: int, sessions: list[Session], root: Path, spe
     inflight: list = []
     for si, session in enumerate(sessions):
         ordinal = 0
+        pauses = pauses_after_requests(session)
         last_t = 0.0
         mine: list = []  # this session's request tasks (real time)
-        for e in session.events:
+        for ei, e in enumerate(session.events):
             if speed > 0:
                 due = start + (offset + e["t"]) / 1000 / speed
                 delay = due - time.monotonic()
@@ -185,7 +225,8 @@ async def drive_user(client, user: int, sessions: list[Session], root: Path, spe
                     T.VersionedTextDocumentIdentifier(uri=uri, version=st.versions[uri]), changes))
             elif kind == "request" and uri in st.docs and (not max_requests or ordinal < max_requests):
                 res = RequestResult(user, si, ordinal, uri, e["line"], e["character"],
-                                    e.get("truth_line", ""), e.get("truth_hunk", e.get("truth_line", "")))
+                                    e.get("truth_line", ""), e.get("truth_hunk", e.get("truth_line", "")),
+                                    pause_ms=pauses[ei])
                 ordinal += 1
                 results.append(res)
                 text = st.docs[uri]
@@ -368,6 +409,7 @@ def summarize(run: dict) -> dict:
         "time_split": time_split(served),
         "time_split_slowest_tenth": time_split(sorted(served, key=lambda r: r["latency_ms"])
                                                [-max(1, len(served) // 10):]),
+        "at_pauses": at_pauses(reqs),
     }
 
 
@@ -418,6 +460,15 @@ def write_report(out: Path, runs: list[dict], meta: dict) -> dict:
         cells = [" / ".join(str(t[k]) for k in ("queue", "prefill", "decode", "other")) + f", {t['generated_tokens']}"
                  if t else "-" for t in (s["time_split"], s["time_split_slowest_tenth"])]
         lines.append(f"| {s['scheme']} | {cells[0]} | {cells[1]} |")
+    lines += ["", f"At pauses (requests after which the user typed nothing for {PAUSE_MS} ms or more: the "
+              "suggestions a user waits for): how many, answered with a completion, accepted, and the answered "
+              "ones' latency.", "", "| scheme | requests | shown | accepted | latency p50 / p90 ms |",
+              "|---|---|---|---|---|"]
+    for s in summaries:
+        p = s.get("at_pauses") or {}
+        if p:
+            lines.append(f"| {s['scheme']} | {p['requests']} | {p['shown']} | {p['accepted']} | "
+                         f"{_dash(p['latency_ms']['p50'])} / {_dash(p['latency_ms']['p90'])} |")
     lines += ["", "Latency counts requests the daemon answered (with or without items); stale and "
               "superseded requests were dropped because the user typed on. Typed through: answered with "
               "the rest of the last completion, without the model (only where `completion.type_through` is on: "

@@ -12,7 +12,8 @@ import pytest
 from lsprotocol import types as T
 from pytest_lsp import make_test_lsp_client
 
-from codecomplete.daemon.replay import RequestResult, edit_similarity, parse_settings, score, time_split
+from codecomplete.daemon.replay import (PAUSE_MS, RequestResult, at_pauses, edit_similarity, parse_settings,
+                                        pauses_after_requests, score, time_split)
 from codecomplete.daemon.sessions import (Session, SessionError, apply_change, final_texts, make_header,
                                           read_sessions, rest_of_line_at_requests, sessions_from_git, utf16_offset,
                                           write_sessions)
@@ -301,6 +302,26 @@ def test_time_split_is_the_mean_of_each_part_and_the_rest_of_the_latency():
     assert time_split([]) == {}
 
 
+def test_the_requests_a_user_waits_at_are_those_the_typing_stops_after():
+    session = Session(make_header(), [
+        {"t": 0, "type": "open", "uri": "file:///a.py", "text": ""},
+        {"t": 100, "type": "request", "uri": "file:///a.py", "line": 0, "character": 0},
+        {"t": 150, "type": "cursor", "uri": "file:///a.py", "line": 0, "character": 0},  # no edit
+        {"t": 400, "type": "change", "uri": "file:///a.py", "changes": [{"text": "x"}]},
+        {"t": 430, "type": "request", "uri": "file:///a.py", "line": 0, "character": 1},
+        {"t": 500, "type": "change", "uri": "file:///a.py", "changes": [{"text": "xy"}]},
+        {"t": 530, "type": "request", "uri": "file:///a.py", "line": 0, "character": 2},
+        {"t": 900, "type": "save", "uri": "file:///a.py"}])
+    assert pauses_after_requests(session) == {1: 300, 4: 70, 6: None}
+    reqs = [{"pause_ms": 300, "status": "answered", "completion": "z = 1", "accepted": True, "latency_ms": 40.0},
+            {"pause_ms": 70, "status": "answered", "completion": "w", "accepted": False, "latency_ms": 9.0},
+            {"pause_ms": 600, "status": "answered", "completion": "", "accepted": False, "latency_ms": 80.0},
+            {"pause_ms": 250, "status": "stale", "completion": "", "accepted": False, "latency_ms": 0.0},
+            {"pause_ms": None, "status": "answered", "completion": "q", "accepted": False, "latency_ms": 5.0}]
+    assert at_pauses(reqs) == {"requests": 3, "shown": 1, "accepted": 1, "latency_ms": {"p50": 80.0, "p90": 80.0}}
+    assert at_pauses([]) == {"requests": 0, "shown": 0, "accepted": 0, "latency_ms": {"p50": None, "p90": None}}
+
+
 def test_edit_similarity():
     assert edit_similarity("abc", "abc") == 1.0 and edit_similarity("", "") == 1.0
     assert edit_similarity("abcd", "abxd") == 0.75 and edit_similarity("a", "") == 0.0
@@ -379,7 +400,8 @@ def test_replay_against_the_real_daemon_reports_every_field(history: Path, tiny_
     assert any(r["completion"] for r in spec)
     req = report["runs"][1]["requests"][0]
     for key in ("latency_ms", "status", "completion", "prompt_tokens", "reused_tokens", "accepted",
-                "exact", "edit_similarity", "chars_saved", "truth_line", "user", "lines_shown", "lines_right"):
+                "exact", "edit_similarity", "chars_saved", "truth_line", "user", "lines_shown", "lines_right",
+                "pause_ms"):
         assert key in req
     assert {r["user"] for r in report["runs"][0]["requests"]} == {0, 1}
     # the engine's share of each request's time, from the daemon's own record: a request the model
@@ -391,7 +413,11 @@ def test_replay_against_the_real_daemon_reports_every_field(history: Path, tiny_
         split, slow = s["time_split"], s["time_split_slowest_tenth"]
         assert split["requests"] == s["status"]["answered"] + s["status"]["empty"] >= slow["requests"] >= 1
         assert split["decode"] > 0 and split["generated_tokens"] > 0
-    assert (out / "report.md").read_text().count("| baseline |") == 2
+    assert (out / "report.md").read_text().count("| baseline |") == 3  # the table, the time split, at pauses
+    # the requests the typing stopped after, as the sessions have them
+    for run in report["runs"]:
+        waited = [r for r in run["requests"] if r["pause_ms"] is not None and r["pause_ms"] >= PAUSE_MS]
+        assert by[run["scheme"]]["at_pauses"]["requests"] == len(waited) > 0
     assert (out / "latency_cdf.png").stat().st_size > 1000 and (out / "reuse_per_round.png").exists()
 
 
