@@ -753,23 +753,9 @@ class CodecompleteServer(LanguageServer):
         self._stop_warming()
         self._warm_line[uri] = position.line
         self.pending[uri] = pending
-        try:
-            if automatic and cfg.debounce_ms:
-                await asyncio.sleep(cfg.debounce_ms / 1000)
-            if request.cancel.is_set():
-                return self._dropped(pending)
-            run.waiter = asyncio.wrap_future(self.engine.submit(request))
-            completion = await self._wait(pending)
-        except asyncio.CancelledError:
-            self._cancelled(rid, uri, run)
-            raise
-        finally:
-            if self.pending.get(uri) is pending:
-                del self.pending[uri]
-        if completion is None:  # released: the run goes on for the text typed since (or a newer request)
-            self._record(rid, uri, position, Completion("", "handed on"), "stale" if pending.stale else "superseded",
-                         started)
-            return self._dropped(pending)
+        completion = await self._wait(rid, pending, cfg.debounce_ms / 1000 if automatic else 0.0)
+        if completion is None:  # stopped before it ran, or released (its run goes on for the text typed since)
+            return self._dropped(pending) if run.waiter is None else self._handed_on(rid, position, pending, started)
         self._record(rid, uri, position, completion, "stale" if pending.stale else "superseded" if pending.superseded
                      else "cancelled" if completion.cancelled else "answered", started)
         if pending.superseded or pending.stale or completion.cancelled:
@@ -827,18 +813,9 @@ class CodecompleteServer(LanguageServer):
         self.pending[uri] = pending
         self._stop_warming()
         self._warm_line[uri] = position.line
-        try:
-            completion = await self._wait(pending)
-        except asyncio.CancelledError:
-            self._cancelled(rid, uri, run)
-            raise
-        finally:
-            if self.pending.get(uri) is pending:
-                del self.pending[uri]
+        completion = await self._wait(rid, pending)
         if completion is None or pending.stale or pending.superseded:
-            self._record(rid, uri, position, Completion("", "handed on"), "stale" if pending.stale else "superseded",
-                         started)
-            return self._dropped(pending)
+            return self._handed_on(rid, position, pending, started)
         if completion.error or completion.cancelled:
             return False
         if run.key is not None:
@@ -854,23 +831,43 @@ class CodecompleteServer(LanguageServer):
         self._record(rid, uri, position, rest[0], "answered", started)
         return rest
 
-    async def _wait(self, pending: Pending) -> Completion | None:
-        """The completion of the pending request's run; None once the request is released
-        (its run goes on for the text typed since, or for a newer request)."""
-        released = asyncio.ensure_future(pending.released.wait())
+    async def _wait(self, rid: str, pending: Pending, debounce_s: float = 0.0) -> Completion | None:
+        """The completion of the pending request's run, submitted to the engine after
+        ``debounce_s`` unless it is stopped by then (or already running); None when it was
+        stopped before it ran, or once the request is released (its run goes on for the text
+        typed since, or for a newer request).  The request leaves ``pending`` when this ends;
+        cancelled by the client, it stops its run unless the user typed along it since (the
+        next request is to take it over)."""
+        run, uri = pending.run, pending.uri
+        released = None
         try:
-            await asyncio.wait({pending.run.waiter, released}, return_when=asyncio.FIRST_COMPLETED)
+            if run.waiter is None:
+                if debounce_s:
+                    await asyncio.sleep(debounce_s)
+                if run.request.cancel.is_set():
+                    return None
+                run.waiter = asyncio.wrap_future(self.engine.submit(run.request))
+            released = asyncio.ensure_future(pending.released.wait())
+            await asyncio.wait({run.waiter, released}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            if self.following.get(uri) is not run:
+                run.request.cancel.set()
+            self.counters.cancelled += 1
+            log.info("[%s] cancelled by the client", rid)
+            raise
         finally:
-            released.cancel()
-        return None if pending.released.is_set() else pending.run.waiter.result()
+            if released is not None:
+                released.cancel()
+            if self.pending.get(uri) is pending:
+                del self.pending[uri]
+        return None if pending.released.is_set() else run.waiter.result()
 
-    def _cancelled(self, rid: str, uri: str, run: Run) -> None:
-        """The client cancelled a request: its run stops, unless the user typed along it since
-        (the next request is to take it over)."""
-        if self.following.get(uri) is not run:
-            run.request.cancel.set()
-        self.counters.cancelled += 1
-        log.info("[%s] cancelled by the client", rid)
+    def _handed_on(self, rid: str, position: types.Position, pending: Pending, started: float) -> None:
+        """A request dropped while its run goes on (for the text typed since, or for a newer
+        request): recorded and counted as stale or superseded; it answers nothing."""
+        self._record(rid, pending.uri, position, Completion("", "handed on"),
+                     "stale" if pending.stale else "superseded", started)
+        return self._dropped(pending)
 
     def typed_along(self, uri: str) -> bool:
         """After an edit: whether the document's run goes on (the edit typed text that agrees with
