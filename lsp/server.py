@@ -925,6 +925,24 @@ class CodecompleteServer(LanguageServer):
         self.overlay(uri)
         self.edited(uri, params)
 
+    def notebook_changed(self, params: types.DidChangeNotebookDocumentParams) -> None:
+        """A notebookDocument/didChange, applied to the workspace already: an edited cell's
+        request in flight is stale (its run goes on if the user typed along it and no other
+        cell changed: the other cells are the prompt's context); cells added, moved or removed:
+        every cell's."""
+        cells = params.change.cells
+        if cells is None:
+            return
+        edited = [text.document.uri for text in cells.text_content or []]
+        stale = list(edited)
+        notebook = self.workspace.get_notebook_document(notebook_uri=params.notebook_document.uri)
+        if cells.structure is not None and notebook is not None:
+            stale += [cell.document for cell in notebook.cells]
+        if cells.structure is None and len(edited) == 1 and self.typed_along(edited[0]):
+            return
+        for uri in stale:
+            self._supersede(uri, superseded=False)
+
     def edited(self, uri: str, params: types.DidChangeTextDocumentParams) -> None:
         """After a didChange: schedule a warm-up at the last change's end (where the user's
         cursor is), found from the change alone (no read of the document per keystroke)."""
@@ -1536,16 +1554,7 @@ def create_server(engine, config: Config, repo: Path | None = None,
 
     @server.feature(types.NOTEBOOK_DOCUMENT_DID_CHANGE)
     def did_change_notebook(ls: CodecompleteServer, params: types.DidChangeNotebookDocumentParams):
-        # an edited cell's pending request is stale; cells added, moved or removed: every cell's
-        cells = params.change.cells
-        if cells is None:
-            return
-        stale = [text.document.uri for text in cells.text_content or []]
-        notebook = ls.workspace.get_notebook_document(notebook_uri=params.notebook_document.uri)
-        if cells.structure is not None and notebook is not None:
-            stale += [cell.document for cell in notebook.cells]
-        for uri in stale:
-            ls._supersede(uri, superseded=False)
+        ls.notebook_changed(params)
 
     @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
     def did_close(ls: CodecompleteServer, params: types.DidCloseTextDocumentParams):

@@ -63,10 +63,10 @@ def type_at(ls: CodecompleteServer, line: int, character: int, text: str) -> Non
     ls.changed(params)
 
 
-def ask(ls: CodecompleteServer, line: int, character: int) -> asyncio.Task:
+def ask(ls: CodecompleteServer, line: int, character: int, uri: str = URI) -> asyncio.Task:
     params = T.InlineCompletionParams(
         context=T.InlineCompletionContext(trigger_kind=T.InlineCompletionTriggerKind.Automatic),
-        text_document=T.TextDocumentIdentifier(uri=URI), position=T.Position(line, character))
+        text_document=T.TextDocumentIdentifier(uri=uri), position=T.Position(line, character))
     return asyncio.ensure_future(ls.inline_completion(params))
 
 
@@ -211,3 +211,52 @@ def test_the_text_typed_at_a_cursor():
     assert typed_between("b = f\n", "a = ", "\n") is None
     assert agrees("return x", "ret") and agrees("ret", "return x") and agrees("", "r")
     assert not agrees("return x", "reg")
+
+
+async def test_typing_along_in_a_notebook_cell_keeps_the_run_a_cell_moved_stops_it():
+    """Notebooks synced as notebooks (VS Code's Jupyter): a keystroke in the cell, alone in its
+    notebookDocument/didChange, is followed like a text document's; a change to the cells'
+    structure (the run's context: the cells around it) stops the run."""
+    ls, engine = server()
+    nb = "file:///work/analysis.ipynb"
+    cells = [f"vscode-notebook-cell:/work/analysis.ipynb#W{i}sZmlsZQ%3D%3D" for i in range(2)]
+    ls.workspace.put_notebook_document(T.DidOpenNotebookDocumentParams(
+        notebook_document=T.NotebookDocument(uri=nb, notebook_type="jupyter-notebook", version=1, cells=[
+            T.NotebookCell(kind=T.NotebookCellKind.Code, document=u) for u in cells]),
+        cell_text_documents=[T.TextDocumentItem(uri=u, language_id="python", version=1, text=t)
+                             for u, t in zip(cells, ["import math\n", TEXT])]))
+    version = iter(range(2, 100))
+
+    def change(event: T.NotebookDocumentChangeEvent) -> None:
+        params = T.DidChangeNotebookDocumentParams(
+            notebook_document=T.VersionedNotebookDocumentIdentifier(version=next(version), uri=nb), change=event)
+        ls.workspace.update_notebook_document(params)
+        ls.notebook_changed(params)
+
+    def type_in_cell(character: int, text: str) -> None:
+        pos = T.Position(1, character)
+        change(T.NotebookDocumentChangeEvent(cells=T.NotebookDocumentCellChanges(text_content=[
+            T.NotebookDocumentCellContentChanges(
+                document=T.VersionedTextDocumentIdentifier(uri=cells[1], version=next(version)),
+                changes=[T.TextDocumentContentChangePartial(range=T.Range(pos, pos), text=text)])])))
+
+    first = ask(ls, 1, 4, cells[1])
+    await settle()
+    (request, _), = engine.runs
+    assert request.prefix.startswith("import math\n")  # the cell above is the prompt's context
+    request.progress = "res"
+    type_in_cell(4, "re")
+    assert not request.cancel.is_set() and request.typed == "re"
+    assert (await asyncio.wait_for(first, 1)).items == []
+    second = ask(ls, 1, 6, cells[1])
+    await settle()
+    engine.finish(0, WRITES)
+    assert offered(await asyncio.wait_for(second, 1), "    re") == [WRITES[2:]] and ls.counters.followed == 1
+    third = ask(ls, 0, 11, cells[0])  # a run in the first cell; then the cells are reordered
+    await settle()
+    engine.runs[1][0].progress = "\nimport os"
+    change(T.NotebookDocumentChangeEvent(cells=T.NotebookDocumentCellChanges(
+        structure=T.NotebookDocumentCellChangeStructure(array=T.NotebookCellArrayChange(start=1, delete_count=1)))))
+    assert engine.runs[1][0].cancel.is_set() and ls.following == {}
+    engine.finish(1, "\nimport os")
+    assert (await asyncio.wait_for(third, 1)).items == []
