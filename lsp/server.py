@@ -911,7 +911,7 @@ class CodecompleteServer(LanguageServer):
                                  max_tokens=cfg.max_tokens, max_lines=cfg.max_lines,
                                  time_budget_ms=cfg.time_budget_ms, session_key=uri, context=context, **extra)
 
-    # -- warm-ups: the prompt at the user's edit prefilled before the request ----------
+    # -- edits -----------------------------------------------------------------------------
     def changed(self, params: types.DidChangeTextDocumentParams) -> None:
         """A didChange, applied to the workspace's copy already: the document's request in
         flight goes stale (its run goes on if the user typed along it), the index's view of the
@@ -943,6 +943,7 @@ class CodecompleteServer(LanguageServer):
         for uri in stale:
             self._supersede(uri, superseded=False)
 
+    # -- warm-ups: the prompt at the user's edit prefilled before the request ----------
     def edited(self, uri: str, params: types.DidChangeTextDocumentParams) -> None:
         """After a didChange: schedule a warm-up at the last change's end (where the user's
         cursor is), found from the change alone (no read of the document per keystroke)."""
