@@ -40,7 +40,7 @@ from codecomplete.daemon.config import Config, editor_settings, engine_settings,
 from codecomplete.indexer.files import SourceError, language_of, read_source
 from codecomplete.indexer.folders import Folders
 from codecomplete.model.api import Completion, CompletionRequest
-from codecomplete.model.stops import open_pairs, rewrites_rest, word_char
+from codecomplete.model.stops import agrees, open_pairs, rewrites_rest, word_char
 
 from .cache import CompletionCache
 from .documents import PositionError, cursor_at, encoding_name, offset_at, position_at
@@ -1379,12 +1379,6 @@ def typed_between(text: str, before: str, after: str) -> str | None:
             middle = middle[:-k]
             break
     return middle.replace("\r\n", "\n")
-
-
-def agrees(so_far: str, typed: str) -> bool:
-    """Whether a completion's text so far and the text typed at its cursor since agree: one
-    starts the other."""
-    return so_far.startswith(typed) or typed.startswith(so_far)
 
 
 def plain(value: Any) -> Any:

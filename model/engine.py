@@ -36,7 +36,7 @@ from .native import STACK_ROWS
 from .prompts import PromptPlan, SessionPool, Tokens, ahead_heads
 from .sampling import greedy_tokens
 from .speculate import Drafter, LiveIndex, Tree, datastore_min_match, pass_rows, verify
-from .stops import CompletionShape, StopRules
+from .stops import CompletionShape, StopRules, agrees
 from .threads import ThreadGovernor
 from .transformer import SeqKV
 
@@ -303,8 +303,7 @@ def advance(lm: LoadedModel, live: Live, vocab: "_Vocab | None") -> bool:
         live.text = decoded(lm, live, vocab)[len(live.plan.healed):]
         if live.head is None:  # the request's own completion (not an alternative's fork)
             request.progress = live.text
-            typed = request.typed
-            if typed and not (live.text.startswith(typed) or typed.startswith(live.text)):
+            if request.typed and not agrees(live.text, request.typed):
                 request.cancel.set()  # the user typed something else than this run writes
                 return _finish(live, "", "cancelled")
         if not request.ignore_eos:

@@ -405,6 +405,12 @@ def rewrites_rest(text: str, rest: str, line_prefix: str | None = None, after_cl
                for quotes in (True, False))
 
 
+def agrees(so_far: str, typed: str) -> bool:
+    """Whether a completion's text so far and the text typed at its cursor since agree: one
+    starts the other (the daemon keeps a run going while the user types along it)."""
+    return so_far.startswith(typed) or typed.startswith(so_far)
+
+
 def open_pairs(typed: str, quotes: bool = True) -> str:
     """The closers of the brackets and quotes ``typed`` leaves open, innermost first
     (``foo(bar("`` -> ``")``): what an editor that closes pairs put after the cursor while it

@@ -12,9 +12,10 @@ import concurrent.futures
 from lsprotocol import types as T
 
 from codecomplete.daemon.config import Config
-from codecomplete.lsp.server import CodecompleteServer, agrees, text_along, typed_between
+from codecomplete.lsp.server import CodecompleteServer, text_along, typed_between
 from codecomplete.lsp.workspace import LspWorkspace
 from codecomplete.model.api import Completion, CompletionRequest
+from codecomplete.model.stops import agrees
 
 URI = "file:///work/sums.py"
 TEXT = "def total(a, b):\n    \n"  # the cursor: line 1, character 4
