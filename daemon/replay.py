@@ -146,13 +146,9 @@ def at_pauses(reqs: list[dict]) -> dict:
     answered ones' latency."""
     waited = [r for r in reqs if r.get("pause_ms") is not None and r["pause_ms"] >= PAUSE_MS]
     shown = [r for r in waited if r["status"] == "answered" and r["completion"].strip()]
-    lat = sorted(r["latency_ms"] for r in waited if r["status"] == "answered")
-
-    def pct(p: float) -> float | None:
-        return round(lat[min(len(lat) - 1, int(p * len(lat)))], 1) if lat else None
-
+    lat = [r["latency_ms"] for r in waited if r["status"] == "answered"]
     return {"requests": len(waited), "shown": len(shown), "accepted": sum(r["accepted"] for r in waited),
-            "latency_ms": {"p50": pct(0.5), "p90": pct(0.9)}}
+            "latency_ms": {"p50": pct(lat, 0.5), "p90": pct(lat, 0.9)}}
 
 
 def lines_right(completion: str, typed: str) -> tuple[int, int]:

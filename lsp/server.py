@@ -78,16 +78,20 @@ class Run:
 
 @dataclass
 class Pending:
-    """A completion request in flight for one document."""
+    """A completion request in flight for one document, and the run it waits for (its own, or
+    one it took over)."""
 
-    request: CompletionRequest
+    run: Run
     uri: str
     superseded: bool = False
     stale: bool = False
-    run: Run | None = None
     # set when the request is to answer nothing while its run goes on (the user typed along it,
     # or a newer request took it over)
     released: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def request(self) -> CompletionRequest:
+        return self.run.request
 
 
 @dataclass
@@ -748,7 +752,7 @@ class CodecompleteServer(LanguageServer):
         request = self._engine_request(rid, uri, prefix, suffix, context, alternatives=alternatives)
         run = Run(request, prefix, suffix, (cursor.prefix, cursor.suffix) if along else None,
                   key=key(alternatives), generation=generation)
-        pending = Pending(request, uri, run=run)
+        pending = Pending(run, uri)
         self._supersede(uri, superseded=True)
         self._stop_warming()
         self._warm_line[uri] = position.line
@@ -785,18 +789,19 @@ class CodecompleteServer(LanguageServer):
         user typed along (``following``), or the one in flight for an earlier request, when this
         request's text is its cursor's grown by text (perhaps none) that agrees with its output
         so far."""
-        run = self.following.get(uri)
-        if run is None:
-            pending = self.pending.get(uri)
-            run = pending.run if pending is not None else None
+        run = self._live_run(uri)
+        grown = text_along(run.prefix, run.suffix, prefix, suffix) if run is not None else None
+        return run if grown is not None and reaches_past(run, grown[0]) else None
+
+    def _live_run(self, uri: str) -> Run | None:
+        """The document's run that the user may type along: its request's in flight, or the one
+        typed along already (``following``); None when there is none, it may not be followed
+        (``Run.doc``), it is not submitted yet or it was stopped."""
+        pending = self.pending.get(uri)
+        run = pending.run if pending is not None else self.following.get(uri)
         if run is None or run.doc is None or run.waiter is None or run.request.cancel.is_set():
             return None
-        grown = text_along(run.prefix, run.suffix, prefix, suffix)
-        if grown is None:
-            return None
-        done = run.waiter.done() and not run.waiter.cancelled() and run.waiter.exception() is None
-        so_far = run.waiter.result().text if done else run.request.progress
-        return run if agrees(so_far, grown[0]) else None
+        return run
 
     async def _follow(self, rid: str, uri: str, position: types.Position, run: Run, prefix: str, suffix: str,
                       started: float) -> tuple[Completion, int] | bool | None:
@@ -809,7 +814,7 @@ class CodecompleteServer(LanguageServer):
         if old is not None:
             old.superseded = True
             old.released.set()  # answers nothing; its run goes on for this request
-        pending = Pending(run.request, uri, run=run)
+        pending = Pending(run, uri)
         self.pending[uri] = pending
         self._stop_warming()
         self._warm_line[uri] = position.line
@@ -873,23 +878,14 @@ class CodecompleteServer(LanguageServer):
         """After an edit: whether the document's run goes on (the edit typed text that agrees with
         what the run has written so far, at its cursor).  Its request then answers nothing (its
         cursor is gone) and the run waits in ``following`` for the next request."""
-        pending = self.pending.get(uri)
-        run = pending.run if pending is not None and pending.run is not None else self.following.get(uri)
-        if run is None or not self.config.completion.type_along or run.doc is None or run.waiter is None \
-                or run.request.cancel.is_set():
+        run = self._live_run(uri) if self.config.completion.type_along else None
+        if run is None:
             return False
         text = self.open_text(uri)
         typed = typed_between(text, *run.doc) if text is not None else None
-        if typed is None:
+        if typed is None or not reaches_past(run, typed):
             return False
-        if run.waiter.done():
-            if run.waiter.cancelled() or run.waiter.exception() is not None:
-                return False
-            done = run.waiter.result()
-            if done.cancelled or done.error or not (done.text.startswith(typed) and done.text[len(typed):].strip()):
-                return False
-        elif not agrees(run.request.progress, typed):
-            return False
+        pending = self.pending.get(uri)
         run.request.typed = typed  # the engine stops the run once its output departs from it
         self.following[uri] = run
         if pending is not None:
@@ -1379,6 +1375,18 @@ def typed_between(text: str, before: str, after: str) -> str | None:
             middle = middle[:-k]
             break
     return middle.replace("\r\n", "\n")
+
+
+def reaches_past(run: Run, typed: str) -> bool:
+    """Whether ``run`` may still offer something after ``typed`` (the text typed at its cursor
+    since): while in flight, its text so far agrees with it; once done, its completion starts
+    with it and goes on."""
+    if not run.waiter.done():
+        return agrees(run.request.progress, typed)
+    if run.waiter.cancelled() or run.waiter.exception() is not None:
+        return False
+    done = run.waiter.result()
+    return not (done.cancelled or done.error) and done.text.startswith(typed) and bool(done.text[len(typed):].strip())
 
 
 def plain(value: Any) -> Any:
