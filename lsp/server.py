@@ -300,6 +300,9 @@ class CodecompleteServer(LanguageServer):
             pending.stale = True
             pending.request.cancel.set()
         self.pending.clear()
+        for run in self.following.values():  # runs its user typed along: nobody is left to answer
+            run.request.cancel.set()
+        self.following.clear()
         self._contexts.clear()
         self.shown.clear()
         self.cache.clear()

@@ -261,3 +261,17 @@ async def test_typing_along_in_a_notebook_cell_keeps_the_run_a_cell_moved_stops_
     assert engine.runs[1][0].cancel.is_set() and ls.following == {}
     engine.finish(1, "\nimport os")
     assert (await asyncio.wait_for(third, 1)).items == []
+
+
+async def test_a_client_that_leaves_stops_the_runs_it_typed_along():
+    """A TCP client that disconnects (end_connection): a run it typed along, waiting for its next
+    request, stops with its requests."""
+    ls, engine = server()
+    first = ask(ls, 1, 4)
+    await settle()
+    request = engine.runs[0][0]
+    type_at(ls, 1, 4, "r")
+    assert ls.following and not request.cancel.is_set()
+    await asyncio.wait_for(first, 1)
+    ls.end_connection()
+    assert request.cancel.is_set() and ls.following == {} and ls.pending == {}
