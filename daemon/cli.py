@@ -280,7 +280,7 @@ def index(argv: list[str]) -> int:
 
 
 def sessions_cmd(argv: list[str]) -> int:
-    from .sessions import ASKS, TYPING, SessionError, sessions_from_git, write_sessions
+    from .sessions import ASKS, IDLE_MS, TYPING, SessionError, sessions_from_git, write_sessions
 
     p = argparse.ArgumentParser(prog="codecomplete-daemon sessions", description="Make editing sessions.")
     sub = p.add_subparsers(dest="what", required=True)
@@ -300,14 +300,19 @@ def sessions_cmd(argv: list[str]) -> int:
                    help="the editor closes brackets as their opener is typed (VS Code's default, Neovim's autopairs)")
     g.add_argument("--asks", choices=ASKS, default=ASKS[0],
                    help="where the editor asks for completions: pauses (default: at some word and line boundaries "
-                        "where the typing stops) or keys (after every character typed, as VS Code asks)")
+                        "where the typing stops), keys (after every character typed, as VS Code asks) or idle "
+                        "(once no key came for --idle-ms after one, as Neovim's clients ask)")
+    g.add_argument("--idle-ms", type=int, default=IDLE_MS,
+                   help=f"--asks idle: the editor's wait after the last key (default {IDLE_MS}: Neovim 0.12's "
+                        "built-in client; the Neovim plugin's own client waits 75)")
     args = p.parse_args(argv)
 
     skipped: list[tuple[str, str]] = []
     try:
         made = sessions_from_git(args.repo, args.commits, args.seed, args.max_files,
                                  tuple(args.suffix or [".py"]), skip=max(0, args.skip), typing=args.typing,
-                                 pairs=args.pairs, asks=args.asks, skipped=skipped)
+                                 pairs=args.pairs, asks=args.asks, idle_ms=args.idle_ms,
+                                 skipped=skipped)
     except SessionError as exc:
         print(f"codecomplete-daemon sessions: {exc}", file=sys.stderr)
         return 2

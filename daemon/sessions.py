@@ -254,8 +254,11 @@ def _change(text: str, a: int, b: int, new: str) -> dict:
 TYPING = ("open-line", "in-place")
 # when the editor asks for a completion: "pauses" where the typing stops at a word or line boundary
 # (some of them, at random: an editor with a long debounce, or a user's invoked requests), "keys"
-# after every character typed (VS Code asks at each change; the daemon debounces)
-ASKS = ("pauses", "keys")
+# after every character typed (VS Code asks at each change; the daemon debounces), "idle" once
+# no key came for ``idle_ms`` after one (an editor that debounces itself: Neovim 0.12's built-in
+# client asks 200 ms after the last key, the Neovim plugin's own client 75 ms)
+ASKS = ("pauses", "keys", "idle")
+IDLE_MS = 200
 # --pairs: the brackets an editor closes as their opener is typed (VS Code's autoClosingBrackets,
 # Neovim's autopairs; the daemon's own table, quotes left out), before these characters (VS Code's
 # autoCloseBefore, in part) or a line's end
@@ -280,7 +283,7 @@ def _closes_on_line(added: str, k: int) -> bool:
 
 def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
               max_hunk_chars: int = 2000, typing: str = "open-line", pairs: bool = False,
-              asks: str = "pauses") -> tuple[list[dict], float]:
+              asks: str = "pauses", idle_ms: int = IDLE_MS) -> tuple[list[dict], float]:
     """Events that turn ``old`` into ``new`` hunk by hunk, typing the new lines.  ``typing``:
     "open-line" (what an editor's user does) first opens an empty line where the new lines go
     (Enter at the end of the line above, or Vim's ``O``: one change inserting a line break in
@@ -291,8 +294,10 @@ def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
     its line and the next character allows it (``_CLOSE_BEFORE``): one change inserts both, and
     typing the closer later steps over the one the editor put there (no change); the same random
     draws and requests as without, the file ending the same.  ``asks`` (``ASKS``): where requests
-    come, at some pauses or after every character typed; the same random draws, so the same typing."""
+    come, at some pauses, after every character typed, or ``idle_ms`` after a character when no key
+    follows within that time ("idle"); the same random draws, so the same typing."""
     events: list[dict] = []
+    delay = idle_ms if asks == "idle" else 30  # from a key to the request after it ("keys", "idle")
     t = t0
     text = old
     a_lines = old.splitlines(keepends=True)
@@ -355,8 +360,8 @@ def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
                 if auto and auto[-1] == pos and text[pos] == ch:  # step over the closer the editor put there
                     auto.pop()
                     pos += 1
-                    if asks == "keys":
-                        events.append(_ask(t, uri, text, pos, added[k + 1:]))
+                    if asks != "pauses":
+                        events.append(_ask(t, uri, text, pos, added[k + 1:], delay))
                     continue
                 typed = ch
                 if pairs and ch in PAIRS and (pos == len(text) or text[pos] in _CLOSE_BEFORE) \
@@ -367,35 +372,52 @@ def type_file(uri: str, old: str, new: str, typist: Typist, t0: float = 0.0,
                 text = text[:pos] + typed + text[pos:]
                 auto = [a + len(typed) for a in auto] + ([pos + 1] if len(typed) > 1 else [])
                 pos += 1
-                if asks == "keys":
-                    events.append(_ask(t, uri, text, pos, added[k + 1:]))
+                if asks != "pauses":
+                    events.append(_ask(t, uri, text, pos, added[k + 1:], delay))
         shift += (j2 - j1) - (i2 - i1)
-    return events, t
+    return (_asked_when_idle(events) if asks == "idle" else events), t
 
 
-def _ask(t: float, uri: str, text: str, pos: int, rest: str) -> dict:
-    """A request at ``pos`` just after a keystroke at ``t`` (``asks="keys"``); ``rest``: what the
-    user types from there."""
+def _ask(t: float, uri: str, text: str, pos: int, rest: str, delay: float = 30) -> dict:
+    """A request at ``pos`` ``delay`` ms after a keystroke at ``t`` (``asks`` "keys" or "idle");
+    ``rest``: what the user types from there."""
     line, character = position_of(text, pos)
-    return {"t": round(t + 30), "type": "request", "uri": uri, "line": line, "character": character,
+    return {"t": round(t + delay), "type": "request", "uri": uri, "line": line, "character": character,
             "trigger": "automatic", "truth_line": rest.split("\n")[0], "truth_hunk": rest}
+
+
+def _asked_when_idle(events: list[dict]) -> list[dict]:
+    """``events`` without the requests that a change comes before (``asks="idle"``: the editor's
+    timer, restarted by every key, fires only once the typing stops for its time)."""
+    out: list[dict] = []
+    next_change = float("inf")
+    for e in reversed(events):
+        if e["type"] != "request":
+            next_change = e["t"]
+        elif e["t"] >= next_change:
+            continue
+        out.append(e)
+    return out[::-1]
 
 
 def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: int = 3,
                       suffixes: tuple[str, ...] = (".py",), max_file_bytes: int = 200_000,
                       max_added_lines: int = 200, root_uri: str | None = None, skip: int = 0,
                       typing: str = "open-line", pairs: bool = False, asks: str = "pauses",
-                      skipped: list[tuple[str, str]] | None = None) -> list[Session]:
+                      idle_ms: int = IDLE_MS, skipped: list[tuple[str, str]] | None = None) -> list[Session]:
     """One session per commit: its changed files, typed from the parent's text (``typing``: see
     ``type_file``), each opened with the language its name implies.  ``skip``: pass over the newest
     ``skip`` commits that would make a session (older history, for a set of sessions apart from an
-    earlier one's).  ``pairs``: the editor closes brackets as they are typed (``type_file``).  A
+    earlier one's).  ``pairs``: the editor closes brackets as they are typed, ``asks`` and ``idle_ms``:
+    where the editor asks (``type_file``).  A
     commit git cannot diff (objects missing from a partial clone) is passed over, and with
     ``skipped`` its sha and git's message are appended there."""
     if typing not in TYPING:
         raise SessionError(f"typing must be one of {', '.join(TYPING)}, not {typing!r}")
     if asks not in ASKS:
         raise SessionError(f"asks must be one of {', '.join(ASKS)}, not {asks!r}")
+    if asks == "idle" and not 0 < idle_ms <= 1000:  # a file is closed 1 s after its last key
+        raise SessionError(f"idle_ms must be 1-1000, not {idle_ms}")
     repo = Path(repo).resolve()
     rng = random.Random(seed)
     typist = Typist(rng)
@@ -422,7 +444,8 @@ def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: in
         session = Session(make_header(str(repo), sha, "git-history", "synthetic", parent=parent,
                                       subject=git(repo, "log", "-1", "--format=%s", sha).strip(), typing=typing,
                                       **({"pairs": True} if pairs else {}),
-                                      **({"asks": asks} if asks != "pauses" else {})))
+                                      **({"asks": asks} if asks != "pauses" else {}),
+                                      **({"idle_ms": idle_ms} if asks == "idle" else {})))
         t = 0.0
         for _, path in files[:max_files]:
             old, new = _show(repo, parent, path), _show(repo, sha, path)
@@ -431,7 +454,7 @@ def sessions_from_git(repo: Path, commits: int = 5, seed: int = 0, max_files: in
             uri = f"{base_uri}/{path}"
             session.events.append({"t": round(t), "type": "open", "uri": uri, "languageId": language_of(path),
                                    "text": old})
-            events, t = type_file(uri, old, new, typist, t, typing=typing, pairs=pairs, asks=asks)
+            events, t = type_file(uri, old, new, typist, t, typing=typing, pairs=pairs, asks=asks, idle_ms=idle_ms)
             session.events += events
             t += 1000
             session.events.append({"t": round(t), "type": "save", "uri": uri})

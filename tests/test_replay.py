@@ -165,6 +165,45 @@ def test_sessions_that_ask_after_every_key_type_the_same_and_ask_at_each_charact
         sessions_from_git(history, commits=1, asks="always")
 
 
+@pytest.mark.parametrize("idle_ms", [75, 200])
+def test_sessions_that_ask_when_the_typing_stops_ask_after_each_key_no_key_follows_soon(history: Path, idle_ms: int):
+    """``asks="idle"`` (an editor whose own timer asks ``idle_ms`` after the last key, as Neovim's
+    clients do): the same typing as the other kinds, and a request ``idle_ms`` after exactly those
+    characters typed that no change follows within that time, just after the key, with the
+    commit's text from there as its truth."""
+    (keys,) = sessions_from_git(history, commits=1, seed=2, asks="keys")
+    (idle,) = sessions_from_git(history, commits=1, seed=2, asks="idle", idle_ms=idle_ms)
+    assert idle.header["asks"] == "idle" and idle.header["idle_ms"] == idle_ms
+    changes = [e for e in keys.events if e["type"] != "request"]
+    assert changes == [e for e in idle.events if e["type"] != "request"]
+    # keys asks after every character typed: idle asks after those of them no change follows soon
+    expected = []
+    for i, e in enumerate(keys.events):
+        if e["type"] == "request":
+            key_t = e["t"] - 30
+            later = [c["t"] for c in keys.events[i + 1:] if c["type"] != "request"]
+            if not later or later[0] > key_t + idle_ms:
+                expected.append({**e, "t": key_t + idle_ms})
+    assert idle.requests == expected
+    assert 0 < len(idle.requests) < len(keys.requests)
+    times = [e["t"] for e in idle.events]
+    assert times == sorted(times)
+    final = final_texts(idle)
+    docs: dict = {}
+    for e in idle.events:
+        if e["type"] == "open":
+            docs[e["uri"]] = e["text"]
+        elif e["type"] == "change":
+            for ch in e["changes"]:
+                docs[e["uri"]] = apply_change(docs[e["uri"]], ch)
+        elif e["type"] == "request":
+            text = docs[e["uri"]]
+            off = utf16_offset(text, e["line"], e["character"])
+            assert final[e["uri"]].startswith(text[:off]) and final[e["uri"]][off:].startswith(e["truth_hunk"])
+    with pytest.raises(SessionError, match="idle_ms must be"):
+        sessions_from_git(history, commits=1, asks="idle", idle_ms=0)
+
+
 def test_sessions_open_files_in_their_language_and_pass_over_commits_git_cannot_read(history: Path,
                                                                                      tmp_path: Path):
     """Each typed file is opened with the language its name implies (a .js file as javascript: the
