@@ -925,22 +925,25 @@ class CodecompleteServer(LanguageServer):
         self.edited(uri, params)
 
     def notebook_changed(self, params: types.DidChangeNotebookDocumentParams) -> None:
-        """A notebookDocument/didChange, applied to the workspace already: an edited cell's
-        request in flight is stale (its run goes on if the user typed along it and no other
-        cell changed: the other cells are the prompt's context); cells added, moved or removed:
-        every cell's."""
+        """A notebookDocument/didChange, applied to the workspace already.  The cells are each
+        other's context (``_notebook_context``), so any change to the cells stops every cell's
+        request in flight and any run typed along (as an edit elsewhere in a text document
+        does), except the run of the one cell a keystroke alone edited, when the user typed
+        along it (``typed_along``).  A metadata-only change stops nothing."""
         cells = params.change.cells
         if cells is None:
             return
         edited = [text.document.uri for text in cells.text_content or []]
-        stale = list(edited)
+        if not edited and cells.structure is None:
+            return  # a cell's kind or metadata (cells.data): not the text the prompts read
         notebook = self.workspace.get_notebook_document(notebook_uri=params.notebook_document.uri)
-        if cells.structure is not None and notebook is not None:
-            stale += [cell.document for cell in notebook.cells]
-        if cells.structure is None and len(edited) == 1 and self.typed_along(edited[0]):
-            return
-        for uri in stale:
-            self._supersede(uri, superseded=False)
+        stale = edited + [cell.document for cell in notebook.cells] if notebook is not None else edited
+        if cells.structure is not None:
+            stale += [doc.uri for doc in cells.structure.did_close or []]
+        kept = edited[0] if cells.structure is None and len(edited) == 1 and self.typed_along(edited[0]) else None
+        for uri in dict.fromkeys(stale):
+            if unquote(uri) != unquote(kept or ""):
+                self._supersede(uri, superseded=False)
 
     # -- warm-ups: the prompt at the user's edit prefilled before the request ----------
     def edited(self, uri: str, params: types.DidChangeTextDocumentParams) -> None:

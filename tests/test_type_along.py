@@ -214,53 +214,88 @@ def test_the_text_typed_at_a_cursor():
     assert not agrees("return x", "reg")
 
 
+NOTEBOOK = "file:///work/analysis.ipynb"
+CELLS = [f"vscode-notebook-cell:/work/analysis.ipynb#W{i}sZmlsZQ%3D%3D" for i in range(2)]
+
+
+class Notebook:
+    """A two-cell notebook open in ``ls`` (``import math`` above ``TEXT``), changed as VS Code's
+    Jupyter sends it: the workspace takes the change, then the server's handler."""
+
+    def __init__(self, ls: CodecompleteServer):
+        self.ls = ls
+        self.version = iter(range(2, 100))
+        ls.workspace.put_notebook_document(T.DidOpenNotebookDocumentParams(
+            notebook_document=T.NotebookDocument(uri=NOTEBOOK, notebook_type="jupyter-notebook", version=1, cells=[
+                T.NotebookCell(kind=T.NotebookCellKind.Code, document=u) for u in CELLS]),
+            cell_text_documents=[T.TextDocumentItem(uri=u, language_id="python", version=1, text=t)
+                                 for u, t in zip(CELLS, ["import math\n", TEXT])]))
+
+    def change(self, event: T.NotebookDocumentChangeEvent) -> None:
+        params = T.DidChangeNotebookDocumentParams(
+            notebook_document=T.VersionedNotebookDocumentIdentifier(version=next(self.version), uri=NOTEBOOK),
+            change=event)
+        self.ls.workspace.update_notebook_document(params)
+        self.ls.notebook_changed(params)
+
+    def type_in_cell(self, cell: int, line: int, character: int, text: str) -> None:
+        pos = T.Position(line, character)
+        self.change(T.NotebookDocumentChangeEvent(cells=T.NotebookDocumentCellChanges(text_content=[
+            T.NotebookDocumentCellContentChanges(
+                document=T.VersionedTextDocumentIdentifier(uri=CELLS[cell], version=next(self.version)),
+                changes=[T.TextDocumentContentChangePartial(range=T.Range(pos, pos), text=text)])])))
+
+
 async def test_typing_along_in_a_notebook_cell_keeps_the_run_a_cell_moved_stops_it():
     """Notebooks synced as notebooks (VS Code's Jupyter): a keystroke in the cell, alone in its
     notebookDocument/didChange, is followed like a text document's; a change to the cells'
     structure (the run's context: the cells around it) stops the run."""
     ls, engine = server()
-    nb = "file:///work/analysis.ipynb"
-    cells = [f"vscode-notebook-cell:/work/analysis.ipynb#W{i}sZmlsZQ%3D%3D" for i in range(2)]
-    ls.workspace.put_notebook_document(T.DidOpenNotebookDocumentParams(
-        notebook_document=T.NotebookDocument(uri=nb, notebook_type="jupyter-notebook", version=1, cells=[
-            T.NotebookCell(kind=T.NotebookCellKind.Code, document=u) for u in cells]),
-        cell_text_documents=[T.TextDocumentItem(uri=u, language_id="python", version=1, text=t)
-                             for u, t in zip(cells, ["import math\n", TEXT])]))
-    version = iter(range(2, 100))
-
-    def change(event: T.NotebookDocumentChangeEvent) -> None:
-        params = T.DidChangeNotebookDocumentParams(
-            notebook_document=T.VersionedNotebookDocumentIdentifier(version=next(version), uri=nb), change=event)
-        ls.workspace.update_notebook_document(params)
-        ls.notebook_changed(params)
-
-    def type_in_cell(character: int, text: str) -> None:
-        pos = T.Position(1, character)
-        change(T.NotebookDocumentChangeEvent(cells=T.NotebookDocumentCellChanges(text_content=[
-            T.NotebookDocumentCellContentChanges(
-                document=T.VersionedTextDocumentIdentifier(uri=cells[1], version=next(version)),
-                changes=[T.TextDocumentContentChangePartial(range=T.Range(pos, pos), text=text)])])))
-
-    first = ask(ls, 1, 4, cells[1])
+    notebook = Notebook(ls)
+    first = ask(ls, 1, 4, CELLS[1])
     await settle()
     (request, _), = engine.runs
     assert request.prefix.startswith("import math\n")  # the cell above is the prompt's context
     request.progress = "res"
-    type_in_cell(4, "re")
+    notebook.type_in_cell(1, 1, 4, "re")
     assert not request.cancel.is_set() and request.typed == "re"
     assert (await asyncio.wait_for(first, 1)).items == []
-    second = ask(ls, 1, 6, cells[1])
+    second = ask(ls, 1, 6, CELLS[1])
     await settle()
     engine.finish(0, WRITES)
     assert offered(await asyncio.wait_for(second, 1), "    re") == [WRITES[2:]] and ls.counters.followed == 1
-    third = ask(ls, 0, 11, cells[0])  # a run in the first cell; then the cells are reordered
+    third = ask(ls, 0, 11, CELLS[0])  # a run in the first cell; then the cells are reordered
     await settle()
     engine.runs[1][0].progress = "\nimport os"
-    change(T.NotebookDocumentChangeEvent(cells=T.NotebookDocumentCellChanges(
+    notebook.change(T.NotebookDocumentChangeEvent(cells=T.NotebookDocumentCellChanges(
         structure=T.NotebookDocumentCellChangeStructure(array=T.NotebookCellArrayChange(start=1, delete_count=1)))))
     assert engine.runs[1][0].cancel.is_set() and ls.following == {}
     engine.finish(1, "\nimport os")
     assert (await asyncio.wait_for(third, 1)).items == []
+
+
+async def test_an_edit_to_another_notebook_cell_stops_a_cells_run():
+    """The other cells are a cell's prompt context: an edit in one of them stops the run typed
+    along in a cell (it waits for no request any more) and a cell's request in flight, as an
+    edit elsewhere in a text document does."""
+    ls, engine = server()
+    notebook = Notebook(ls)
+    first = ask(ls, 1, 4, CELLS[1])
+    await settle()
+    request = engine.runs[0][0]
+    request.progress = "res"
+    notebook.type_in_cell(1, 1, 4, "r")  # along the run: it goes on for the next request
+    assert ls.following and not request.cancel.is_set()
+    assert (await asyncio.wait_for(first, 1)).items == []
+    notebook.type_in_cell(0, 1, 0, "import os\n")  # the cell above
+    assert request.cancel.is_set() and ls.following == {}
+    second = ask(ls, 1, 9, CELLS[0])  # a request in flight in the first cell, then a keystroke in the second
+    await settle()
+    notebook.type_in_cell(1, 1, 5, "e")
+    assert engine.runs[1][0].cancel.is_set()
+    engine.finish(1, "\nimport sys")
+    assert (await asyncio.wait_for(second, 1)).items == []
+    assert ls.counters.stale == 2 and ls.counters.followed == 0
 
 
 async def test_a_client_that_leaves_stops_the_runs_it_typed_along():
