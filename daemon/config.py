@@ -96,6 +96,16 @@ class CompletionConfig:
     # the prompt's KV cached instead of prefilling it cold.  A request stops a warm-up at its
     # next piece of 256 tokens (what ran is kept).  0: off.
     warm_ms: int = field(default=50, metadata=_range(0, 60000))
+    # Start the completion at the cursor ``start_ms`` after a keystroke that no other edit or
+    # request follows, before the editor asks, and let the request take the run over (as it does
+    # a run typed along: ``type_along`` must be on).  For editors that wait after the typing stops
+    # before they ask (Neovim 0.12's built-in client: 200 ms): the run gets that time as a head
+    # start.  "auto": once the editor's automatic requests are seen to come that late (the median
+    # of the last 8 at least ``start_ms`` + 50 ms after the document's last change), so an editor
+    # that asks at once (VS Code) or only when the user invokes it starts nothing; "always";
+    # "never".
+    start_ahead: str = field(default="auto", metadata=_choice("auto", "always", "never"))
+    start_ms: int = field(default=50, metadata=_range(1, 2000))
     # Complete while typing with the cursor inside a word (``pri|nt``): off, as text inserted
     # there splits the word.  A request the user invokes is answered there either way.
     inside_word: bool = False

@@ -62,6 +62,10 @@ class CompletionCache:
         """``shape``: the settings the completion depends on (mode, budgets, alternatives)."""
         return uri, _digest(prefix, suffix, context, repr(shape))
 
+    def __contains__(self, key: tuple[str, bytes]) -> bool:
+        """Whether ``get`` would find ``key`` (not counted as a hit)."""
+        return self.entries > 0 and key in self._map
+
     def get(self, key: tuple[str, bytes]) -> Completion | None:
         """The cached completion, marked as such (no prompt, no tokens: nothing ran), or None."""
         if self.entries <= 0:

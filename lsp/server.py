@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import re
+import statistics
 import threading
 import time
 from collections import OrderedDict, deque
@@ -140,6 +141,7 @@ class Counters:
     with_context: int = 0  # requests whose prompt opened with repository snippets
     disabled: int = 0  # of the empty ones, in a language or file completions are off for
     warmups: int = 0  # prefills at an edit ahead of a request (completion.warm_ms)
+    started_ahead: int = 0  # runs started at a pause before the editor asked (completion.start_ahead)
     inside_word: int = 0  # of the empty ones, asked while typing inside a word (nothing fits there)
     latencies_ms: deque = field(default_factory=lambda: deque(maxlen=2000))
 
@@ -217,6 +219,9 @@ class CodecompleteServer(LanguageServer):
         self.cache = CompletionCache(config.completion.cache_entries)  # completions by the text they were made for
         self.recent: deque = deque(maxlen=4096)  # per-request records for the replay harness
         self._warm_line: dict[str, int] = {}  # uri -> the line of its last request or warm-up
+        self._start_timer: asyncio.TimerHandle | None = None  # a run started ahead (completion.start_ahead)
+        self._changed_at: dict[str, float] = {}  # uri -> perf_counter() of its last didChange
+        self._waits: deque[float] = deque(maxlen=8)  # ms from a document's last change to an automatic request
         self._warm_timer: asyncio.TimerHandle | None = None
         self._warming: CompletionRequest | None = None  # the warm-up the engine may be running
         self._cursor_before_open: tuple[str, int, int] | None = None  # didMoveCursor ahead of didOpen
@@ -303,6 +308,11 @@ class CodecompleteServer(LanguageServer):
         for run in self.following.values():  # runs its user typed along: nobody is left to answer
             run.request.cancel.set()
         self.following.clear()
+        if self._start_timer is not None:
+            self._start_timer.cancel()
+            self._start_timer = None
+        self._waits.clear()  # the next client may ask otherwise
+        self._changed_at.clear()
         self._contexts.clear()
         self.shown.clear()
         self.cache.clear()
@@ -631,6 +641,8 @@ class CodecompleteServer(LanguageServer):
     async def inline_completion(self, params: types.InlineCompletionParams) -> types.InlineCompletionList:
         """Answer one request; a failure inside is an empty result and a log line."""
         automatic = params.context.trigger_kind == types.InlineCompletionTriggerKind.Automatic
+        if automatic:
+            self._note_wait(params.text_document.uri)
         # "Invoked: triggered explicitly by a user gesture" (LSP 3.18): offer others too
         alternatives = 1 if automatic else self.config.completion.alternatives
         got = await self._guarded(params.text_document.uri, params.position, automatic,
@@ -729,8 +741,7 @@ class CodecompleteServer(LanguageServer):
         self.counters.with_context += bool(context)
 
         def key(n: int):  # n: completions asked for
-            return self.cache.key(uri, prefix, suffix, context, (cfg.mode, cfg.max_tokens, cfg.max_lines,
-                                                                 cfg.time_budget_ms, n))
+            return self._cache_key(uri, prefix, suffix, context, n)
 
         generation = self.cache.generation
         hit = self.cache.get(key(alternatives))
@@ -777,6 +788,12 @@ class CodecompleteServer(LanguageServer):
             # its first completion is greedy decoding's, what a request while typing gets
             self.cache.put(key(1), replace(completion, alternatives=[]), generation)
         return self._answer(rid, uri, text, cursor, position, completion, encoding, selected, started)
+
+    def _cache_key(self, uri: str, prefix: str, suffix: str, context: str, n: int):
+        """The completion cache's key for ``n`` completions of this text under the settings."""
+        cfg = self.config.completion
+        return self.cache.key(uri, prefix, suffix, context, (cfg.mode, cfg.max_tokens, cfg.max_lines,
+                                                             cfg.time_budget_ms, n))
 
     # -- typing along a run in flight ---------------------------------------------------
     # While a request's run is being decoded, the user may type what its completion starts with
@@ -919,6 +936,7 @@ class CodecompleteServer(LanguageServer):
         workspace = self.workspace
         if isinstance(workspace, LspWorkspace) and not workspace.is_open(uri):
             return  # ignored (and logged) by the workspace: not a buffer to overlay
+        self._changed_at[uri] = time.perf_counter()
         if not self.typed_along(uri):
             self._supersede(uri, superseded=False)
         self.overlay(uri)
@@ -956,8 +974,9 @@ class CodecompleteServer(LanguageServer):
         # start moved by the inserted text's line breaks and the units of its last line
         lines, units = position_at(change.text, len(change.text), self.workspace.position_encoding or "utf-16")
         start = change.range.start
-        self._schedule_warm(uri, params.text_document.version, start.line + lines,
-                            (start.character if not lines else 0) + units)
+        line, character = start.line + lines, (start.character if not lines else 0) + units
+        self._schedule_warm(uri, params.text_document.version, line, character)
+        self._schedule_start(uri, params.text_document.version, line, character)
 
     def cursor_moved(self, params: Any) -> None:
         """``codecomplete/didMoveCursor`` {textDocument: {uri}, position} (the editor plugins send
@@ -999,6 +1018,84 @@ class CodecompleteServer(LanguageServer):
         self._warm_timer = loop.call_later(delay / 1000, lambda: asyncio.ensure_future(
             self._warm(uri, version, types.Position(line, character))))
 
+    def _running_along(self) -> bool:
+        """Whether a run typed along (or started ahead) is still being made."""
+        return any(not run.waiter.done() for run in self.following.values() if run.waiter is not None)
+
+    # -- runs started ahead: the completion begun at a pause, before the editor asks -----
+    def _note_wait(self, uri: str) -> None:
+        """An automatic request for ``uri``: how long after the document's last change it came
+        (under a second: a request while typing, not after a jump or a long read)."""
+        at = self._changed_at.get(uri)
+        if at is not None and (ms := (time.perf_counter() - at) * 1000) < 1000:
+            self._waits.append(ms)
+
+    def starts_ahead(self) -> bool:
+        """Whether a pause in the typing starts the completion there (``completion.start_ahead``;
+        "auto": the editor's automatic requests come at least 50 ms later than the start would)."""
+        cfg = self.config.completion
+        if cfg.start_ahead != "auto":
+            return cfg.start_ahead == "always"
+        return len(self._waits) >= 3 and statistics.median(self._waits) >= cfg.start_ms + 50
+
+    def _schedule_start(self, uri: str, version: int | None, line: int, character: int) -> None:
+        """After an edit: a run started at (line, character) ``completion.start_ms`` from now,
+        where ``starts_ahead``; the next edit (or a request) comes first as a rule."""
+        if self._start_timer is not None:
+            self._start_timer.cancel()
+            self._start_timer = None
+        cfg = self.config.completion
+        if not (cfg.enabled and cfg.type_along) or not self.starts_ahead():
+            return
+        loop = asyncio.get_running_loop()
+        self._start_timer = loop.call_later(cfg.start_ms / 1000, lambda: asyncio.ensure_future(
+            self._start_ahead(uri, version, types.Position(line, character))))
+
+    async def _start_ahead(self, uri: str, version: int | None, position: types.Position) -> None:
+        """Start the completion a request at ``position`` would run, unless the document changed
+        since, a request or run is there already, or the request would be answered without the
+        model (typed through, cached) or get nothing (inside a word, completions off).  The run
+        waits in ``following``, as one typed along does: typing along it keeps it going, a request
+        at its text takes it over, any other edit stops it."""
+        self._start_timer = None
+        cfg = self.config.completion
+        doc = self.workspace.text_documents.get(unquote(uri))
+
+        def moved_on() -> bool:
+            return doc is None or doc.version != version or uri in self.pending or self._live_run(uri) is not None
+
+        if moved_on():
+            return
+        text = self.open_text(uri)
+        if text is None or len(text) > cfg.max_document_bytes or self._completions_off(uri):
+            return
+        try:
+            cursor = cursor_at(text, position.line, position.character, self.workspace.position_encoding or "utf-16")
+            if not cfg.inside_word and _inside_word(text, cursor.offset):
+                return
+            before, after = self._notebook_context(uri)
+            prefix, suffix = before + cursor.prefix, cursor.suffix + after
+            if cfg.type_through and self._typed_through(uri, prefix, suffix) is not None:
+                return
+            context = await self._context(uri, text, cursor) if cfg.context_snippets and self.index else ""
+        except PositionError as exc:  # a cursor the document no longer has
+            log.debug("no run started ahead at %s: %s", uri, exc)
+            return
+        except Exception:  # a courtesy: never a reason to fail an edit
+            log.exception("starting a run ahead at %s failed", uri)
+            return
+        key = self._cache_key(uri, prefix, suffix, context, 1)
+        if moved_on() or key in self.cache:
+            return
+        request = self._engine_request(f"a{next(self._ids)}", uri, prefix, suffix, context)
+        run = Run(request, prefix, suffix, (cursor.prefix, cursor.suffix), key=key, generation=self.cache.generation)
+        self._stop_warming()
+        self._warm_line[uri] = position.line  # the run prefills there
+        run.waiter = asyncio.wrap_future(self.engine.submit(request))
+        self.following[uri] = run
+        self.counters.started_ahead += 1
+        log.debug("[%s] started ahead at %s:%d:%d", request.request_id, uri, position.line, position.character)
+
     def _stop_warming(self) -> None:
         if self._warm_timer is not None:
             self._warm_timer.cancel()
@@ -1010,7 +1107,7 @@ class CodecompleteServer(LanguageServer):
         """The warm-up itself, unless the document changed again or a request is in flight."""
         self._warm_timer = None
         doc = self.workspace.text_documents.get(unquote(uri))
-        if self.pending or self.following or doc is None or doc.version != version \
+        if self.pending or self._running_along() or doc is None or doc.version != version \
                 or self._warm_line.get(uri) == position.line:
             return  # a request came, or the user typed on: its edit schedules again; or asked there since
         cfg = self.config.completion
@@ -1027,7 +1124,7 @@ class CodecompleteServer(LanguageServer):
         except Exception:  # a courtesy: never a reason to fail an edit
             log.exception("warm-up at %s failed", uri)
             return
-        if self.pending or self.following or doc.version != version:
+        if self.pending or self._running_along() or doc.version != version:
             return
         request = self._engine_request(f"w{next(self._ids)}", uri, before + cursor.prefix, cursor.suffix + after,
                                        context, warm=True)

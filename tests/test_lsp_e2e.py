@@ -1088,6 +1088,51 @@ async def stats_when(c, ready, tries: int = 1200) -> dict:
     return s
 
 
+async def test_a_client_that_asks_late_gets_the_run_started_at_the_pause(repo, tiny_model, model_cache):
+    """Guards runs started ahead (completion.startAhead): a client whose automatic requests come
+    0.4 s after the last keystroke (Neovim 0.12's: 0.2 s) types the same text into two documents,
+    first with the setting "never", then "auto" (the first document's requests showed the client
+    asks late): in the second each pause starts the completion, each request takes its run over
+    (the requests run nothing themselves), and the answers are the first document's."""
+    settings = {"startMs": 20, "warmMs": 0, "debounceMs": 0}
+    c = await start_daemon(repo, tiny_model, init_options={"completion": {**settings, "startAhead": "never"}})
+    pieces = ["def f", "(x):\n    return x\n\n", "def g", "("]
+
+    async def type_and_ask(name: str) -> list:
+        uri = (repo / name).as_uri()
+        text = "import os\n\n"
+        open_doc(c, uri, text)
+        answers = []
+        for version, piece in enumerate(pieces, start=2):
+            lines = text.split("\n")
+            insert(c, uri, version, len(lines) - 1, len(lines[-1]), piece)
+            text += piece
+            await asyncio.sleep(0.4)  # the client's wait after the last key
+            lines = text.split("\n")
+            answers.append([i.insert_text for i in await complete(c, uri, len(lines) - 1, len(lines[-1]))])
+        return answers
+
+    try:
+        await stats_when(c, lambda s: s["engine"]["ready"])
+        first = await type_and_ask("late_a.py")
+        s = await stats(c)
+        assert s["counters"]["started_ahead"] == 0
+        runs = s["engine"]["completions"]
+        c.workspace_did_change_configuration(T.DidChangeConfigurationParams(
+            settings={"codecomplete": {"completion": {**settings, "startAhead": "auto"}}}))
+        second = await type_and_ask("late_b.py")
+        s = await stats(c, recent=True)
+        assert second == first and any(first)
+        started = s["counters"]["started_ahead"]
+        assert started >= 1 and s["engine"]["completions"] - runs == started  # only the started runs ran
+        answered = [r for r in s["recent"][-len(pieces):] if r["status"] == "answered"]
+        assert answered and all(r["prompt_kind"] in ("followed", "typed-through", "cached") for r in answered)
+        assert s["counters"]["followed"] >= 1
+    finally:
+        await c.shutdown_session()
+        await c.stop()
+
+
 async def test_an_edit_on_a_new_line_warms_the_prompt_before_the_request(repo, tiny_model, model_cache,
                                                                           reference_engine):
     """Guards warm-ups (completion.warmMs): an edit on a line with no request yet prefills the

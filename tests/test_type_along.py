@@ -310,3 +310,107 @@ async def test_a_client_that_leaves_stops_the_runs_it_typed_along():
     await asyncio.wait_for(first, 1)
     ls.end_connection()
     assert request.cancel.is_set() and ls.following == {} and ls.pending == {}
+
+
+# -- runs started ahead (completion.start_ahead): the completion begun at a pause, before the
+# editor asks (Neovim 0.12's client asks 200 ms after the last key)
+
+async def pause(ms: float = 30) -> None:
+    """The user stops typing for ``ms`` (past ``start_ms`` = 1 in these tests)."""
+    await asyncio.sleep(ms / 1000)
+    await settle()
+
+
+async def test_a_pause_starts_the_run_and_the_request_after_it_takes_it_over():
+    ls, engine = server(start_ahead="always", start_ms=1, warm_ms=0)
+    type_at(ls, 1, 4, "r")
+    await pause()
+    (request, _), = engine.runs  # started at the cursor, before any request
+    assert request.prefix == "def total(a, b):\n    r" and request.suffix == "\n"
+    assert ls.following[URI].request is request and ls.counters.started_ahead == 1
+    request.progress = "esu"
+    type_at(ls, 1, 5, "e")  # typed along it: it goes on, and no second run starts
+    await pause()
+    assert len(engine.runs) == 1 and not request.cancel.is_set() and request.typed == "e"
+    answer = ask(ls, 1, 6)
+    await settle()
+    engine.finish(0, WRITES[1:])
+    assert offered(await asyncio.wait_for(answer, 1), "    re") == [WRITES[2:]]
+    assert len(engine.runs) == 1 and ls.counters.followed == 1 and ls.following == {}
+
+
+async def test_a_run_started_ahead_stops_at_a_key_that_departs_and_a_new_pause_starts_another():
+    ls, engine = server(start_ahead="always", start_ms=1, warm_ms=0)
+    type_at(ls, 1, 4, "r")
+    await pause()
+    first = engine.runs[0][0]
+    first.progress = "esult"
+    type_at(ls, 1, 5, "x")
+    assert first.cancel.is_set() and ls.following == {}
+    await pause()
+    assert len(engine.runs) == 2 and engine.runs[1][0].prefix.endswith("    rx")
+    engine.finish(0, "esult")
+    answer = ask(ls, 1, 6)  # the request at the new run's text takes it
+    await settle()
+    engine.finish(1, " = a")
+    assert offered(await asyncio.wait_for(answer, 1), "    rx") == [" = a"] and len(engine.runs) == 2
+
+
+async def test_no_run_starts_ahead_where_the_request_would_not_run_the_model():
+    """Inside a word (no completion while typing there), where the shown completion is typed
+    through, with the setting "never" or typing along off, and while a request is in flight."""
+    ls, engine = server(start_ahead="always", start_ms=1, warm_ms=0)
+    type_at(ls, 1, 4, "pr")
+    type_at(ls, 1, 5, "")  # no text: the cursor is at 5, between "p" and "r"
+    await pause()
+    assert ls.workspace.get_text_document(URI).source == "def total(a, b):\n    pr\n"
+    assert engine.runs == []  # p|r: inside a word
+    ls, engine = server(start_ahead="always", start_ms=1, warm_ms=0)
+    answer = ask(ls, 1, 4)
+    await settle()
+    engine.finish(0, WRITES)
+    await asyncio.wait_for(answer, 1)
+    type_at(ls, 1, 4, "r")  # typing through the shown completion: answered without the model
+    await pause()
+    assert len(engine.runs) == 1 and ls.counters.started_ahead == 0
+    for settings in ({"start_ahead": "never"}, {"start_ahead": "always", "type_along": False}):
+        ls, engine = server(start_ms=1, warm_ms=0, **settings)
+        type_at(ls, 1, 4, "r")
+        await pause()
+        assert engine.runs == [] and ls.counters.started_ahead == 0
+    ls, engine = server(start_ahead="always", start_ms=1, warm_ms=0)
+    type_at(ls, 1, 4, "r")
+    answer = ask(ls, 1, 5)  # the editor asks before the start's time: its request runs, nothing else
+    await settle()
+    await pause()
+    assert len(engine.runs) == 1 and engine.runs[0][0].request_id.startswith("c")
+    assert ls.counters.started_ahead == 0
+    engine.finish(0, "")
+    await asyncio.wait_for(answer, 1)
+
+
+async def test_auto_starts_ahead_only_for_an_editor_that_asks_late():
+    """"auto": an editor whose automatic requests come right after the edit (VS Code) starts
+    nothing ahead; one whose requests come later than the start would (by 50 ms or more) does."""
+    ls, engine = server(start_ms=1, warm_ms=0)
+    for k in range(8):  # asks at once after each key
+        type_at(ls, 1, 4 + k, "x")
+        answer = ask(ls, 1, 5 + k)
+        await settle()
+        engine.finish(len(engine.runs) - 1, "")
+        await asyncio.wait_for(answer, 1)
+    assert not ls.starts_ahead() and ls.counters.started_ahead == 0
+    ls, engine = server(start_ms=1, warm_ms=0)
+    for k in range(3):  # asks 60 ms after the key
+        type_at(ls, 1, 4 + k, " ")
+        await asyncio.sleep(0.06)
+        if k < 2:
+            assert ls.counters.started_ahead == 0
+        answer = ask(ls, 1, 5 + k)
+        await settle()
+        engine.finish(len(engine.runs) - 1, "")
+        await asyncio.wait_for(answer, 1)
+    assert ls.starts_ahead()
+    type_at(ls, 1, 7, "y")
+    await pause()
+    assert ls.counters.started_ahead == 1 and ls.following[URI].request.prefix.endswith("y")
