@@ -470,8 +470,9 @@ def write_report(out: Path, runs: list[dict], meta: dict) -> dict:
               "the rest of the last completion, without the model (only where `completion.type_through` is on: "
               "the efim-through scheme). Cached: answered with the completion an earlier request got for the "
               "same text (`completion.cache_entries`; also only in efim-through). Followed: answered with the "
-              "rest of a completion still being made for an earlier request when the user typed on along it "
-              "(`completion.type_along`; only in efim-through). Lines right / shown: the "
+              "rest of a completion still being made for an earlier request when the user typed on along it, or "
+              "started at the pause before the request came (`completion.type_along`, `completion.start_ahead`; "
+              "only in efim-through). Lines right / shown: the "
               "completions' non-blank lines, and those equal (stripped) to what the user typed at that line.", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     (out / "report.md").write_text("\n".join(lines) + "\n")
