@@ -426,6 +426,7 @@ class CodecompleteServer(LanguageServer):
         self._contexts.pop(uri, None)
         self.shown.pop(uri, None)
         self._warm_line.pop(uri, None)
+        self._changed_at.pop(uri, None)
         self.cache.drop(uri)
         self.overlay(uri, closed=True)
 
