@@ -1067,23 +1067,13 @@ class CodecompleteServer(LanguageServer):
 
         if moved_on():
             return
-        text = self.open_text(uri)
-        if text is None or len(text) > cfg.max_document_bytes or self._completions_off(uri):
+        got = await self._text_at(uri, position, "run started ahead")
+        if got is None:
             return
-        try:
-            cursor = cursor_at(text, position.line, position.character, self.workspace.position_encoding or "utf-16")
-            if not cfg.inside_word and _inside_word(text, cursor.offset):
-                return
-            before, after = self._notebook_context(uri)
-            prefix, suffix = before + cursor.prefix, cursor.suffix + after
-            if cfg.type_through and self._typed_through(uri, prefix, suffix) is not None:
-                return
-            context = await self._context(uri, text, cursor) if cfg.context_snippets and self.index else ""
-        except PositionError as exc:  # a cursor the document no longer has
-            log.debug("no run started ahead at %s: %s", uri, exc)
+        text, cursor, prefix, suffix, context = got
+        if not cfg.inside_word and _inside_word(text, cursor.offset):
             return
-        except Exception:  # a courtesy: never a reason to fail an edit
-            log.exception("starting a run ahead at %s failed", uri)
+        if cfg.type_through and self._typed_through(uri, prefix, suffix) is not None:
             return
         key = self._cache_key(uri, prefix, suffix, context, 1)
         if moved_on() or key in self.cache:
@@ -1096,6 +1086,28 @@ class CodecompleteServer(LanguageServer):
         self.following[uri] = run
         self.counters.started_ahead += 1
         log.debug("[%s] started ahead at %s:%d:%d", request.request_id, uri, position.line, position.character)
+
+    async def _text_at(self, uri: str, position: types.Position, what: str):
+        """For work ahead of the editor's request (``what``: a warm-up, a run started ahead): the
+        document's text, the cursor at ``position``, the prompt's text before and after it (a
+        notebook's other cells included) and the repository snippets, as the request would have
+        them; None where it would get no completion (an oversized document, completions off) or
+        the cursor is gone."""
+        cfg = self.config.completion
+        text = self.open_text(uri)
+        if text is None or len(text) > cfg.max_document_bytes or self._completions_off(uri):
+            return None
+        try:
+            cursor = cursor_at(text, position.line, position.character, self.workspace.position_encoding or "utf-16")
+            before, after = self._notebook_context(uri)
+            context = await self._context(uri, text, cursor) if cfg.context_snippets and self.index else ""
+        except PositionError as exc:  # a cursor the document no longer has
+            log.debug("no %s at %s: %s", what, uri, exc)
+            return None
+        except Exception:  # a courtesy: never a reason to fail an edit
+            log.exception("%s at %s failed", what, uri)
+            return None
+        return text, cursor, before + cursor.prefix, cursor.suffix + after, context
 
     def _stop_warming(self) -> None:
         if self._warm_timer is not None:
@@ -1111,24 +1123,11 @@ class CodecompleteServer(LanguageServer):
         if self.pending or self._running_along() or doc is None or doc.version != version \
                 or self._warm_line.get(uri) == position.line:
             return  # a request came, or the user typed on: its edit schedules again; or asked there since
-        cfg = self.config.completion
-        text = self.open_text(uri)
-        if text is None or len(text) > cfg.max_document_bytes or self._completions_off(uri):
+        got = await self._text_at(uri, position, "warm-up")
+        if got is None or self.pending or self._running_along() or doc.version != version:
             return
-        try:
-            cursor = cursor_at(text, position.line, position.character, self.workspace.position_encoding or "utf-16")
-            before, after = self._notebook_context(uri)
-            context = await self._context(uri, text, cursor) if cfg.context_snippets and self.index else ""
-        except PositionError as exc:  # a cursor the document no longer has
-            log.debug("no warm-up at %s: %s", uri, exc)
-            return
-        except Exception:  # a courtesy: never a reason to fail an edit
-            log.exception("warm-up at %s failed", uri)
-            return
-        if self.pending or self._running_along() or doc.version != version:
-            return
-        request = self._engine_request(f"w{next(self._ids)}", uri, before + cursor.prefix, cursor.suffix + after,
-                                       context, warm=True)
+        _, _, prefix, suffix, context = got
+        request = self._engine_request(f"w{next(self._ids)}", uri, prefix, suffix, context, warm=True)
         self._warm_line[uri] = position.line
         if self._warming is not None:  # the user moved on: the engine stops it at its next piece
             self._warming.cancel.set()
