@@ -144,7 +144,7 @@ def apply_change(text: str, change: dict) -> str:
     return text[:a] + change["text"] + text[b:]
 
 
-def _documents(session: Session):
+def documents_at_events(session: Session):
     """Each event with every document's text once that event is applied (one dict, updated)."""
     docs: dict[str, str] = {}
     for e in session.events:
@@ -159,7 +159,7 @@ def _documents(session: Session):
 def final_texts(session: Session) -> dict[str, str]:
     """Every document's text after all the session's edits."""
     docs: dict[str, str] = {}
-    for _, docs in _documents(session):
+    for _, docs in documents_at_events(session):
         pass
     return docs
 
@@ -167,7 +167,7 @@ def final_texts(session: Session) -> dict[str, str]:
 def rest_of_line_at_requests(session: Session) -> list[str]:
     """For each request, the text after the cursor on its line as the daemon sees it then."""
     rests = []
-    for e, docs in _documents(session):
+    for e, docs in documents_at_events(session):
         if e["type"] == "request":
             text = docs.get(e["uri"], "")
             rests.append(text[utf16_offset(text, e["line"], e["character"]):].split("\n", 1)[0])

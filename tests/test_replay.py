@@ -14,7 +14,7 @@ from pytest_lsp import make_test_lsp_client
 
 from codecomplete.daemon.replay import (PAUSE_MS, RequestResult, at_pauses, edit_similarity, parse_settings,
                                         pauses_after_requests, score, time_split)
-from codecomplete.daemon.sessions import (Session, SessionError, apply_change, final_texts, make_header,
+from codecomplete.daemon.sessions import (Session, SessionError, documents_at_events, final_texts, make_header,
                                           read_sessions, rest_of_line_at_requests, sessions_from_git, utf16_offset,
                                           write_sessions)
 
@@ -145,14 +145,9 @@ def test_sessions_that_ask_after_every_key_type_the_same_and_ask_at_each_charact
     assert changes[0] == changes[1]
     assert len(keys.requests) > 3 * len(pauses.requests)
     final = final_texts(keys)
-    docs: dict = {}
     last = None
-    for e in keys.events:
-        if e["type"] == "open":
-            docs[e["uri"]] = e["text"]
-        elif e["type"] == "change":
-            for ch in e["changes"]:
-                docs[e["uri"]] = apply_change(docs[e["uri"]], ch)
+    for e, docs in documents_at_events(keys):
+        if e["type"] == "change":
             last = e
         elif e["type"] == "request":
             assert last is not None and e["t"] == last["t"] + 30 and len(last["changes"]) == 1
@@ -189,14 +184,8 @@ def test_sessions_that_ask_when_the_typing_stops_ask_after_each_key_no_key_follo
     times = [e["t"] for e in idle.events]
     assert times == sorted(times)
     final = final_texts(idle)
-    docs: dict = {}
-    for e in idle.events:
-        if e["type"] == "open":
-            docs[e["uri"]] = e["text"]
-        elif e["type"] == "change":
-            for ch in e["changes"]:
-                docs[e["uri"]] = apply_change(docs[e["uri"]], ch)
-        elif e["type"] == "request":
+    for e, docs in documents_at_events(idle):
+        if e["type"] == "request":
             text = docs[e["uri"]]
             off = utf16_offset(text, e["line"], e["character"])
             assert final[e["uri"]].startswith(text[:off]) and final[e["uri"]][off:].startswith(e["truth_hunk"])
