@@ -948,7 +948,9 @@ class CodecompleteServer(LanguageServer):
         other's context (``_notebook_context``), so any change to the cells stops every cell's
         request in flight and any run typed along (as an edit elsewhere in a text document
         does), except the run of the one cell a keystroke alone edited, when the user typed
-        along it (``typed_along``).  A metadata-only change stops nothing."""
+        along it (``typed_along``).  An edit to one cell's text is then that cell's keystroke
+        (``edited``: a warm-up there, a run started at the pause), as in a text document.  Cells
+        the change removes are forgotten.  A metadata-only change stops nothing."""
         cells = params.change.cells
         if cells is None:
             return
@@ -957,12 +959,19 @@ class CodecompleteServer(LanguageServer):
             return  # a cell's kind or metadata (cells.data): not the text the prompts read
         notebook = self.workspace.get_notebook_document(notebook_uri=params.notebook_document.uri)
         stale = edited + [cell.document for cell in notebook.cells] if notebook is not None else edited
-        if cells.structure is not None:
-            stale += [doc.uri for doc in cells.structure.did_close or []]
-        kept = edited[0] if cells.structure is None and len(edited) == 1 and self.typed_along(edited[0]) else None
-        for uri in dict.fromkeys(stale):
+        removed = [doc.uri for doc in cells.structure.did_close or []] if cells.structure is not None else []
+        one = edited[0] if cells.structure is None and len(edited) == 1 else None
+        if one is not None:
+            self._changed_at[one] = time.perf_counter()
+        kept = one if one is not None and self.typed_along(one) else None
+        for uri in dict.fromkeys(stale + removed):
             if unquote(uri) != unquote(kept or ""):
                 self._supersede(uri, superseded=False)
+        for uri in removed:
+            self.forget(uri)
+        if one is not None:
+            text = cells.text_content[0]
+            self.edited(one, types.DidChangeTextDocumentParams(text.document, list(text.changes)))
 
     # -- warm-ups: the prompt at the user's edit prefilled before the request ----------
     def edited(self, uri: str, params: types.DidChangeTextDocumentParams) -> None:

@@ -1133,6 +1133,45 @@ async def test_a_client_that_asks_late_gets_the_run_started_at_the_pause(repo, t
         await c.stop()
 
 
+async def test_a_pause_in_a_notebook_cell_starts_the_cells_completion(repo, tiny_model, model_cache,
+                                                                       reference_engine):
+    """Guards runs started ahead and warm-ups in notebook cells (edited through
+    notebookDocument/didChange): a keystroke in a cell warms its prompt, the pause after it
+    starts the completion there with the cells around it, and the cell's request takes that run
+    over (the request runs nothing itself) and gets the completion a fresh session gets."""
+    c = await start_daemon(repo, tiny_model, init_options={"completion": {
+        "startAhead": "always", "startMs": 150, "warmMs": 1, "debounceMs": 0}})
+    try:
+        await stats_when(c, lambda s: s["engine"]["ready"])
+        nb = (repo / "ahead.ipynb").as_uri()
+        cells = ["vscode-notebook-cell:" + (repo / "ahead.ipynb").as_posix() + f"#W{i}sZmlsZQ%3D%3D" for i in range(2)]
+        texts = [POINT.rsplit("\n", 1)[0] + "\n", "p = Point(1, 2)\n"]
+        c.notebook_document_did_open(T.DidOpenNotebookDocumentParams(
+            notebook_document=T.NotebookDocument(uri=nb, notebook_type="jupyter-notebook", version=1, cells=[
+                T.NotebookCell(kind=T.NotebookCellKind.Code, document=u) for u in cells]),
+            cell_text_documents=[T.TextDocumentItem(uri=u, language_id="python", version=1, text=t)
+                                 for u, t in zip(cells, texts)]))
+        end = T.Position(1, 0)
+        runs = (await stats(c))["engine"]["completions"]
+        c.notebook_document_did_change(T.DidChangeNotebookDocumentParams(
+            notebook_document=T.VersionedNotebookDocumentIdentifier(version=2, uri=nb),
+            change=T.NotebookDocumentChangeEvent(cells=T.NotebookDocumentCellChanges(text_content=[
+                T.NotebookDocumentCellContentChanges(
+                    document=T.VersionedTextDocumentIdentifier(uri=cells[1], version=2),
+                    changes=[T.TextDocumentContentChangePartial(range=T.Range(end, end), text="p.")])]))))
+        s = await stats_when(c, lambda s: s["counters"]["started_ahead"] == 1)
+        assert s["counters"]["warmups"] == 1 and s["counters"]["server_errors"] == 0
+        items = await complete(c, cells[1], 1, 2)
+        want = expected(reference_engine, texts[0].rstrip("\n") + "\n\n" + texts[1] + "p.", "")
+        assert proposed(items, "p.") == [want] and want
+        s = await stats(c, recent=True)
+        assert s["counters"]["followed"] == 1 and s["engine"]["completions"] == runs + 1  # the started run alone
+        assert s["recent"][-1]["prompt_kind"] == "followed"
+    finally:
+        await c.shutdown_session()
+        await c.stop()
+
+
 async def test_an_edit_on_a_new_line_warms_the_prompt_before_the_request(repo, tiny_model, model_cache,
                                                                           reference_engine):
     """Guards warm-ups (completion.warmMs): an edit on a line with no request yet prefills the

@@ -414,3 +414,66 @@ async def test_auto_starts_ahead_only_for_an_editor_that_asks_late():
     type_at(ls, 1, 7, "y")
     await pause()
     assert ls.counters.started_ahead == 1 and ls.following[URI].request.prefix.endswith("y")
+
+
+async def test_a_pause_in_a_notebook_cell_starts_its_run_with_the_cells_around_it():
+    """A keystroke in a cell (notebookDocument/didChange, one cell's text) is a keystroke as in a
+    text document: the pause after it starts the cell's completion, its prompt holding the cell
+    above; typing along keeps it, the cell's request takes it over.  An edit in another cell
+    stops it, and a change to two cells' text at once starts nothing."""
+    ls, engine = server(start_ahead="always", start_ms=1, warm_ms=0)
+    notebook = Notebook(ls)
+    notebook.type_in_cell(1, 1, 4, "r")
+    await pause()
+    (request, _), = engine.runs
+    assert request.prefix == "import math\n\ndef total(a, b):\n    r" and request.suffix == "\n"
+    assert ls.following[CELLS[1]].request is request and ls.counters.started_ahead == 1
+    request.progress = "esu"
+    notebook.type_in_cell(1, 1, 5, "e")
+    await pause()
+    assert len(engine.runs) == 1 and not request.cancel.is_set() and request.typed == "e"
+    answer = ask(ls, 1, 6, CELLS[1])
+    await settle()
+    engine.finish(0, WRITES[1:])
+    assert offered(await asyncio.wait_for(answer, 1), "    re") == [WRITES[2:]]
+    assert ls.counters.followed == 1 and ls.following == {}
+
+    notebook.type_in_cell(1, 1, 6, "s")  # typing through the shown rest: nothing to start
+    await pause()
+    assert len(engine.runs) == 1
+    notebook.type_in_cell(1, 1, 7, "x")  # departs from it: the pause starts a run ...
+    await pause()
+    second = engine.runs[1][0]
+    assert second.prefix.endswith("    resx") and ls.counters.started_ahead == 2
+    notebook.type_in_cell(0, 1, 0, "import os\n")  # ... that an edit in the cell above stops,
+    assert second.cancel.is_set() and CELLS[1] not in ls.following
+    await pause()  # and the pause there starts that cell's own
+    third = engine.runs[2][0]
+    assert third.prefix == "import math\nimport os\n" and third.suffix.startswith("\n\ndef total(a, b):")
+    engine.finish(1, "")
+    engine.finish(2, "")
+    pos = T.Position(2, 0)
+    notebook.change(T.NotebookDocumentChangeEvent(cells=T.NotebookDocumentCellChanges(text_content=[
+        T.NotebookDocumentCellContentChanges(
+            document=T.VersionedTextDocumentIdentifier(uri=cells, version=next(notebook.version)),
+            changes=[T.TextDocumentContentChangePartial(range=T.Range(pos, pos), text="# both\n")])
+        for cells in CELLS])))  # a replace across the cells: no one cursor to start at
+    await pause()
+    assert len(engine.runs) == 3 and ls.counters.started_ahead == 3
+
+
+async def test_an_edit_in_a_notebook_cell_warms_its_prompt_and_a_removed_cell_is_forgotten():
+    ls, engine = server(start_ahead="never", warm_ms=1)
+    notebook = Notebook(ls)
+    notebook.type_in_cell(1, 1, 4, "r")
+    await pause()
+    (request, _), = engine.runs
+    assert request.warm and request.prefix == "import math\n\ndef total(a, b):\n    r"
+    assert ls.counters.warmups == 1 and ls._warm_line[CELLS[1]] == 1
+    engine.finish(0, "")
+    notebook.change(T.NotebookDocumentChangeEvent(cells=T.NotebookDocumentCellChanges(
+        structure=T.NotebookDocumentCellChangeStructure(array=T.NotebookCellArrayChange(start=1, delete_count=1),
+                                                        did_close=[T.TextDocumentIdentifier(CELLS[1])]))))
+    assert CELLS[1] not in ls._warm_line and CELLS[1] not in ls._changed_at
+    await pause()
+    assert len(engine.runs) == 1  # a structure change is no keystroke: nothing warms
