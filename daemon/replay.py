@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..indexer.files import language_of
+from .notebooks import NotebookView
 from .sessions import Session, SessionError, apply_change, read_sessions, utf16_offset
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ class RequestResult:
     chars_saved: int = 0
     lines_shown: int = 0  # the completion's non-blank lines
     lines_right: int = 0  # of those, the ones equal (stripped) to what was typed at that line
+    cell: str = ""  # --as-notebooks: the cell asked at, and the line there
+    cell_line: int = 0
 
 
 def levenshtein(a: str, b: str) -> int:
@@ -164,6 +167,11 @@ class UserState:
     docs: dict = field(default_factory=dict)  # uri -> text
     versions: dict = field(default_factory=dict)  # uri -> version
     last_request: dict = field(default_factory=dict)  # uri -> RequestResult in flight
+    notebooks: dict = field(default_factory=dict)  # uri -> NotebookView (--as-notebooks)
+    merges: int = 0  # edits that joined notebook cells (those of closed notebooks; see cells_merged)
+
+    def cells_merged(self) -> int:
+        return self.merges + sum(view.merges for view in self.notebooks.values())
 
 
 def remap(uri: str, header: dict, root: Path, user: int) -> str:
@@ -174,10 +182,13 @@ def remap(uri: str, header: dict, root: Path, user: int) -> str:
 
 
 async def drive_user(client, user: int, sessions: list[Session], root: Path, speed: float,
-                     results: list, max_requests: int, tick) -> None:
+                     results: list, max_requests: int, tick, notebooks: bool = False,
+                     state: UserState | None = None) -> None:
+    """One user typing ``sessions``; with ``notebooks`` each document is synced as a notebook
+    of code cells (daemon/notebooks.py), every event sent to the cell it falls in."""
     from lsprotocol import types as T
 
-    st = UserState()
+    st = state if state is not None else UserState()
     start = time.monotonic()
     offset = 0.0
     inflight: list = []
@@ -199,17 +210,25 @@ async def drive_user(client, user: int, sessions: list[Session], root: Path, spe
                 break
             uri = remap(e["uri"], session.header, root, user)
             kind = e["type"]
+            view = st.notebooks.get(uri)
             if kind == "open":
                 st.docs[uri] = e["text"]
                 st.versions[uri] = 1
+                language = e.get("languageId") or language_of(uri.split("?", 1)[0])
+                if notebooks:
+                    view = st.notebooks[uri] = NotebookView.open(uri, e["text"], language)
+                    client.notebook_document_did_open(view.open_params())
+                    continue
                 client.text_document_did_open(T.DidOpenTextDocumentParams(T.TextDocumentItem(
-                    uri=uri, language_id=e.get("languageId") or language_of(uri.split("?", 1)[0]), version=1,
-                    text=e["text"])))
+                    uri=uri, language_id=language, version=1, text=e["text"])))
             elif kind == "change" and uri in st.docs:
                 st.versions[uri] += 1
                 changes = []
                 for ch in e["changes"]:
                     st.docs[uri] = apply_change(st.docs[uri], ch)
+                    if view is not None:
+                        client.notebook_document_did_change(view.change(ch))
+                        continue
                     r = ch.get("range")
                     if r is None:
                         changes.append(T.TextDocumentContentChangeWholeDocument(text=ch["text"]))
@@ -217,8 +236,9 @@ async def drive_user(client, user: int, sessions: list[Session], root: Path, spe
                         changes.append(T.TextDocumentContentChangePartial(range=T.Range(
                             T.Position(r["start"]["line"], r["start"]["character"]),
                             T.Position(r["end"]["line"], r["end"]["character"])), text=ch["text"]))
-                client.text_document_did_change(T.DidChangeTextDocumentParams(
-                    T.VersionedTextDocumentIdentifier(uri=uri, version=st.versions[uri]), changes))
+                if changes:
+                    client.text_document_did_change(T.DidChangeTextDocumentParams(
+                        T.VersionedTextDocumentIdentifier(uri=uri, version=st.versions[uri]), changes))
             elif kind == "request" and uri in st.docs and (not max_requests or ordinal < max_requests):
                 res = RequestResult(user, si, ordinal, uri, e["line"], e["character"],
                                     e.get("truth_line", ""), e.get("truth_hunk", e.get("truth_line", "")),
@@ -230,9 +250,14 @@ async def drive_user(client, user: int, sessions: list[Session], root: Path, spe
                 typed = text[text.rfind("\n", 0, off) + 1:off]
                 trigger = (T.InlineCompletionTriggerKind.Invoked if e.get("trigger") == "invoked"
                            else T.InlineCompletionTriggerKind.Automatic)
+                where, line = uri, e["line"]
+                if view is not None:  # the cell the cursor is in, at its line there
+                    cell, line = view.locate(e["line"])
+                    where = view.cells[cell][0]
+                    res.cell, res.cell_line = where, line
                 params = T.InlineCompletionParams(context=T.InlineCompletionContext(trigger_kind=trigger),
-                                                  text_document=T.TextDocumentIdentifier(uri=uri),
-                                                  position=T.Position(e["line"], e["character"]))
+                                                  text_document=T.TextDocumentIdentifier(uri=where),
+                                                  position=T.Position(line, e["character"]))
                 prev = st.last_request.get(uri)
                 if prev is not None and prev.status == "pending":
                     prev.status = "superseded"
@@ -250,12 +275,20 @@ async def drive_user(client, user: int, sessions: list[Session], root: Path, spe
                         # its own documents, so nothing after this point is needed
                         break
             elif kind == "cursor" and uri in st.docs:  # the plugins' report of where the cursor rests
+                where, line = uri, e["line"]
+                if view is not None:
+                    cell, line = view.locate(e["line"])
+                    where = view.cells[cell][0]
                 client.protocol.notify("codecomplete/didMoveCursor", {
-                    "textDocument": {"uri": uri}, "position": {"line": e["line"], "character": e["character"]}})
+                    "textDocument": {"uri": where}, "position": {"line": line, "character": e["character"]}})
             elif kind == "close" and uri in st.docs:
-                client.text_document_did_close(T.DidCloseTextDocumentParams(T.TextDocumentIdentifier(uri=uri)))
+                if view is not None:
+                    client.notebook_document_did_close(view.close_params())
+                    st.merges += st.notebooks.pop(uri).merges
+                else:
+                    client.text_document_did_close(T.DidCloseTextDocumentParams(T.TextDocumentIdentifier(uri=uri)))
                 del st.docs[uri]
-            elif kind == "save" and uri in st.docs:
+            elif kind == "save" and uri in st.docs and view is None:
                 client.text_document_did_save(T.DidSaveTextDocumentParams(T.TextDocumentIdentifier(uri=uri)))
         offset += last_t + 1000
     if inflight:
@@ -285,7 +318,8 @@ async def _request(client, params, res: RequestResult, typed: str, st: UserState
 
 async def replay_scheme(sessions: list[Session], root: Path, scheme: str, *, users: int, speed: float,
                         model: str, dtype: str | None, max_requests: int, work: Path, tick,
-                        extra_settings: dict | None = None, device: str | None = None) -> dict:
+                        extra_settings: dict | None = None, device: str | None = None,
+                        notebooks: bool = False) -> dict:
     from lsprotocol import types as T
     from pygls.lsp.client import LanguageClient
 
@@ -302,7 +336,9 @@ async def replay_scheme(sessions: list[Session], root: Path, scheme: str, *, use
     await client.start_io(sys.executable, *args)
     await client.initialize_async(T.InitializeParams(
         capabilities=T.ClientCapabilities(text_document=T.TextDocumentClientCapabilities(
-            inline_completion=T.InlineCompletionClientCapabilities())),
+            inline_completion=T.InlineCompletionClientCapabilities()),
+            notebook_document=T.NotebookDocumentClientCapabilities(
+                synchronization=T.NotebookDocumentSyncClientCapabilities()) if notebooks else None),
         root_uri=root.as_uri(), initialization_options={"codecomplete": settings},
         client_info=T.ClientInfo(name="codecomplete-replay")))
     client.initialized(T.InitializedParams())
@@ -315,16 +351,20 @@ async def replay_scheme(sessions: list[Session], root: Path, scheme: str, *, use
     if eng.get("load_error"):
         raise RuntimeError(f"the daemon could not load {model}: {eng['load_error']}")
     results: list[RequestResult] = []
+    states = [UserState() for _ in range(users)]
     t0 = time.perf_counter()
-    await asyncio.gather(*(drive_user(client, u, sessions, root, speed, results, max_requests, tick)
-                           for u in range(users)))
+    await asyncio.gather(*(drive_user(client, u, sessions, root, speed, results, max_requests, tick,
+                                      notebooks=notebooks, state=states[u]) for u in range(users)))
     wall = time.perf_counter() - t0
     stats = _plain(await client.protocol.send_request_async("codecomplete/stats", {"recent": True}))
     await client.shutdown_async(None)
     client.exit(None)
     await client.stop()
     _join_recent(results, stats.get("recent") or [])
-    return {"scheme": scheme, "wall_seconds": round(wall, 2), "requests": [r.__dict__ for r in results],
+    run = {"scheme": scheme, "wall_seconds": round(wall, 2)}
+    if notebooks:
+        run["notebook_cells_merged"] = sum(st.cells_merged() for st in states)
+    return {**run, "requests": [r.__dict__ for r in results],
             "daemon": {"counters": stats.get("counters"), "engine": {k: v for k, v in (stats.get("engine") or {}).items()
                                                                       if k not in ("kv_store",)}}}
 
@@ -341,7 +381,7 @@ def _join_recent(results: list[RequestResult], recent: list[dict]) -> None:
     for rec in recent:
         queues.setdefault((rec["uri"], rec["line"], rec["character"]), []).append(rec)
     for r in results:
-        q = queues.get((r.uri, r.line, r.character))
+        q = queues.get((r.cell, r.cell_line, r.character) if r.cell else (r.uri, r.line, r.character))
         if q:
             rec = q.pop(0)
             r.prompt_tokens, r.reused_tokens, r.prompt_kind = rec["prompt_tokens"], rec["reused_tokens"], rec["prompt_kind"]
@@ -569,6 +609,9 @@ def replay(argv: list[str]) -> int:
                    help="per session (0: all); a session ends once that many are answered or dropped")
     p.add_argument("--max-sessions", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("replay-report"))
+    p.add_argument("--as-notebooks", action="store_true",
+                   help="sync each document as a Jupyter notebook of code cells (its top-level paragraphs), "
+                        "as VS Code does, every edit and request in the cell it falls in")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a daemon setting for every scheme, over the scheme's own (repeatable; "
                         "e.g. completion.contextSnippets=4; VALUE is read as JSON, else as a string)")
@@ -608,7 +651,7 @@ def replay(argv: list[str]) -> int:
                 runs.append(asyncio.run(replay_scheme(
                     sessions, root, scheme, users=args.users, speed=args.speed, model=args.model,
                     dtype=args.dtype, device=args.device, max_requests=args.max_requests, work=work, tick=tick,
-                    extra_settings=extra)))
+                    extra_settings=extra, notebooks=args.as_notebooks)))
     except RuntimeError as exc:
         print(f"codecomplete-daemon replay: {exc}", file=sys.stderr)
         return 1
@@ -621,7 +664,7 @@ def replay(argv: list[str]) -> int:
     from ..machine import describe
 
     meta = {"sessions": len(sessions), "files": [str(f) for f in args.sessions], "users": args.users,
-            "speed": args.speed, "model": args.model, "schemes": schemes,
+            "speed": args.speed, "model": args.model, "schemes": schemes, "as_notebooks": args.as_notebooks,
             "command": "codecomplete-daemon replay " + " ".join(argv),
             "machine": describe() + (f"; the daemon on --device {args.device}" if args.device else "")}
     report = write_report(args.out, runs, meta)

@@ -514,3 +514,97 @@ def test_sessions_with_pairs_close_brackets_as_editors_do(history: Path, tmp_pat
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert [x.events for x in read_sessions(out)] == [x.events for x in paired]
+
+
+def test_a_document_replayed_as_a_notebook_keeps_its_text_in_the_cells(history: Path):
+    """--as-notebooks: the cells partition the document at its top-level paragraphs; each of a
+    session's changes, applied by a real pygls workspace as the notebook's didChange, leaves
+    the cells' texts joined equal to the document; a change within a cell is that cell's text
+    change, one across cells (or one that would join a cell's last line to the next cell's
+    first) merges them, one of the whole text leaves one cell."""
+    from pygls.workspace import Workspace
+
+    from codecomplete.daemon.notebooks import NotebookView, split_cells
+    from codecomplete.daemon.sessions import apply_change
+
+    assert split_cells("import os\n\n\ndef f():\n    x = 1\n\n    return x\n\nclass A:\n    pass\n") == [
+        "import os\n\n\n", "def f():\n    x = 1\n\n    return x\n\n", "class A:\n    pass\n"]
+    assert split_cells("") == [""] and split_cells("x = (\n\n)\n") == ["x = (\n\n)\n"]
+
+    def check(view: NotebookView, ws: Workspace, text: str) -> None:
+        nb = ws.get_notebook_document(notebook_uri=view.uri)
+        cells = [ws.get_text_document(c.document).source for c in nb.cells]
+        assert cells == [t for _, t in view.cells] and "".join(cells) == text == view.text
+        assert all(t.endswith("\n") for t in cells[:-1])
+
+    def rng(l0, c0, l1, c1):
+        return {"start": {"line": l0, "character": c0}, "end": {"line": l1, "character": c1}}
+
+    text = "import os\n\n\ndef f():\n    return 1\n\nclass A:\n    pass\n"
+    ws, view = Workspace(None), NotebookView.open("file:///r/a.py", text, "python")
+    assert view.uri == "file:///r/a.ipynb" and len(view.cells) == 3
+    assert view.cells[0][0].startswith("vscode-notebook-cell:/r/a.ipynb#")
+    ws.put_notebook_document(view.open_params())
+    check(view, ws, text)
+    for ch, kind in [({"range": rng(4, 12, 4, 12), "text": "0"}, "text"),  # in the second cell
+                     ({"range": rng(5, 0, 5, 0), "text": "\n"}, "text"),  # a new line at its end
+                     ({"range": rng(6, 0, 7, 0), "text": ""}, "text"),  # the blank line: a line of its own
+                     ({"range": rng(1, 0, 3, 0), "text": ""}, "text"),  # the first cell's blank lines
+                     ({"range": rng(0, 9, 1, 3), "text": ""}, "merge"),  # from the first cell into the second
+                     ({"range": rng(1, 13, 3, 0), "text": ""}, "merge"),  # the line breaks the cell ends with
+                     ({"range": rng(0, 0, 0, 0), "text": "# top\n"}, "text"),
+                     ({"text": "x = 1\n"}, "merge")]:  # the whole text
+        before = view.merges
+        params = view.change(ch)
+        text = apply_change(text, ch)
+        ws.update_notebook_document(params)
+        assert (params.change.cells.structure is not None) == (kind == "merge") == (view.merges == before + 1)
+        check(view, ws, text)
+    assert len(view.cells) == 1
+    ws.remove_notebook_document(view.close_params())
+    assert ws.get_notebook_document(notebook_uri=view.uri) is None
+
+    # every change of real sessions (typing, deletions, new lines) keeps the cells and the document equal
+    sessions = sessions_from_git(history, commits=3, seed=2)
+    changes = 0
+    for session in sessions:
+        ws, views, docs = Workspace(None), {}, {}
+        for e in session.events:
+            if e["type"] == "open":
+                docs[e["uri"]] = e["text"]
+                views[e["uri"]] = NotebookView.open(e["uri"], e["text"], "python")
+                ws.put_notebook_document(views[e["uri"]].open_params())
+            elif e["type"] == "change":
+                for ch in e["changes"]:
+                    docs[e["uri"]] = apply_change(docs[e["uri"]], ch)
+                    ws.update_notebook_document(views[e["uri"]].change(ch))
+                    changes += 1
+                check(views[e["uri"]], ws, docs[e["uri"]])
+            elif e["type"] == "request":
+                view = views[e["uri"]]
+                cell, line = view.locate(e["line"])
+                lines = docs[e["uri"]].split("\n")
+                assert view.cells[cell][1].split("\n")[line] == lines[e["line"]]
+    assert changes > 20
+
+
+def test_replay_as_notebooks_syncs_notebooks_and_asks_in_their_cells(history: Path, tiny_model: Path, tmp_path: Path):
+    """Guards --as-notebooks against the real daemon: the documents are synced as notebooks,
+    each request asks in its cell, the daemon's record of it is joined (its prompt, its cell),
+    nothing fails, and the report says the replay was one of notebooks."""
+    sessions = tmp_path / "s.jsonl"
+    write_sessions(sessions, sessions_from_git(history, commits=2, seed=1))
+    out = tmp_path / "nb"
+    done = run_replay(str(sessions), "--model", str(tiny_model), "--dtype", "float32", "--speed", "0",
+                      "--scheme", "efim", "--max-requests", "4", "--as-notebooks", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    (s,), (run,) = report["summary"], report["runs"]
+    assert report["meta"]["as_notebooks"] is True and run["notebook_cells_merged"] >= 0
+    assert s["status"]["answered"] + s["status"]["empty"] == s["requests"] > 0
+    assert all(r["cell"].startswith("vscode-notebook-cell:") and r["cell"].split("#")[0].endswith(".ipynb")
+               for r in run["requests"])
+    assert all(r["prompt_tokens"] > 0 for r in run["requests"])  # each request's record, joined by its cell
+    assert any(r["completion"] for r in run["requests"])
+    counters = run["daemon"]["counters"]
+    assert counters["server_errors"] == 0 and counters["errors"] == 0
