@@ -7,9 +7,15 @@ user can read (missing, a directory, too large, binary, not UTF-8).  No torch he
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 DEFAULT_MAX_BYTES = 2_000_000
+# A Jupyter notebook's file is mostly its outputs (images in base64, tables); what the index
+# holds of it is its code cells (``notebook_code``), so its file may be this many times the
+# size limit, the limit applying to the code.
+NOTEBOOK_SIZE_FACTOR = 16
+NOTEBOOK_LANGUAGES = {"python3": "python", "ipython": "python", "ipython3": "python"}
 
 LANGUAGES = {
     ".py": "python", ".pyi": "python", ".js": "javascript", ".jsx": "javascriptreact",
@@ -23,7 +29,12 @@ LANGUAGES = {
 
 
 class SourceError(ValueError):
-    """A file that cannot serve as source text."""
+    """A file that cannot serve as source text; ``reason`` a short name for it (the index's
+    skip counters: binary, not_utf8, not_notebook, too_large)."""
+
+    def __init__(self, message: str, reason: str = "unreadable"):
+        super().__init__(message)
+        self.reason = reason
 
 
 def language_of(path: str | Path) -> str:
@@ -35,6 +46,53 @@ def language_of(path: str | Path) -> str:
     return LANGUAGES.get(p.suffix.lower(), "plaintext")
 
 
+def is_notebook(path: str | Path) -> bool:
+    return str(path).lower().endswith(".ipynb")
+
+
+def max_size(path: str | Path, max_bytes: int) -> int:
+    """The largest file at ``path`` the index reads (a notebook's file may be larger)."""
+    return max_bytes * NOTEBOOK_SIZE_FACTOR if is_notebook(path) else max_bytes
+
+
+def index_language(path: str | Path) -> str:
+    """The language of what the index holds for ``path``: a notebook's code is Python unless
+    the notebook says otherwise (``notebook_code``)."""
+    return "python" if is_notebook(path) else language_of(path)
+
+
+def notebook_code(text: str, name: str = "notebook") -> tuple[str, str]:
+    """A Jupyter notebook's (nbformat 4, or 3's worksheets) code cells in order, each followed
+    by a blank line, as a cell's prompt joins them (markdown, raw cells and outputs left out),
+    and its language (the kernel's, else Python).  SourceError when ``text`` is not one."""
+    try:
+        nb = json.loads(text)
+    except ValueError as exc:
+        raise SourceError(f"{name} is not a Jupyter notebook (invalid JSON: {exc})", "not_notebook") from exc
+    cells = nb.get("cells") if isinstance(nb, dict) else None
+    if cells is None and isinstance(nb, dict) and isinstance(nb.get("worksheets"), list):
+        cells = [c for ws in nb["worksheets"] if isinstance(ws, dict) for c in ws.get("cells") or []]
+    if not isinstance(cells, list):
+        raise SourceError(f"{name} is not a Jupyter notebook (no cells)", "not_notebook")
+    meta = nb.get("metadata") if isinstance(nb.get("metadata"), dict) else {}
+    # the kernel's language (nbformat 4), else the notebook's or its first code cell's (3)
+    said = [(meta.get("kernelspec") or {}).get("language"), (meta.get("language_info") or {}).get("name"),
+            meta.get("language")] if isinstance(meta.get("kernelspec") or {}, dict) and isinstance(
+            meta.get("language_info") or {}, dict) else [meta.get("language")]
+    said += [c.get("language") for c in cells if isinstance(c, dict) and c.get("cell_type") == "code"][:1]
+    language = next((x.strip().lower() for x in said if isinstance(x, str) and x.strip()), "python")
+    parts = []
+    for cell in cells:
+        if not isinstance(cell, dict) or cell.get("cell_type") != "code":
+            continue
+        source = cell.get("source", cell.get("input", ""))
+        if isinstance(source, list):
+            source = "".join(x for x in source if isinstance(x, str))
+        if isinstance(source, str) and source.strip():
+            parts.append(source.rstrip("\n"))
+    return "".join(part + "\n\n" for part in parts), NOTEBOOK_LANGUAGES.get(language, language)
+
+
 def looks_binary(data: bytes) -> bool:
     """NUL bytes in the first 8 KiB: what git and ripgrep use."""
     return b"\x00" in data[:8192]
@@ -42,11 +100,11 @@ def looks_binary(data: bytes) -> bool:
 
 def decode_source(data: bytes, name: str = "text") -> str:
     if looks_binary(data):
-        raise SourceError(f"{name} is a binary file")
+        raise SourceError(f"{name} is a binary file", "binary")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise SourceError(f"{name} is not valid UTF-8 (byte {exc.start})") from exc
+        raise SourceError(f"{name} is not valid UTF-8 (byte {exc.start})", "not_utf8") from exc
 
 
 def read_source(path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
@@ -56,7 +114,7 @@ def read_source(path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
         if not p.is_file():
             raise SourceError(f"{p} is not a regular file")
         if size > max_bytes:
-            raise SourceError(f"{p} is {size} bytes, over the {max_bytes}-byte limit")
+            raise SourceError(f"{p} is {size} bytes, over the {max_bytes}-byte limit", "too_large")
         data = p.read_bytes()
     except FileNotFoundError as exc:
         raise SourceError(f"{p} does not exist") from exc

@@ -31,7 +31,7 @@ from pathlib import Path
 
 
 from . import snippets as snip
-from .files import SourceError, decode_source, language_of
+from .files import SourceError, decode_source, index_language, is_notebook, notebook_code
 from .scan import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_FILES, Entry, Rules, walk
 from .store import CHUNK_BITS, Store, connect, is_corrupt, open_store, rebuild_store
 from .store import counts as store_counts
@@ -521,9 +521,9 @@ class RepoIndex:
                 self.stats_.files_unchanged += 1
                 continue
             try:
-                text = decode_source(data, e.path)
+                text, language = self._text_of(e.path, data)
             except SourceError as exc:
-                self._skip(e.path, "binary" if "binary" in str(exc) else "not_utf8", exc)
+                self._skip(e.path, exc.reason, exc)
                 if e.path in known:
                     removed.append(e.path)
                 continue
@@ -533,7 +533,6 @@ class RepoIndex:
                 if e.path in known:
                     removed.append(e.path)
                 continue
-            language = language_of(e.path)
             upserts.append({"path": e.path, "hash": h, "size": len(data), "mtime_ns": e.mtime_ns,
                             "language": language, "chunks": snip.chunks(text),
                             "defs": snip.definitions(text, language)})
@@ -553,6 +552,17 @@ class RepoIndex:
             gone = [p for p in removed if p not in self.overlays]
             if docs or gone:
                 self.drafts.update_many(docs, gone)
+
+    def _text_of(self, path: str, data: bytes) -> tuple[str, str]:
+        """What the index holds of a file and its language: its text, or a Jupyter notebook's
+        code cells (whose size the limit then applies to).  SourceError: nothing to hold."""
+        text = decode_source(data, path)
+        if not is_notebook(path):
+            return text, index_language(path)
+        code, language = notebook_code(text, path)
+        if len(code.encode("utf-8")) > self.rules.max_bytes:
+            raise SourceError(f"{path}'s code cells are over the {self.rules.max_bytes}-byte limit", "too_large")
+        return code, language
 
     def _yield(self) -> None:
         """Wait while the engine computes a completion (``foreground``), at most ``yield_ms``."""
@@ -605,7 +615,7 @@ class RepoIndex:
                     if _hash(data) != h:
                         self.notify(path)  # changed since the scan: the reconcile redoes it
                         continue
-                    texts.append(decode_source(data, path))
+                    texts.append(self._text_of(path, data)[0])
                     rows.append((path, h))
                 except (OSError, SourceError):
                     self.notify(path)
@@ -733,7 +743,7 @@ class RepoIndex:
                 self._idle.notify_all()
 
     def _set_overlay(self, key: str, text: str) -> None:
-        language = language_of(key)
+        language = index_language(key)
         chunks = snip.chunks(text)
         self.overlays[key] = Overlay(text, language, chunks,
                                      [set(snip.identifiers(c.text)) for c in chunks],
@@ -911,7 +921,7 @@ class RepoIndex:
         return found
 
     def _definition_snippets(self, conn, key, text, near, local, out, limit, max_lines, max_sim):
-        defined_here = {d.name for d in snip.definitions(text, language_of(key))}
+        defined_here = {d.name for d in snip.definitions(text, index_language(key))}
         names = [n for n in snip.used_names(near) if n not in defined_here][:12]
         if not names:
             return

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pathspec
 
+from .files import max_size
+
 log = logging.getLogger(__name__)
 
 DEFAULT_EXCLUDED_DIRS = frozenset({
@@ -163,7 +165,7 @@ class Rules:
                 return None
         except OSError:
             return None
-        if not stat.S_ISREG(st.st_mode) or st.st_size > self.max_bytes:
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_size(rel, self.max_bytes):
             return None
         return Entry(rel, st.st_size, st.st_mtime_ns)
 
@@ -212,6 +214,6 @@ def walk(rules: Rules, start: str = ""):
                 st = e.stat()
             except OSError:
                 continue
-            if st.st_size <= rules.max_bytes:
+            if st.st_size <= max_size(rel, rules.max_bytes):
                 yield Entry(rel, st.st_size, st.st_mtime_ns)
         stack.extend(reversed(subdirs))

@@ -457,6 +457,32 @@ class CodecompleteServer(LanguageServer):
         if text is not None and len(text) <= self.config.index.max_file_bytes:
             index.overlay(path, text)
 
+    def overlay_notebook(self, notebook_uri: str, closed: bool = False) -> None:
+        """Keep the index's view of an open notebook current: what it holds of the notebook's
+        file is its code cells (indexer.files.notebook_code), so the open notebook's code cells,
+        joined the same way, stand for it until it closes."""
+        if not notebook_uri.startswith("file:"):
+            return
+        path = to_fs_path(notebook_uri)
+        index = self.folders.for_path(path) if path else None
+        if index is None:
+            return
+        if closed:
+            index.close_overlay(path)
+            return
+        ws = self.workspace
+        notebook = ws.get_notebook_document(notebook_uri=notebook_uri)
+        if notebook is None:
+            return
+        code = []
+        for cell in notebook.cells:
+            doc = ws.text_documents.get(unquote(cell.document))
+            if cell.kind == types.NotebookCellKind.Code and doc is not None and doc.source.strip():
+                code.append(without_lone_surrogates(doc.source).rstrip("\n") + "\n\n")
+        text = "".join(code)
+        if len(text) <= self.config.index.max_file_bytes:
+            index.overlay(path, text)
+
     def open_text(self, uri: str) -> str | None:
         """Text of an open document (None when it is not open), lone surrogates replaced.
 
@@ -1667,9 +1693,15 @@ def create_server(engine, config: Config, repo: Path | None = None,
     def did_save(ls: CodecompleteServer, params: types.DidSaveTextDocumentParams):
         log.debug("saved %s", params.text_document.uri)
 
+    @server.feature(types.NOTEBOOK_DOCUMENT_DID_OPEN)
+    def did_open_notebook(ls: CodecompleteServer, params: types.DidOpenNotebookDocumentParams):
+        ls.overlay_notebook(params.notebook_document.uri)
+
     @server.feature(types.NOTEBOOK_DOCUMENT_DID_CHANGE)
     def did_change_notebook(ls: CodecompleteServer, params: types.DidChangeNotebookDocumentParams):
         ls.notebook_changed(params)
+        if params.change.cells is not None and (params.change.cells.text_content or params.change.cells.structure):
+            ls.overlay_notebook(params.notebook_document.uri)
 
     @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
     def did_close(ls: CodecompleteServer, params: types.DidCloseTextDocumentParams):
@@ -1679,6 +1711,7 @@ def create_server(engine, config: Config, repo: Path | None = None,
     def did_close_notebook(ls: CodecompleteServer, params: types.DidCloseNotebookDocumentParams):
         for cell in params.cell_text_documents:
             ls.forget(cell.uri)
+        ls.overlay_notebook(params.notebook_document.uri, closed=True)
 
     @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
     async def inline_completion(ls: CodecompleteServer, params: types.InlineCompletionParams):

@@ -338,3 +338,55 @@ async def test_an_index_damaged_under_the_daemon_is_rebuilt_and_keeps_following_
     index = (await stats(client))["index"]
     assert index["rebuilds"] == 1 and index["rebuilt_from"]
     assert list((tmp_path / "index").glob("index.sqlite.corrupt-*"))
+
+
+@ASYNC
+async def test_an_open_notebook_stands_for_its_file_in_the_index(client, repo):
+    """A notebook on disk is indexed as its code cells; opened in the editor (notebookDocument/*),
+    its cells' code stands for the file as an open buffer does, follows cell edits, and the
+    file's own code is back once it closes."""
+    from lsprotocol import types as T
+
+    (repo / "analysis.ipynb").write_text(json.dumps({"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+         "source": ["def load_archived_ledger(path):\n", "    return open(path).read()\n"]}]}))
+    assert await until(lambda: _ready(client))
+    main = (repo / "main.py").as_uri()
+    open_doc(client, main, "a = load_archived_ledger(\nb = summarize_quarterly_revenue(\n")
+
+    async def defined(line: int, name: str):
+        r = await retrieve(client, main, line, len(name) + 5)
+        return [s["path"] for s in r["snippets"] if s["reason"] == f"definition of {name}"]
+
+    assert await until(lambda: defined(0, "load_archived_ledger")) == ["analysis.ipynb"]
+    nb = (repo / "analysis.ipynb").as_uri()
+    cells = ["vscode-notebook-cell:" + (repo / "analysis.ipynb").as_posix() + f"#W{i}sZmlsZQ%3D%3D" for i in range(2)]
+    code = "def summarize_quarterly_revenue(frame, quarter):\n    return frame[frame.q == quarter].sum()\n"
+    client.notebook_document_did_open(T.DidOpenNotebookDocumentParams(
+        notebook_document=T.NotebookDocument(uri=nb, notebook_type="jupyter-notebook", version=1, cells=[
+            T.NotebookCell(kind=T.NotebookCellKind.Markup, document=cells[0]),
+            T.NotebookCell(kind=T.NotebookCellKind.Code, document=cells[1])]),
+        cell_text_documents=[T.TextDocumentItem(uri=cells[0], language_id="markdown", version=1, text="# Revenue"),
+                             T.TextDocumentItem(uri=cells[1], language_id="python", version=1, text=code)]))
+    assert await until(lambda: defined(1, "summarize_quarterly_revenue")) == ["analysis.ipynb"]
+    assert await defined(0, "load_archived_ledger") == []  # the open notebook's cells, not its file
+    end = T.Position(2, 0)
+    client.notebook_document_did_change(T.DidChangeNotebookDocumentParams(
+        notebook_document=T.VersionedNotebookDocumentIdentifier(version=2, uri=nb),
+        change=T.NotebookDocumentChangeEvent(cells=T.NotebookDocumentCellChanges(text_content=[
+            T.NotebookDocumentCellContentChanges(
+                document=T.VersionedTextDocumentIdentifier(uri=cells[1], version=2),
+                changes=[T.TextDocumentContentChangePartial(range=T.Range(end, end),
+                                                            text="\ndef load_archived_ledger(path):\n    pass\n")])]))))
+    assert await until(lambda: defined(0, "load_archived_ledger")) == ["analysis.ipynb"]
+    client.notebook_document_did_close(T.DidCloseNotebookDocumentParams(
+        notebook_document=T.NotebookDocumentIdentifier(nb), cell_text_documents=[T.TextDocumentIdentifier(u)
+                                                                                  for u in cells]))
+
+    async def gone():
+        return await defined(1, "summarize_quarterly_revenue") == []
+
+    assert await until(gone)
+    assert await defined(0, "load_archived_ledger") == ["analysis.ipynb"]  # the file's own code
+    s = await stats(client)
+    assert s["counters"]["server_errors"] == 0

@@ -1021,3 +1021,76 @@ def test_the_daemons_indexes_yield_to_its_engine(tmp_path: Path):
     finally:
         for index in server.folders.all():
             index.close()
+
+
+def notebook_json(cells: list[tuple[str, str]], language: str | None = "python", outputs: str = "") -> str:
+    """An nbformat 4 notebook: (cell_type, source) cells, each code cell with ``outputs`` as a
+    PNG and as text; the source as a list of lines, as Jupyter writes it."""
+    import json
+
+    def cell(kind, source):
+        c = {"cell_type": kind, "metadata": {}, "source": source.splitlines(keepends=True)}
+        if kind == "code":
+            c.update(execution_count=1, outputs=[{"output_type": "display_data", "metadata": {},
+                                                  "data": {"image/png": outputs, "text/plain": [outputs[:40]]}}])
+        return c
+
+    meta = {"kernelspec": {"name": "k", "display_name": "k", "language": language}} if language else {}
+    return json.dumps({"nbformat": 4, "nbformat_minor": 5, "metadata": meta,
+                       "cells": [cell(k, s) for k, s in cells]}, indent=1)
+
+
+def test_a_notebooks_code_cells_in_order_and_its_language():
+    from codecomplete.indexer.files import SourceError, notebook_code
+
+    text = notebook_json([("markdown", "# Title\nsome prose"), ("code", "import os\n\n"), ("code", "  \n"),
+                          ("raw", "raw text"), ("code", "def f(x):\n    return x\n")], language="python3")
+    assert notebook_code(text) == ("import os\n\ndef f(x):\n    return x\n\n", "python")
+    assert notebook_code(notebook_json([("code", "x <- 1")], language="R")) == ("x <- 1\n\n", "r")
+    assert notebook_code(notebook_json([("code", "x = 1")], language=None))[1] == "python"
+    # nbformat 3: cells in worksheets, a code cell's source under "input"; a source as one string
+    v3 = '{"nbformat": 3, "metadata": {"language": "julia"}, "worksheets": [{"cells": [' \
+         '{"cell_type": "code", "input": ["y = 2\\n", "z = y"]}, {"cell_type": "code", "source": "w = 3\\n"}]}]}'
+    assert notebook_code(v3) == ("y = 2\nz = y\n\nw = 3\n\n", "julia")
+    for bad in ["{not json", "[1, 2]", '{"cells": 3}', '"text"']:
+        with pytest.raises(SourceError) as err:
+            notebook_code(bad, "bad.ipynb")
+        assert err.value.reason == "not_notebook" and "bad.ipynb is not a Jupyter notebook" in str(err.value)
+
+
+def test_a_notebook_is_indexed_as_its_code_cells(tmp_path: Path, tokenizer: TokenizerInfo):
+    """A notebook file is mostly outputs: the index holds its code cells (drafts, chunks,
+    definitions, its kernel's language), may read a file up to 16x the size limit when its code
+    is within it, and skips a file that is no notebook or whose code is over the limit."""
+    root = tmp_path / "repo"
+    image = "iVBORw0KGgo" + "A" * 20_000  # an output: 20 KB of base64, over the 8 KB limit set below
+    write(root, "analysis.ipynb", notebook_json([("markdown", "# MARKDOWN_PROSE_MARKER"), ("code", UNIQUE)],
+                                                outputs=image))
+    write(root, "stats.ipynb", notebook_json([("code", "summarise_quarterly_sales <- function(df) df\n")],
+                                             language="R"))
+    write(root, "broken.ipynb", '{"cells": [')
+    write(root, "huge_code.ipynb", notebook_json([("code", f"value_{i} = " + "1 + " * 25 + "1\n")
+                                                  for i in range(100)]))  # 10 KB of code in a 40 KB file
+    write(root, "main.py", "import os\n")
+    idx = RepoIndex(root, tmp_path / "idx", tokenizer=tokenizer, watch=False, max_file_bytes=8192).start()
+    try:
+        assert idx.tokens_ready.wait(30) and idx.wait_idle()
+        assert indexed(idx, "analysis.ipynb") and indexed(idx, "stats.ipynb") and indexed(idx, "main.py")
+        assert not indexed(idx, "broken.ipynb") and not indexed(idx, "huge_code.ipynb")
+        assert idx.stats()["skipped"] == {"not_notebook": 1, "too_large": 1}
+        conn = idx.store.conn
+        langs = dict(conn.execute("SELECT path, language FROM files").fetchall())
+        assert langs["analysis.ipynb"] == "python" and langs["stats.ipynb"] == "r"
+        chunks = " ".join(t for (t,) in conn.execute("SELECT text FROM chunks WHERE path = 'analysis.ipynb'"))
+        assert "payload = request.json()" in chunks
+        assert "iVBORw0KGgo" not in chunks and "MARKDOWN_PROSE_MARKER" not in chunks and '"source"' not in chunks
+        # drafts continue the code across its lines, as a .py file's would
+        # (in the file's JSON a line ends with an escaped \\n and a quote)
+        drafts = drafts_after(idx, tokenizer, UNIQUE, "def zebra_quokka_handler(request):\n    payload = request.json()")
+        assert drafts and all(t.startswith("\n    re") for t in drafts), drafts
+        here = "total = zebra_quokka_handler("
+        got = idx.snippets(root / "main.py", here, len(here))
+        assert got and got[0].path == "analysis.ipynb" and got[0].text.startswith("def zebra_quokka_handler")
+        assert got[0].reason == "definition of zebra_quokka_handler"
+    finally:
+        idx.close()
