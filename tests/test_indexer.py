@@ -1086,7 +1086,8 @@ def test_a_notebook_is_indexed_as_its_code_cells(tmp_path: Path, tokenizer: Toke
         assert "iVBORw0KGgo" not in chunks and "MARKDOWN_PROSE_MARKER" not in chunks and '"source"' not in chunks
         # drafts continue the code across its lines, as a .py file's would
         # (in the file's JSON a line ends with an escaped \\n and a quote)
-        drafts = drafts_after(idx, tokenizer, UNIQUE, "def zebra_quokka_handler(request):\n    payload = request.json()")
+        typed = "def zebra_quokka_handler(request):\n    payload = request.json()"
+        drafts = drafts_after(idx, tokenizer, UNIQUE, typed)
         assert drafts and all(t.startswith("\n    re") for t in drafts), drafts
         here = "total = zebra_quokka_handler("
         got = idx.snippets(root / "main.py", here, len(here))
