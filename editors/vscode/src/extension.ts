@@ -60,7 +60,8 @@ function setStatus(text: string, tooltip?: string): void {
 
 function clientOptions(): LanguageClientOptions {
   return {
-    // notebook cells are documents of their own (each cell completes without the others)
+    // notebook cells: asked at as cells; the client syncs their notebooks as notebooks (the server
+    // offers notebookDocumentSync), so a cell completes with the code cells around it
     documentSelector: [{ scheme: 'file' }, { scheme: 'untitled' }, { scheme: 'vscode-notebook-cell' }],
     initializationOptions: { codecomplete: daemonSettings() },
     outputChannel: output,
