@@ -16,6 +16,10 @@ DEFAULT_MAX_BYTES = 2_000_000
 # size limit, the limit applying to the code.
 NOTEBOOK_SIZE_FACTOR = 16
 NOTEBOOK_LANGUAGES = {"python3": "python", "ipython": "python", "ipython3": "python"}
+# Cell magics whose body is not the kernel's language (IPython's): such cells are left out of a
+# notebook's code, as a cell's prompt leaves them out (VS Code gives them their own language).
+FOREIGN_CELL_MAGICS = frozenset({"bash", "sh", "script", "html", "javascript", "js", "latex", "markdown", "svg",
+                                 "perl", "ruby", "sql", "writefile", "file", "python2", "pypy"})
 
 LANGUAGES = {
     ".py": "python", ".pyi": "python", ".js": "javascript", ".jsx": "javascriptreact",
@@ -61,14 +65,22 @@ def index_language(path: str | Path) -> str:
     return "python" if is_notebook(path) else language_of(path)
 
 
+def foreign_cell(source: str) -> bool:
+    """Whether a code cell's ``source`` is another language's under a cell magic (``%%bash``)."""
+    first = source.lstrip().split("\n", 1)[0]
+    return first.startswith("%%") and first[2:].split(" ", 1)[0].strip() in FOREIGN_CELL_MAGICS
+
+
 def notebook_code(text: str, name: str = "notebook") -> tuple[str, str]:
     """A Jupyter notebook's (nbformat 4, or 3's worksheets) code cells in order, each followed
-    by a blank line, as a cell's prompt joins them (markdown, raw cells and outputs left out),
-    and its language (the kernel's, else Python).  SourceError when ``text`` is not one."""
+    by a blank line, as a cell's prompt joins them (markdown, raw cells, outputs and cells of
+    another language under a cell magic left out), and its language (the kernel's, else
+    Python).  SourceError when ``text`` is not one."""
     try:
         nb = json.loads(text)
     except ValueError as exc:
-        raise SourceError(f"{name} is not a Jupyter notebook (invalid JSON: {exc})", "not_notebook") from exc
+        raise SourceError(f"{name} is not a Jupyter notebook (invalid JSON: {exc})",
+                          "not_notebook") from exc
     cells = nb.get("cells") if isinstance(nb, dict) else None
     if cells is None and isinstance(nb, dict) and isinstance(nb.get("worksheets"), list):
         cells = [c for ws in nb["worksheets"] if isinstance(ws, dict) for c in ws.get("cells") or []]
@@ -88,7 +100,7 @@ def notebook_code(text: str, name: str = "notebook") -> tuple[str, str]:
         source = cell.get("source", cell.get("input", ""))
         if isinstance(source, list):
             source = "".join(x for x in source if isinstance(x, str))
-        if isinstance(source, str) and source.strip():
+        if isinstance(source, str) and source.strip() and not foreign_cell(source):
             parts.append(source.rstrip("\n"))
     return "".join(part + "\n\n" for part in parts), NOTEBOOK_LANGUAGES.get(language, language)
 

@@ -38,7 +38,7 @@ from pygls.uris import to_fs_path
 
 from codecomplete import __version__
 from codecomplete.daemon.config import Config, editor_settings, engine_settings, merge
-from codecomplete.indexer.files import SourceError, language_of, read_source
+from codecomplete.indexer.files import SourceError, foreign_cell, language_of, read_source
 from codecomplete.indexer.folders import Folders
 from codecomplete.model.api import Completion, CompletionRequest
 from codecomplete.model.stops import agrees, open_pairs, rewrites_rest, word_char
@@ -477,7 +477,8 @@ class CodecompleteServer(LanguageServer):
         code = []
         for cell in notebook.cells:
             doc = ws.text_documents.get(unquote(cell.document))
-            if cell.kind == types.NotebookCellKind.Code and doc is not None and doc.source.strip():
+            if cell.kind == types.NotebookCellKind.Code and doc is not None and doc.source.strip() \
+                    and not foreign_cell(doc.source):
                 code.append(without_lone_surrogates(doc.source).rstrip("\n") + "\n\n")
         text = "".join(code)
         if len(text) <= self.config.index.max_file_bytes:

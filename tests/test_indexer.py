@@ -1047,6 +1047,10 @@ def test_a_notebooks_code_cells_in_order_and_its_language():
                           ("raw", "raw text"), ("code", "def f(x):\n    return x\n")], language="python3")
     assert notebook_code(text) == ("import os\n\ndef f(x):\n    return x\n\n", "python")
     assert notebook_code(notebook_json([("code", "x <- 1")], language="R")) == ("x <- 1\n\n", "r")
+    # cells of another language under a cell magic are left out, those timing Python kept
+    magics = [("code", "%%bash\nls -l\n"), ("code", "%%time\ny = 2\n"), ("code", "  %%html\n<b>x</b>"),
+              ("code", "%matplotlib inline\n")]
+    assert notebook_code(notebook_json(magics)) == ("%%time\ny = 2\n\n%matplotlib inline\n\n", "python")
     assert notebook_code(notebook_json([("code", "x = 1")], language=None))[1] == "python"
     # nbformat 3: cells in worksheets, a code cell's source under "input"; a source as one string
     v3 = '{"nbformat": 3, "metadata": {"language": "julia"}, "worksheets": [{"cells": [' \
