@@ -78,6 +78,11 @@ class NotebookView:
             first += n
         raise AssertionError("no cells")
 
+    def at(self, line: int) -> tuple[str, int]:
+        """The uri of the cell holding the document's ``line``, and that line's number there."""
+        cell, local = self.locate(line)
+        return self.cells[cell][0], local
+
     def open_params(self):
         from lsprotocol import types as T
 

@@ -250,10 +250,8 @@ async def drive_user(client, user: int, sessions: list[Session], root: Path, spe
                 typed = text[text.rfind("\n", 0, off) + 1:off]
                 trigger = (T.InlineCompletionTriggerKind.Invoked if e.get("trigger") == "invoked"
                            else T.InlineCompletionTriggerKind.Automatic)
-                where, line = uri, e["line"]
-                if view is not None:  # the cell the cursor is in, at its line there
-                    cell, line = view.locate(e["line"])
-                    where = view.cells[cell][0]
+                where, line = view.at(e["line"]) if view is not None else (uri, e["line"])  # a notebook: its cell
+                if view is not None:
                     res.cell, res.cell_line = where, line
                 params = T.InlineCompletionParams(context=T.InlineCompletionContext(trigger_kind=trigger),
                                                   text_document=T.TextDocumentIdentifier(uri=where),
@@ -275,10 +273,7 @@ async def drive_user(client, user: int, sessions: list[Session], root: Path, spe
                         # its own documents, so nothing after this point is needed
                         break
             elif kind == "cursor" and uri in st.docs:  # the plugins' report of where the cursor rests
-                where, line = uri, e["line"]
-                if view is not None:
-                    cell, line = view.locate(e["line"])
-                    where = view.cells[cell][0]
+                where, line = view.at(e["line"]) if view is not None else (uri, e["line"])
                 client.protocol.notify("codecomplete/didMoveCursor", {
                     "textDocument": {"uri": where}, "position": {"line": line, "character": e["character"]}})
             elif kind == "close" and uri in st.docs:

@@ -71,6 +71,13 @@ def foreign_cell(source: str) -> bool:
     return first.startswith("%%") and first[2:].split(" ", 1)[0].strip() in FOREIGN_CELL_MAGICS
 
 
+def join_cells(sources) -> str:
+    """Code cells' sources as the index holds a notebook: each followed by a blank line, as a
+    cell's prompt joins the cells around it; blank cells and cells of another language under a
+    cell magic (``foreign_cell``) left out."""
+    return "".join(s.rstrip("\n") + "\n\n" for s in sources if s.strip() and not foreign_cell(s))
+
+
 def notebook_code(text: str, name: str = "notebook") -> tuple[str, str]:
     """A Jupyter notebook's (nbformat 4, or 3's worksheets) code cells in order, each followed
     by a blank line, as a cell's prompt joins them (markdown, raw cells, outputs and cells of
@@ -87,22 +94,24 @@ def notebook_code(text: str, name: str = "notebook") -> tuple[str, str]:
     if not isinstance(cells, list):
         raise SourceError(f"{name} is not a Jupyter notebook (no cells)", "not_notebook")
     meta = nb.get("metadata") if isinstance(nb.get("metadata"), dict) else {}
+    code = [c for c in cells if isinstance(c, dict) and c.get("cell_type") == "code"]
+
+    def said(key: str, field: str):
+        info = meta.get(key)
+        return info.get(field) if isinstance(info, dict) else None
+
     # the kernel's language (nbformat 4), else the notebook's or its first code cell's (3)
-    said = [(meta.get("kernelspec") or {}).get("language"), (meta.get("language_info") or {}).get("name"),
-            meta.get("language")] if isinstance(meta.get("kernelspec") or {}, dict) and isinstance(
-            meta.get("language_info") or {}, dict) else [meta.get("language")]
-    said += [c.get("language") for c in cells if isinstance(c, dict) and c.get("cell_type") == "code"][:1]
-    language = next((x.strip().lower() for x in said if isinstance(x, str) and x.strip()), "python")
-    parts = []
-    for cell in cells:
-        if not isinstance(cell, dict) or cell.get("cell_type") != "code":
-            continue
+    named = [said("kernelspec", "language"), said("language_info", "name"), meta.get("language"),
+             code[0].get("language") if code else None]
+    language = next((x.strip().lower() for x in named if isinstance(x, str) and x.strip()), "python")
+    sources = []
+    for cell in code:
         source = cell.get("source", cell.get("input", ""))
         if isinstance(source, list):
             source = "".join(x for x in source if isinstance(x, str))
-        if isinstance(source, str) and source.strip() and not foreign_cell(source):
-            parts.append(source.rstrip("\n"))
-    return "".join(part + "\n\n" for part in parts), NOTEBOOK_LANGUAGES.get(language, language)
+        if isinstance(source, str):
+            sources.append(source)
+    return join_cells(sources), NOTEBOOK_LANGUAGES.get(language, language)
 
 
 def looks_binary(data: bytes) -> bool:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 
 from . import snippets as snip
-from .files import SourceError, decode_source, index_language, is_notebook, notebook_code
+from .files import SourceError, decode_source, index_language, is_notebook, language_of, notebook_code
 from .scan import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_FILES, Entry, Rules, walk
 from .store import CHUNK_BITS, Store, connect, is_corrupt, open_store, rebuild_store
 from .store import counts as store_counts
@@ -558,7 +558,7 @@ class RepoIndex:
         code cells (whose size the limit then applies to).  SourceError: nothing to hold."""
         text = decode_source(data, path)
         if not is_notebook(path):
-            return text, index_language(path)
+            return text, language_of(path)
         code, language = notebook_code(text, path)
         if len(code.encode("utf-8")) > self.rules.max_bytes:
             raise SourceError(f"{path}'s code cells are over the {self.rules.max_bytes}-byte limit", "too_large")

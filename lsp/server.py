@@ -38,7 +38,7 @@ from pygls.uris import to_fs_path
 
 from codecomplete import __version__
 from codecomplete.daemon.config import Config, editor_settings, engine_settings, merge
-from codecomplete.indexer.files import SourceError, foreign_cell, language_of, read_source
+from codecomplete.indexer.files import SourceError, join_cells, language_of, read_source
 from codecomplete.indexer.folders import Folders
 from codecomplete.model.api import Completion, CompletionRequest
 from codecomplete.model.stops import agrees, open_pairs, rewrites_rest, word_char
@@ -444,45 +444,38 @@ class CodecompleteServer(LanguageServer):
 
     def overlay(self, uri: str, closed: bool = False) -> None:
         """Keep the view of an open buffer current in the index of its folder."""
-        if not uri.startswith("file:"):
-            return
-        path = to_fs_path(uri)
-        index = self.folders.for_path(path)
-        if index is None:
-            return
-        if closed:
-            index.close_overlay(path)
-            return
-        text = self.open_text(uri)
-        if text is not None and len(text) <= self.config.index.max_file_bytes:
-            index.overlay(path, text)
+        self._overlay_at(uri, closed, lambda: self.open_text(uri))
 
     def overlay_notebook(self, notebook_uri: str, closed: bool = False) -> None:
         """Keep the index's view of an open notebook current: what it holds of the notebook's
         file is its code cells (indexer.files.notebook_code), so the open notebook's code cells,
         joined the same way, stand for it until it closes."""
-        if not notebook_uri.startswith("file:"):
+        def code() -> str | None:
+            ws = self.workspace
+            notebook = ws.get_notebook_document(notebook_uri=notebook_uri)
+            if notebook is None:
+                return None
+            docs = [ws.text_documents.get(unquote(cell.document)) for cell in notebook.cells
+                    if cell.kind == types.NotebookCellKind.Code]
+            return join_cells(without_lone_surrogates(doc.source) for doc in docs if doc is not None)
+
+        self._overlay_at(notebook_uri, closed, code)
+
+    def _overlay_at(self, uri: str, closed: bool, text) -> None:
+        """The index's overlay of the file at ``uri``: dropped when ``closed``, else ``text()``
+        (None: nothing to overlay) unless it is over ``index.max_file_bytes``."""
+        if not uri.startswith("file:"):
             return
-        path = to_fs_path(notebook_uri)
+        path = to_fs_path(uri)
         index = self.folders.for_path(path) if path else None
         if index is None:
             return
         if closed:
             index.close_overlay(path)
             return
-        ws = self.workspace
-        notebook = ws.get_notebook_document(notebook_uri=notebook_uri)
-        if notebook is None:
-            return
-        code = []
-        for cell in notebook.cells:
-            doc = ws.text_documents.get(unquote(cell.document))
-            if cell.kind == types.NotebookCellKind.Code and doc is not None and doc.source.strip() \
-                    and not foreign_cell(doc.source):
-                code.append(without_lone_surrogates(doc.source).rstrip("\n") + "\n\n")
-        text = "".join(code)
-        if len(text) <= self.config.index.max_file_bytes:
-            index.overlay(path, text)
+        got = text()
+        if got is not None and len(got) <= self.config.index.max_file_bytes:
+            index.overlay(path, got)
 
     def open_text(self, uri: str) -> str | None:
         """Text of an open document (None when it is not open), lone surrogates replaced.
@@ -977,7 +970,8 @@ class CodecompleteServer(LanguageServer):
         does), except the run of the one cell a keystroke alone edited, when the user typed
         along it (``typed_along``).  An edit to one cell's text is then that cell's keystroke
         (``edited``: a warm-up there, a run started at the pause), as in a text document.  Cells
-        the change removes are forgotten.  A metadata-only change stops nothing."""
+        the change removes are forgotten; the index's view of the notebook follows
+        (``overlay_notebook``).  A metadata-only change does nothing."""
         cells = params.change.cells
         if cells is None:
             return
@@ -996,6 +990,7 @@ class CodecompleteServer(LanguageServer):
                 self._supersede(uri, superseded=False)
         for uri in removed:
             self.forget(uri)
+        self.overlay_notebook(params.notebook_document.uri)
         if one is not None:
             text = cells.text_content[0]
             self.edited(one, types.DidChangeTextDocumentParams(text.document, list(text.changes)))
@@ -1701,8 +1696,6 @@ def create_server(engine, config: Config, repo: Path | None = None,
     @server.feature(types.NOTEBOOK_DOCUMENT_DID_CHANGE)
     def did_change_notebook(ls: CodecompleteServer, params: types.DidChangeNotebookDocumentParams):
         ls.notebook_changed(params)
-        if params.change.cells is not None and (params.change.cells.text_content or params.change.cells.structure):
-            ls.overlay_notebook(params.notebook_document.uri)
 
     @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
     def did_close(ls: CodecompleteServer, params: types.DidCloseTextDocumentParams):
