@@ -62,8 +62,8 @@ from codecomplete.indexer.tokens import TokenizerInfo  # noqa: E402
 from codecomplete.model.api import CompletionRequest, EngineSettings, SpecSettings  # noqa: E402
 from codecomplete.model.engine import _Vocab, generate, plan_prompt  # noqa: E402
 from codecomplete.model.loader import load_model  # noqa: E402
-from codecomplete.model.speculate import (Drafter, LiveIndex, Tree, build_tree, datastore_min_match,  # noqa: E402
-                                          pass_rows)
+from codecomplete.model.speculate import (AcceptanceModel, Drafter, LiveIndex, Tree, build_tree,  # noqa: E402
+                                          datastore_min_match, pass_rows, priced_tree)
 
 WIDE = dict(top_k=32, depth=16)  # trees past the shipped size: more continuations and deeper ones to choose from
 
@@ -117,18 +117,19 @@ class Successors:
 
 
 def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings, cost: PassCost | None,
-           rows: int | None, min_match: int, recycle: int = 0) -> dict:
+           rows: int | None, min_match: int, recycle: int = 0, priced: bool = False) -> dict:
     """Drafting replayed over the greedy outputs, one drafter per repository (as one engine per run):
     passes of at most ``rows`` rows (the root and the tree; None: any), datastore matches of ``min_match``
     tokens or more (the engine's ``pass_rows`` and ``datastore_min_match``); ``recycle`` > 0: where
     the drafter has nothing, a chain of up to that many tokens from ``Successors``."""
     tokens = passes = spec_steps = accepted = nodes = recycled = recycled_acc = 0
-    step_units = 0.0
-    priced = True
+    step_units = oracle_units = 0.0
+    all_priced = True
     draft_ms = 0.0
     for name, store in stores.items():
         drafter = Drafter(spec, store.retrieve, texts)
         succ = Successors()
+        judge, made, spent = AcceptanceModel(), 0.0, 0.0
         for t in (t for t in tasks if t["repo"] == name):
             prompt, out = t["prompt"], t["out"]
             live = LiveIndex()
@@ -139,7 +140,11 @@ def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings
                 # and the pass's rows; a tree wider than the cap keeps its best nodes, as spec_step cuts it
                 room = t["budget"] - i if rows is None else min(t["budget"] - i, rows - 1)
                 tree = drafter.draft(ctx, limit=room, live=live, min_match=min_match)
-                if rows is not None:
+                if priced:  # the rows worth their cost, by the learned acceptance and the measured pass costs
+                    rate = made / spent if spent > 20 else 1.5
+                    tree = priced_tree(tree, judge.probs(tree), lambda r: cost(r, len(ctx)), rate,
+                                       (rows or 17) - 1)
+                elif rows is not None:
                     tree = tree.first(rows - 1)
                 from_table = recycle > 0 and not len(tree) and room > 0
                 if from_table:
@@ -160,13 +165,18 @@ def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings
                     if from_table:
                         recycled += 1
                         recycled_acc += len(acc)
+                if priced:
+                    judge.learn(tree, _rows(tree, acc))
+                    made, spent = made + 1 + len(acc), spent + cost(1 + len(tree), len(ctx))
                 path = [ctx[-1]] + acc  # the verified rows on the greedy path and what greedy picked after each
                 succ.learn(path, out[i:i + len(path)])
                 c = cost(1 + len(tree), len(ctx)) if cost else None
                 if c is None:
-                    priced = False
+                    all_priced = False
                 else:
                     step_units += c
+                    # an oracle row count: the pass cut to the rows it accepts (what no policy can beat)
+                    oracle_units += cost(1 + len(acc), len(ctx))
                 drafter.learn(ctx[-5:], acc)  # as spec_step: the last fed tokens and the root
                 i += 1 + len(acc)
             drafter.learn_output(prompt, out)
@@ -176,10 +186,21 @@ def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings
     return {"tokens": tokens, "passes": passes, "tokens_per_pass": round(tokens / max(1, passes), 3),
             "acceptance_length": round(1 + accepted / spec_steps, 3) if spec_steps else None,
             "nodes_per_pass": round(nodes / max(1, passes), 2),
-            "cpu_projection": round((tokens - len(tasks)) / step_units, 3) if priced and step_units else None,
+            "cpu_projection": round((tokens - len(tasks)) / step_units, 3) if all_priced and step_units else None,
+            "oracle_rows_projection": round((tokens - len(tasks)) / oracle_units, 3) if all_priced and oracle_units
+            else None,
             "draft_ms_per_pass": round(draft_ms / max(1, passes), 3),
             "drafted_share": round(spec_steps / max(1, passes), 3), "rows": rows, "min_match": min_match,
             "recycled_passes": recycled, "recycled_acceptance": round(recycled_acc / recycled, 3) if recycled else None}
+
+
+def _rows(tree: Tree, acc: list[int]) -> list[int]:
+    """The accepted path's rows (1-based node indices) for accepted tokens ``acc``."""
+    kids, row, out = tree.children(), 0, []
+    for tok in acc:
+        row = kids[row][tok]
+        out.append(row)
+    return out
 
 
 def run_model(spec_name: str, args, cost: PassCost) -> dict:
@@ -199,7 +220,13 @@ def run_model(spec_name: str, args, cost: PassCost) -> dict:
                           "budget": args.max_new + (1 if plan.healed else 0)})  # the engine's token budget
     shipped = SpecSettings()
     check = {"outputs_identical": 0, "engine_passes": 0, "tasks": len(tasks)}
-    for name in stores:
+    saved = Path(f"{args.reuse_outputs}.{lm.name.split()[0]}.{args.split}.json") if args.reuse_outputs else None
+    if saved is not None and saved.exists():  # the greedy outputs and the engine check of an earlier run
+        kept = json.loads(saved.read_text())
+        for t, out in zip(tasks, kept["outputs"]):
+            t["out"] = out
+        check = kept["check"]
+    for name in stores if "out" not in tasks[0] else ():
         drafter = Drafter(shipped, stores[name].retrieve, vocab.texts)
         for t in (t for t in tasks if t["repo"] == name):
             with torch.inference_mode():
@@ -209,6 +236,8 @@ def run_model(spec_name: str, args, cost: PassCost) -> dict:
             check["outputs_identical"] += t["out"] == list(spec.token_ids)
             check["engine_passes"] += spec.forward_passes
         print(f"{lm.name} / {name}: outputs", file=sys.stderr)
+    if saved is not None and not saved.exists():
+        saved.write_text(json.dumps({"outputs": [t["out"] for t in tasks], "check": check}))
     rows = {}
     engine_rows, engine_mm = pass_rows(shipped, lm.model), datastore_min_match(shipped, lm.model)
     shipped_row = replay(tasks, stores, vocab.texts, shipped, cost, engine_rows, engine_mm)
@@ -219,6 +248,11 @@ def run_model(spec_name: str, args, cost: PassCost) -> dict:
         rows[f"shipped + successor chains of <= {n} where it has no draft"] = replay(
             tasks, stores, vocab.texts, shipped, cost, engine_rows, engine_mm, recycle=n)
         print(f"{lm.name}: recycle {n} {rows[list(rows)[-1]]}", file=sys.stderr)
+    for mm, r, n in itertools.product(args.grid_min_match, args.grid_rows, args.grid_nodes) if args.priced else ():
+        if n <= r - 1:
+            rows[f"priced: matches >= {mm}, <= {r} rows, {n} nodes"] = replay(
+                tasks, stores, vocab.texts, replace(shipped, max_nodes=n), cost, r, mm, priced=True)
+            print(f"{lm.name}: priced {mm} {r} {n} {rows[list(rows)[-1]]}", file=sys.stderr)
     if args.grid:
         for mm, r, n in itertools.product(args.grid_min_match, args.grid_rows, args.grid_nodes):
             if n <= r - 1:
@@ -253,7 +287,9 @@ def write(out: Path, args, cost: PassCost, results: list[dict]) -> None:
              "- **CPU projection**: tokens over the passes' cost in one-token steps, from this CPU's measured "
              "forwards "
              f"({cost.source.relative_to(RESULTS.parent.parent)}: contexts {cost.contexts}, rows up to "
-             f"{max(max(v) for v in cost.table.values())}); no Python work included; '-' past the measured rows.", ""]
+             f"{max(max(v) for v in cost.table.values())}); no Python work included; '-' past the measured rows.",
+             "- **oracle rows**: the same passes each priced at the rows it accepts (the root and the accepted "
+             "path): the bound for any policy that picks a pass's width from its draft.", ""]
     for res in results:
         c = res["check"]
         lines += [f"## {res['model']} ({res['dtype']})", "",
@@ -261,12 +297,14 @@ def write(out: Path, args, cost: PassCost, results: list[dict]) -> None:
                   f"{c['outputs_identical']}/{c['tasks']}; passes: engine {c['engine_passes']}, replay "
                   f"{c['replay_passes']}.", "",
                   "| draft tree | tokens/pass | acceptance length | draft nodes/pass | passes with a draft | "
-                  "CPU projection | drafting ms/pass | successor chains: passes, tokens accepted |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "CPU projection | oracle rows: CPU projection | drafting ms/pass | "
+                  "successor chains: passes, tokens accepted |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for label, r in res["rows"].items():
             chains = f"{r['recycled_passes']}, {r['recycled_acceptance']}" if r["recycled_passes"] else "-"
             lines.append(f"| {label} | {r['tokens_per_pass']} | {r['acceptance_length'] or '-'} | "
                          f"{r['nodes_per_pass']} | {r['drafted_share']} | {r['cpu_projection'] or '-'} | "
+                         f"{r.get('oracle_rows_projection') or '-'} | "
                          f"{r['draft_ms_per_pass']} | {chains} |")
         lines.append("")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -282,6 +320,10 @@ def main() -> None:
     ap.add_argument("--split", default="test", choices=("test", "tune"))
     ap.add_argument("--recycle", default="", help="comma-separated chain lengths for the successor-table fallback")
     ap.add_argument("--grid", action="store_true", help="replay the grid below with the engine's row caps")
+    ap.add_argument("--reuse-outputs", default="", help="a file prefix: keep the greedy outputs and the engine "
+                    "check there and take them from there on the next run (same model, split and repositories)")
+    ap.add_argument("--priced", action="store_true", help="replay the grid below with each pass's rows chosen "
+                    "by the learned acceptance and the pass costs (speculate.priced_tree)")
     ap.add_argument("--grid-min-match", default="2,3,4,6,8")
     ap.add_argument("--grid-rows", default="4,6,8")
     ap.add_argument("--grid-nodes", default="3,5,7")
