@@ -24,6 +24,10 @@ passes as the replay.  The replay applies what the engine applies on this machin
 row cap of a pass (``pass_rows``) and the datastores' shortest match
 (``datastore_min_match``), both raised or lowered where passes are costly (AVX2).
 
+Each row also carries an **oracle-rows** projection: the same passes priced at the rows each
+accepts (the root and the accepted path), the bound for any policy that picks a pass's width
+from its draft (bench/results/spec_priced_avx2.md: a learned one, tried and reverted, c6435f9).
+
 Two more uses, both replayed the same way:
 
 - ``--grid``: the row cap, shortest datastore match and tree size over a grid (the tune
@@ -37,7 +41,8 @@ Two more uses, both replayed the same way:
 
     python bench/spec_ceiling.py --repos A,B,C [--models default,smollm2-135m] [--functions 10]
                                  [--sizes 3,4,8,16,32,64] [--split test|tune] [--grid] [--recycle 1,3,7]
-                                 [--pass-cost bench/results/pass_cost.json] [--out bench/results/spec_ceiling]
+                                 [--pass-cost bench/results/pass_cost.json] [--reuse-outputs /tmp/outputs]
+                                 [--out bench/results/spec_ceiling]
 """
 
 from __future__ import annotations
@@ -62,8 +67,8 @@ from codecomplete.indexer.tokens import TokenizerInfo  # noqa: E402
 from codecomplete.model.api import CompletionRequest, EngineSettings, SpecSettings  # noqa: E402
 from codecomplete.model.engine import _Vocab, generate, plan_prompt  # noqa: E402
 from codecomplete.model.loader import load_model  # noqa: E402
-from codecomplete.model.speculate import (AcceptanceModel, Drafter, LiveIndex, Tree, build_tree,  # noqa: E402
-                                          datastore_min_match, pass_rows, priced_tree)
+from codecomplete.model.speculate import (Drafter, LiveIndex, Tree, build_tree, datastore_min_match,  # noqa: E402
+                                          pass_rows)
 
 WIDE = dict(top_k=32, depth=16)  # trees past the shipped size: more continuations and deeper ones to choose from
 
@@ -117,7 +122,7 @@ class Successors:
 
 
 def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings, cost: PassCost | None,
-           rows: int | None, min_match: int, recycle: int = 0, priced: bool = False) -> dict:
+           rows: int | None, min_match: int, recycle: int = 0) -> dict:
     """Drafting replayed over the greedy outputs, one drafter per repository (as one engine per run):
     passes of at most ``rows`` rows (the root and the tree; None: any), datastore matches of ``min_match``
     tokens or more (the engine's ``pass_rows`` and ``datastore_min_match``); ``recycle`` > 0: where
@@ -129,7 +134,6 @@ def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings
     for name, store in stores.items():
         drafter = Drafter(spec, store.retrieve, texts)
         succ = Successors()
-        judge, made, spent = AcceptanceModel(), 0.0, 0.0
         for t in (t for t in tasks if t["repo"] == name):
             prompt, out = t["prompt"], t["out"]
             live = LiveIndex()
@@ -140,11 +144,7 @@ def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings
                 # and the pass's rows; a tree wider than the cap keeps its best nodes, as spec_step cuts it
                 room = t["budget"] - i if rows is None else min(t["budget"] - i, rows - 1)
                 tree = drafter.draft(ctx, limit=room, live=live, min_match=min_match)
-                if priced:  # the rows worth their cost, by the learned acceptance and the measured pass costs
-                    rate = made / spent if spent > 20 else 1.5
-                    tree = priced_tree(tree, judge.probs(tree), lambda r: cost(r, len(ctx)), rate,
-                                       (rows or 17) - 1)
-                elif rows is not None:
+                if rows is not None:
                     tree = tree.first(rows - 1)
                 from_table = recycle > 0 and not len(tree) and room > 0
                 if from_table:
@@ -165,9 +165,6 @@ def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings
                     if from_table:
                         recycled += 1
                         recycled_acc += len(acc)
-                if priced:
-                    judge.learn(tree, _rows(tree, acc))
-                    made, spent = made + 1 + len(acc), spent + cost(1 + len(tree), len(ctx))
                 path = [ctx[-1]] + acc  # the verified rows on the greedy path and what greedy picked after each
                 succ.learn(path, out[i:i + len(path)])
                 c = cost(1 + len(tree), len(ctx)) if cost else None
@@ -192,15 +189,6 @@ def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings
             "draft_ms_per_pass": round(draft_ms / max(1, passes), 3),
             "drafted_share": round(spec_steps / max(1, passes), 3), "rows": rows, "min_match": min_match,
             "recycled_passes": recycled, "recycled_acceptance": round(recycled_acc / recycled, 3) if recycled else None}
-
-
-def _rows(tree: Tree, acc: list[int]) -> list[int]:
-    """The accepted path's rows (1-based node indices) for accepted tokens ``acc``."""
-    kids, row, out = tree.children(), 0, []
-    for tok in acc:
-        row = kids[row][tok]
-        out.append(row)
-    return out
 
 
 def run_model(spec_name: str, args, cost: PassCost) -> dict:
@@ -248,11 +236,6 @@ def run_model(spec_name: str, args, cost: PassCost) -> dict:
         rows[f"shipped + successor chains of <= {n} where it has no draft"] = replay(
             tasks, stores, vocab.texts, shipped, cost, engine_rows, engine_mm, recycle=n)
         print(f"{lm.name}: recycle {n} {rows[list(rows)[-1]]}", file=sys.stderr)
-    for mm, r, n in itertools.product(args.grid_min_match, args.grid_rows, args.grid_nodes) if args.priced else ():
-        if n <= r - 1:
-            rows[f"priced: matches >= {mm}, <= {r} rows, {n} nodes"] = replay(
-                tasks, stores, vocab.texts, replace(shipped, max_nodes=n), cost, r, mm, priced=True)
-            print(f"{lm.name}: priced {mm} {r} {n} {rows[list(rows)[-1]]}", file=sys.stderr)
     if args.grid:
         for mm, r, n in itertools.product(args.grid_min_match, args.grid_rows, args.grid_nodes):
             if n <= r - 1:
@@ -322,8 +305,6 @@ def main() -> None:
     ap.add_argument("--grid", action="store_true", help="replay the grid below with the engine's row caps")
     ap.add_argument("--reuse-outputs", default="", help="a file prefix: keep the greedy outputs and the engine "
                     "check there and take them from there on the next run (same model, split and repositories)")
-    ap.add_argument("--priced", action="store_true", help="replay the grid below with each pass's rows chosen "
-                    "by the learned acceptance and the pass costs (speculate.priced_tree)")
     ap.add_argument("--grid-min-match", default="2,3,4,6,8")
     ap.add_argument("--grid-rows", default="4,6,8")
     ap.add_argument("--grid-nodes", default="3,5,7")

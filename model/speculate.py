@@ -54,23 +54,13 @@ class Tree:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)  # -1: a child of the root (t0)
     depths: list[int] = field(default_factory=list)  # 1 for the root's children
-    # per node what ``AcceptanceModel`` knows it by (the source that weighs most, depth, share
-    # among its siblings); empty for trees made by hand
-    keys: list[tuple] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def first(self, n: int) -> "Tree":
         """The first ``n`` nodes (every kept node's parent comes before it): a tree cut to a pass's rows."""
-        return self if len(self) <= n else Tree(self.tokens[:n], self.parents[:n], self.depths[:n], self.keys[:n])
-
-    def reorder(self, order: list[int]) -> "Tree":
-        """The nodes in ``order`` (a permutation of a prefix-closed subset: each node's parent before it)."""
-        where = {old: new for new, old in enumerate(order)}
-        return Tree([self.tokens[i] for i in order], [where[self.parents[i]] if self.parents[i] >= 0 else -1
-                                                      for i in order],
-                    [self.depths[i] for i in order], [self.keys[i] for i in order] if self.keys else [])
+        return self if len(self) <= n else Tree(self.tokens[:n], self.parents[:n], self.depths[:n])
 
     def children(self) -> list[dict[int, int]]:
         """Per node (index 0 = the root, i + 1 = node i): token -> child node index + 1."""
@@ -114,43 +104,28 @@ def datastore_min_match(settings, model) -> int:
     return settings.min_match
 
 
-def _share(share: float) -> int:
-    return 2 if share >= 0.9 else 1 if share >= 0.5 else 0
-
-
-def build_tree(weighted: list[tuple], max_nodes: int, max_depth: int) -> Tree:
-    """The best ``max_nodes`` nodes of the trie of ``weighted`` sequences, best-first.  An entry is
-    ``(tokens, weight)`` or ``(tokens, weight, kind)``: each node's key (``Tree.keys``) names the kind
-    that weighs most in it, its depth (capped at 8) and its weight's share among its siblings."""
-    trie: dict = {}  # token -> [weight, children, {kind: weight}]
-    for entry in weighted:
-        seq, w = entry[0], entry[1]
-        kind = entry[2] if len(entry) > 2 else ""
+def build_tree(weighted: list[tuple[tuple[int, ...], float]], max_nodes: int, max_depth: int) -> Tree:
+    """The best ``max_nodes`` nodes of the trie of ``weighted`` sequences, best-first."""
+    trie: dict = {}  # token -> [weight, children]
+    for seq, w in weighted:
         level = trie
         for tok in seq[:max_depth]:
-            node = level.setdefault(tok, [0.0, {}, {}])
+            node = level.setdefault(tok, [0.0, {}])
             node[0] += w
-            node[2][kind] = node[2].get(kind, 0.0) + w
             level = node[1]
     tree = Tree()
-
-    def push(heap: list, level: dict, parent: int, depth: int, order: int) -> int:
-        total = sum(n[0] for n in level.values()) or 1.0
-        for tok, node in level.items():
-            order += 1
-            heapq.heappush(heap, (-node[0], order, tok, parent, depth, node, node[0] / total))
-        return order
-
-    heap: list = []
-    order = push(heap, trie, -1, 1, 0)
+    heap = [(-node[0], i, tok, -1, 1, node[1]) for i, (tok, node) in enumerate(trie.items())]
+    heapq.heapify(heap)
+    order = len(heap)
     while heap and len(tree) < max_nodes:
-        _, _, tok, parent, depth, node, share = heapq.heappop(heap)
+        _, _, tok, parent, depth, kids = heapq.heappop(heap)
         idx = len(tree)
         tree.tokens.append(tok)
         tree.parents.append(parent)
         tree.depths.append(depth)
-        tree.keys.append((max(node[2], key=node[2].get), min(depth, 8), _share(share)))
-        order = push(heap, node[1], idx, depth + 1, order)
+        for ctok, cnode in kids.items():
+            order += 1
+            heapq.heappush(heap, (-cnode[0], order, ctok, idx, depth + 1, cnode[1]))
     # breadth-first order is not guaranteed by best-first popping; a parent always comes
     # before its child, which is all the mask and the walk need.
     return tree
@@ -190,55 +165,6 @@ def accept(tree: Tree, greedy: list[int]) -> list[int]:
             return path
         path.append(nxt)
         row = nxt
-
-
-class AcceptanceModel:
-    """How likely a draft node is to be accepted, learned from the passes: per node key
-    (``Tree.keys``), how often a node whose parent was accepted (or a child of the root) was
-    accepted too, smoothed towards ``prior``.  A node's probability is its parent's times its
-    own rate, so it falls along a path and a tree ordered by it keeps parents first."""
-
-    def __init__(self, prior: float = 0.6, strength: float = 2.0):
-        self.prior, self.strength = prior, strength
-        self.counts: dict[tuple, list[int]] = {}  # key -> [accepted, drafted]
-
-    def rate(self, key: tuple) -> float:
-        a, n = self.counts.get(key, (0, 0))
-        return (a + self.strength * self.prior) / (n + self.strength)
-
-    def probs(self, tree: Tree) -> list[float]:
-        out: list[float] = []
-        for i, par in enumerate(tree.parents):
-            key = tree.keys[i] if tree.keys else ("", min(tree.depths[i], 8), 0)
-            out.append((out[par] if par >= 0 else 1.0) * self.rate(key))
-        return out
-
-    def learn(self, tree: Tree, rows: list[int]) -> None:
-        """``rows``: the accepted path (1-based node indices, as ``accept`` returns them)."""
-        on_path = set(rows)
-        for i, par in enumerate(tree.parents):
-            if par < 0 or par + 1 in on_path:
-                key = tree.keys[i] if tree.keys else ("", min(tree.depths[i], 8), 0)
-                c = self.counts.setdefault(key, [0, 0])
-                c[1] += 1
-                c[0] += (i + 1) in on_path
-
-
-def priced_tree(tree: Tree, probs: list[float], cost: Callable[[int], float], rate: float, cap: int) -> Tree:
-    """The nodes worth a pass's rows: ordered by their probability, the first ``n`` (at most
-    ``cap``) that maximise the expected tokens (the root's one and each node's probability) less
-    ``rate`` x the pass's cost for ``1 + n`` rows (``cost(rows)`` in one-row steps; ``rate``: the
-    tokens a step's cost buys on average, what a row must beat)."""
-    if not len(tree):
-        return tree
-    order = sorted(range(len(tree)), key=lambda i: (-probs[i], i))[:cap]
-    best_n, best, gain = 0, 1.0 - rate * cost(1), 1.0
-    for n, i in enumerate(order, 1):
-        gain += probs[i]
-        value = gain - rate * cost(1 + n)
-        if value > best:
-            best_n, best = n, value
-    return tree.reorder(order[:best_n]) if best_n else Tree()
 
 
 class VerifiedCache:
@@ -372,19 +298,18 @@ class Drafter:
     def _draft(self, context: list[int], limit: int | None, live: LiveIndex | None, min_match: int) -> Tree:
         s = self.settings
         depth = max(1, min(s.depth, limit if limit is not None else s.depth))
-        weighted: list[tuple] = []
+        weighted: list[tuple[tuple[int, ...], float]] = []
         if live is not None and s.use_live:
             live.update(context)
             own = live.lookup(depth, s.top_k)
             if own:
                 total = sum(n for _, n in own)
-                kind = "live+" if live.longest >= 8 else "live"
-                weighted += [(seq, s.delta * n / total, kind) for seq, n in own]
+                weighted += [(seq, s.delta * n / total) for seq, n in own]
                 self.stats["live_hits"] += 1
         from_cache = s.use_cache and self.cache.lookup(context, s.top_k)
         if from_cache:
             total = sum(n for _, n in from_cache)
-            weighted += [(seq, s.gamma * n / total, "cache") for seq, n in from_cache]
+            weighted += [(seq, s.gamma * n / total) for seq, n in from_cache]
         consult = not (from_cache and self.cache.sequences > s.tau)  # the cache first, once it is full enough
         if consult and self.retriever is not None and (s.use_repository or s.use_common):
             if s.skip_tokens and self._is_skip_token(context) and self.rng.random() >= s.p:
@@ -403,9 +328,8 @@ class Drafter:
                             m.source == "common" and not s.use_common):
                         continue
                     total = sum(c.count for c in m.continuations) or 1
-                    kind = m.source + ("+" if m.length >= 8 else "")
                     for c in m.continuations:
-                        weighted.append((tuple(c.tokens), weight * c.count / total, kind))
+                        weighted.append((tuple(c.tokens), weight * c.count / total))
                         found = True
                 if not found and s.missing_table:
                     self.missing[key] = None
