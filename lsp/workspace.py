@@ -23,11 +23,13 @@ from .documents import PositionError, encoding_name, offset_at
 log = logging.getLogger(__name__)
 
 
-def _offset(text: str, position: types.Position, encoding: str) -> int:
-    """A lenient offset for an edit: a line past the end is the end of the document."""
+def _offset(text: str, position: types.Position, encoding: str, uri: str = "") -> int:
+    """A lenient offset for an edit: a line past the end is the end of the document (logged: the
+    client's copy and this one may differ from here on, until its next full sync)."""
     try:
         return offset_at(text, max(position.line, 0), max(position.character, 0), encoding)
-    except PositionError:
+    except PositionError as e:
+        log.warning("edit of %s at line %d: %s; applied at the end of the document", uri, position.line, e)
         return len(text)
 
 
@@ -35,8 +37,8 @@ class LspTextDocument(TextDocument):
     def _apply_incremental_change(self, change: types.TextDocumentContentChangePartial) -> None:
         text = self.source
         encoding = encoding_name(self.position_codec.encoding)
-        start = _offset(text, change.range.start, encoding)
-        end = max(start, _offset(text, change.range.end, encoding))
+        start = _offset(text, change.range.start, encoding, self.uri)
+        end = max(start, _offset(text, change.range.end, encoding, self.uri))
         self._source = text[:start] + change.text + text[end:]
 
 

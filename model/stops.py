@@ -234,8 +234,9 @@ class StopRules:
         CRLF file, where the model writes ``\r\n`` after CRLF lines: editors hold lines without
         their breaks and turn an inserted ``\n`` into the file's own (VS Code) or insert a ``\r``
         as a character (Neovim's inline completion splits at ``\n`` only; Emacs, Vim).  ``reason``: why decoding stopped
-        (``line_end``: at a line break)."""
-        text = self._shaped(text, budget_cut, reason).replace("\r\n", "\n")
+        (``line_end``: at a line break).  A character cut between its byte-level tokens (the
+        budget ended inside a CJK word or an emoji; the decode ends in U+FFFD) is dropped."""
+        text = self._shaped(text.rstrip("\ufffd"), budget_cut, reason).replace("\r\n", "\n")
         if CLOSER_RULES and text.strip() and text.strip() == self.shape.line_suffix.strip():
             return ""  # only the code after the cursor again (``f(|)`` -> ``)``): nothing to offer
         return text

@@ -62,3 +62,23 @@ def test_newline_only_texts_take_the_counting_path_with_the_same_answers(seed):
             offset_at(text, lines + 1, 0)
         for offset in rng.sample(range(len(text) + 1), min(len(text) + 1, 5)):
             assert position_at(text, offset) == position_at(general, offset)
+
+
+def test_an_edit_past_the_end_lands_at_the_end_and_is_logged(caplog):
+    """A client out of step (an edit below the last line) gets pygls's lenient answer, the text
+    at the end, and a warning naming the document, so a drifted copy can be traced in the log."""
+    from lsprotocol import types as T
+
+    from codecomplete.lsp.workspace import LspWorkspace
+
+    ws = LspWorkspace(None, T.TextDocumentSyncKind.Incremental)
+    uri = "file:///w/a.py"
+    ws.put_text_document(T.TextDocumentItem(uri=uri, language_id="python", version=1, text="x = 1\ny = "))
+    edit = T.TextDocumentContentChangePartial(range=T.Range(T.Position(1, 4), T.Position(1, 4)), text="2")
+    ws.update_text_document(T.VersionedTextDocumentIdentifier(uri=uri, version=2), edit)
+    assert not caplog.records
+    past = T.TextDocumentContentChangePartial(range=T.Range(T.Position(50, 0), T.Position(60, 3)), text="\nz")
+    with caplog.at_level("WARNING"):
+        ws.update_text_document(T.VersionedTextDocumentIdentifier(uri=uri, version=3), past)
+    assert ws.get_text_document(uri).source == "x = 1\ny = 2\nz"
+    assert any(uri in r.getMessage() and "line 50" in r.getMessage() for r in caplog.records)

@@ -144,6 +144,19 @@ def test_a_budget_cut_drops_the_partial_last_line_of_a_block():
     assert single.finish("a, b, c", budget_cut=True) == "a, b, c"
 
 
+def test_a_character_cut_between_its_tokens_is_dropped():
+    """Byte-level tokens split CJK characters and emoji (SmolLM2's tokenizer gives ``# 日本``
+    then ``# 日本\ufffd`` for the first half of ``語``): a budget that ends there would offer
+    U+FFFD, which accepting inserts into the file."""
+    comment = rules("def f(x):\n    ", "")
+    assert comment.finish("# 日本\ufffd", budget_cut=True) == "# 日本"
+    assert comment.finish("return '\ufffd\ufffd", budget_cut=True) == "return '"
+    assert comment.finish("x = 1\n    # \ufffd", budget_cut=True) == "x = 1"  # then the cut line goes too
+    assert comment.finish("# 日本語", budget_cut=True) == "# 日本語"
+    single = rules("s = ", "\n")
+    assert single.finish('"\ufffd', budget_cut=True) == '"'
+
+
 def first_stop(r, text):
     """Feed ``text`` as decoding does (the check after every character) and return the
     first decision that stops, and how much of the text had come."""
