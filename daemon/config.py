@@ -106,6 +106,11 @@ class CompletionConfig:
     # "never".
     start_ahead: str = field(default="auto", metadata=_choice("auto", "always", "never"))
     start_ms: int = field(default=50, metadata=_range(1, 2000))
+    # A multi-line completion still being made this many ms after its request came is answered
+    # with the whole lines it has written by then (as soon as it has one); the run goes on, and
+    # the next request at the cursor (once the user accepts those lines or types them) takes its
+    # rest, as a run typed along (``type_along`` must be on).  0: wait for the whole completion.
+    first_lines_ms: int = field(default=0, metadata=_range(0, 60000))
     # Complete while typing with the cursor inside a word (``pri|nt``): off, as text inserted
     # there splits the word.  A request the user invokes is answered there either way.
     inside_word: bool = False

@@ -41,7 +41,7 @@ from codecomplete.daemon.config import Config, editor_settings, engine_settings,
 from codecomplete.indexer.files import SourceError, join_cells, language_of, read_source
 from codecomplete.indexer.folders import Folders
 from codecomplete.model.api import Completion, CompletionRequest
-from codecomplete.model.stops import agrees, open_pairs, rewrites_rest, word_char
+from codecomplete.model.stops import CompletionShape, agrees, open_pairs, rewrites_rest, word_char
 
 from .cache import CompletionCache
 from .documents import PositionError, cursor_at, encoding_name, offset_at, position_at
@@ -142,6 +142,7 @@ class Counters:
     disabled: int = 0  # of the empty ones, in a language or file completions are off for
     warmups: int = 0  # prefills at an edit ahead of a request (completion.warm_ms)
     started_ahead: int = 0  # runs started at a pause before the editor asked (completion.start_ahead)
+    first_lines: int = 0  # of the completions, answered with a run's whole lines so far (completion.first_lines_ms)
     inside_word: int = 0  # of the empty ones, asked while typing inside a word (nothing fits there)
     latencies_ms: deque = field(default_factory=lambda: deque(maxlen=2000))
 
@@ -792,9 +793,15 @@ class CodecompleteServer(LanguageServer):
         self._stop_warming()
         self._warm_line[uri] = position.line
         self.pending[uri] = pending
-        completion = await self._wait(rid, pending, cfg.debounce_ms / 1000 if automatic else 0.0)
+        early = cfg.first_lines_ms / 1000 if along else 0.0
+        completion = await self._wait(rid, pending, cfg.debounce_ms / 1000 if automatic else 0.0,
+                                      early_s=early, started=started)
         if completion is None:  # stopped before it ran, or released (its run goes on for the text typed since)
             return self._dropped(pending) if run.waiter is None else self._handed_on(rid, position, pending, started)
+        if completion.stop_reason == FIRST_LINES:  # the run goes on in following; the next request takes its rest
+            self.counters.first_lines += 1
+            self._record(rid, uri, position, completion, "answered", started)
+            return self._answer(rid, uri, text, cursor, position, completion, encoding, selected, started)
         self._record(rid, uri, position, completion, "stale" if pending.stale else "superseded" if pending.superseded
                      else "cancelled" if completion.cancelled else "answered", started)
         if pending.superseded or pending.stale or completion.cancelled:
@@ -877,13 +884,17 @@ class CodecompleteServer(LanguageServer):
         self._record(rid, uri, position, rest[0], "answered", started)
         return rest
 
-    async def _wait(self, rid: str, pending: Pending, debounce_s: float = 0.0) -> Completion | None:
+    async def _wait(self, rid: str, pending: Pending, debounce_s: float = 0.0, early_s: float = 0.0,
+                    started: float = 0.0) -> Completion | None:
         """The completion of the pending request's run, submitted to the engine after
         ``debounce_s`` unless it is stopped by then (or already running); None when it was
         stopped before it ran, or once the request is released (its run goes on for the text
         typed since, or for a newer request).  The request leaves ``pending`` when this ends;
         cancelled by the client, it stops its run unless the user typed along it since (the
-        next request is to take it over)."""
+        next request is to take it over).  ``early_s`` (> 0, ``completion.first_lines_ms``): a
+        run still going that long after ``started`` answers with its whole lines so far as soon
+        as it has one (a completion with stop reason ``FIRST_LINES``), and goes on in
+        ``following`` for the next request at the cursor."""
         run, uri = pending.run, pending.uri
         released = None
         try:
@@ -894,7 +905,21 @@ class CodecompleteServer(LanguageServer):
                     return None
                 run.waiter = asyncio.wrap_future(self.engine.submit(run.request))
             released = asyncio.ensure_future(pending.released.wait())
-            await asyncio.wait({run.waiter, released}, return_when=asyncio.FIRST_COMPLETED)
+            waiting = {run.waiter, released}
+            if early_s and run.doc is not None and CompletionShape.at_cursor(
+                    run.request.prefix, run.request.suffix, run.request.mode).multiline:
+                timeout = max(0.0, started + early_s - time.perf_counter())
+                done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                while not done:
+                    lines = first_lines(run.request.progress)
+                    if lines:
+                        self.following[uri] = run  # typing along it (accepting the lines) keeps it going
+                        run.waiter.add_done_callback(lambda _f, run=run: self._keep_done(run))
+                        return Completion(lines, FIRST_LINES, multiline=True, prompt_kind="first-lines")
+                    done, _ = await asyncio.wait(waiting, timeout=FIRST_LINES_POLL_S,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+            else:
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             if self.following.get(uri) is not run:
                 run.request.cancel.set()
@@ -907,6 +932,15 @@ class CodecompleteServer(LanguageServer):
             if self.pending.get(uri) is pending:
                 del self.pending[uri]
         return None if pending.released.is_set() else run.waiter.result()
+
+    def _keep_done(self, run: Run) -> None:
+        """A run answered early (``first_lines_ms``) finished: its whole completion goes into the
+        completion cache, for a request at its cursor again (the lines shown were only its start)."""
+        if run.waiter.cancelled() or run.waiter.exception() is not None or run.key is None:
+            return
+        done = run.waiter.result()
+        if not (done.cancelled or done.error):
+            self.cache.put(run.key, done, run.generation)
 
     def _handed_on(self, rid: str, position: types.Position, pending: Pending, started: float) -> None:
         """A request dropped while its run goes on (for the text typed since, or for a newer
@@ -1509,6 +1543,31 @@ def typed_between(text: str, before: str, after: str) -> str | None:
             middle = middle[:-k]
             break
     return middle.replace("\r\n", "\n")
+
+
+FIRST_LINES = "first_lines"  # the stop reason of an answer made of a run's whole lines so far
+FIRST_LINES_POLL_S = 0.01  # how often a request past first_lines_ms looks for a run's first whole line
+
+
+def first_lines(progress: str) -> str:
+    """The whole lines of a multi-line completion's text so far (up to its last line break, line
+    breaks as ``\n``, trailing blank lines dropped), or "" when it has none with code yet.  Last
+    lines that repeat the lines just before them are left out: the stop rules cut a repeated line
+    or block once it comes a third time, and keep the first copy."""
+    text = progress.replace("\r\n", "\n")
+    end = text.rfind("\n")
+    if end < 0:
+        return ""
+    lines = text[:end].split("\n")
+    while len(lines) > 1 and not lines[-1].strip():
+        lines.pop()
+    stripped = [ln.strip() for ln in lines]
+    for k in range(1, len(lines) // 2 + 1):
+        if any(stripped[-k:]) and stripped[-k:] == stripped[-2 * k:-k]:
+            lines = lines[:-k]
+            break
+    out = "\n".join(lines).rstrip()
+    return out if out.strip() else ""
 
 
 def reaches_past(run: Run, typed: str) -> bool:

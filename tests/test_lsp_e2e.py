@@ -1223,3 +1223,38 @@ async def test_an_edit_on_a_new_line_warms_the_prompt_before_the_request(repo, t
     finally:
         await c.shutdown_session()
         await c.stop()
+
+
+async def test_a_slow_block_comes_as_its_first_lines_then_its_rest(repo, model_cache):
+    """Guards completion.firstLinesMs with the real default model: a block the model is still
+    writing is answered with its whole lines so far; accepting them types along its run, and
+    the request after the accept gets the run's rest (no second run); the two together are the
+    completion a fresh session gets at the first cursor."""
+    c = await start_daemon(repo, "default", init_options={"completion": {
+        "firstLinesMs": 1, "debounceMs": 0, "warmMs": 0, "startAhead": "never"}})
+    reference = Engine(EngineSettings(model="default", dtype="float32")).start()
+    try:
+        await stats_when(c, lambda s: s["engine"]["ready"])
+        uri = (repo / "fib.py").as_uri()
+        head = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+        open_doc(c, uri, head + "    \n")
+        runs = (await stats(c))["engine"]["completions"]
+        items = await complete(c, uri, 2, 4)
+        s = await stats(c, recent=True)
+        assert s["counters"]["first_lines"] == 1 and s["recent"][-1]["stop_reason"] == "first_lines"
+        lines, = proposed(items, "    ")
+        assert lines.strip() and not lines.endswith("\n")
+        insert(c, uri, 2, 2, 4, lines)  # the user accepts them
+        row = 2 + lines.count("\n")
+        col = len(("    " + lines).split("\n")[-1])
+        rest = await complete(c, uri, row, col)
+        s = await stats(c, recent=True)
+        assert s["recent"][-1]["prompt_kind"] == "followed" and s["counters"]["followed"] == 1
+        assert s["engine"]["completions"] == runs + 1  # one run for both answers
+        typed = ("    " + lines).split("\n")[-1]
+        whole = lines + proposed(rest, typed)[0]
+        assert whole == expected(reference, head + "    ", "\n") and "\n" in whole.strip()
+    finally:
+        reference.close()
+        await c.shutdown_session()
+        await c.stop()

@@ -12,7 +12,7 @@ import concurrent.futures
 from lsprotocol import types as T
 
 from codecomplete.daemon.config import Config
-from codecomplete.lsp.server import CodecompleteServer, text_along, typed_between
+from codecomplete.lsp.server import CodecompleteServer, first_lines, text_along, typed_between
 from codecomplete.lsp.workspace import LspWorkspace
 from codecomplete.model.api import Completion, CompletionRequest
 from codecomplete.model.stops import agrees
@@ -477,3 +477,88 @@ async def test_an_edit_in_a_notebook_cell_warms_its_prompt_and_a_removed_cell_is
     assert CELLS[1] not in ls._warm_line and CELLS[1] not in ls._changed_at
     await pause()
     assert len(engine.runs) == 1  # a structure change is no keystroke: nothing warms
+
+
+# -- a slow block answered with its whole lines first (completion.first_lines_ms) ------------
+
+async def test_a_slow_block_answers_its_whole_lines_and_accepting_them_takes_the_rest():
+    ls, engine = server(first_lines_ms=20)
+    first = ask(ls, 1, 4)  # a blank indented line: a block
+    await settle()
+    (request, _), = engine.runs
+    request.progress = "result = a + b\n    ret"  # one whole line written, the run goes on
+    result = await asyncio.wait_for(first, 1)
+    assert offered(result, "    ") == ["result = a + b"]
+    assert not request.cancel.is_set() and ls.following[URI].request is request
+    assert ls.counters.first_lines == 1 and ls.recent[-1]["stop_reason"] == "first_lines"
+    type_at(ls, 1, 4, "result = a + b")  # the user accepts the lines: typed along the run
+    assert request.typed == "result = a + b" and not request.cancel.is_set()
+    rest = ask(ls, 1, 18)
+    await settle()
+    assert not rest.done()  # it waits for the run
+    engine.finish(0, WRITES)
+    assert offered(await asyncio.wait_for(rest, 1), "    result = a + b") == [WRITES[len("result = a + b"):]]
+    assert len(engine.runs) == 1 and ls.counters.followed == 1
+
+
+async def test_a_block_answers_once_it_has_a_whole_line_and_a_quick_one_whole():
+    ls, engine = server(first_lines_ms=10)
+    first = ask(ls, 1, 4)
+    await settle()
+    (request, _), = engine.runs
+    request.progress = "resu"  # past the time, but no whole line yet: it waits
+    await asyncio.sleep(0.05)
+    assert not first.done()
+    request.progress = "result = a + b\n"
+    assert offered(await asyncio.wait_for(first, 1), "    ") == ["result = a + b"]
+    # a run done before the time answers whole, as without the setting
+    ls2, engine2 = server(first_lines_ms=1000)
+    second = ask(ls2, 1, 4)
+    await settle()
+    engine2.runs[0][0].progress = "result = a + b\n    ret"
+    engine2.finish(0, WRITES)
+    assert offered(await asyncio.wait_for(second, 1), "    ") == [WRITES]
+    assert ls2.counters.first_lines == 0 and URI not in ls2.following
+
+
+async def test_the_block_finished_behind_its_first_lines_is_the_next_answer_there():
+    ls, engine = server(first_lines_ms=1)
+    first = ask(ls, 1, 4)
+    await settle()
+    engine.runs[0][0].progress = "result = a + b\n"
+    assert offered(await asyncio.wait_for(first, 1), "    ") == ["result = a + b"]
+    engine.finish(0, WRITES)  # the user read the lines and did not type: the run ends behind them
+    await settle()
+    again = await asyncio.wait_for(ask(ls, 1, 4), 1)  # asked again there (a gesture, a cursor move back)
+    assert offered(again, "    ") == [WRITES] and len(engine.runs) == 1
+
+
+async def test_a_line_completion_and_the_setting_off_never_answer_early():
+    text = "def total(a, b):\n    return f(a) + b\n"  # the cursor after "return ": code after it
+    ls, engine = server(first_lines_ms=1)
+    ls.workspace.put_text_document(T.TextDocumentItem(uri=URI, language_id="python", version=2, text=text))
+    first = ask(ls, 1, 11)
+    await settle()
+    engine.runs[0][0].progress = "g(a)\n    "
+    await asyncio.sleep(0.05)
+    assert not first.done()
+    engine.finish(0, "g(a) + ", "line_end")
+    await asyncio.wait_for(first, 1)
+    off, engine_off = server(first_lines_ms=0)
+    second = ask(off, 1, 4)
+    await settle()
+    engine_off.runs[0][0].progress = "result = a + b\n    ret"
+    await asyncio.sleep(0.05)
+    assert not second.done() and off.counters.first_lines == ls.counters.first_lines == 0
+    engine_off.finish(0, WRITES)
+    assert offered(await asyncio.wait_for(second, 1), "    ") == [WRITES]
+
+
+def test_the_whole_lines_of_a_text_so_far():
+    assert first_lines("result = a") == ""  # no line break yet
+    assert first_lines("\n    x = 1\n    y") == "\n    x = 1"  # a block below a line opener
+    assert first_lines("x = 1\r\n    y = 2\r\n") == "x = 1\n    y = 2"
+    assert first_lines("\n\n") == "" and first_lines("x = 1\n\n\n    y") == "x = 1"
+    # the stop rules keep a repeated line or block's first copy once it comes a third time
+    assert first_lines("\n    a = 1\n    a = 1\n") == "\n    a = 1"
+    assert first_lines("x\n    a = 1\n    b = 2\n    a = 1\n    b = 2\n    a") == "x\n    a = 1\n    b = 2"
