@@ -145,13 +145,15 @@ def pauses_after_requests(session: Session) -> dict[int, float | None]:
 
 def at_pauses(reqs: list[dict]) -> dict:
     """The requests the user waited at (``pause_ms`` >= PAUSE_MS: the typing stopped there):
-    how many, answered with a completion, accepted (what was typed next starts with it), and the
-    answered ones' latency."""
+    how many, answered with a completion, accepted (what was typed next starts with it), the
+    characters the accepted ones saved, and the answered ones' latency."""
     waited = [r for r in reqs if r.get("pause_ms") is not None and r["pause_ms"] >= PAUSE_MS]
     shown = [r for r in waited if r["status"] == "answered" and r["completion"].strip()]
     lat = [r["latency_ms"] for r in waited if r["status"] == "answered"]
     return {"requests": len(waited), "shown": len(shown), "accepted": sum(r["accepted"] for r in waited),
-            "latency_ms": {"p50": pct(lat, 0.5), "p90": pct(lat, 0.9)}}
+            "chars_saved": sum(r.get("chars_saved") or 0 for r in waited),
+            "latency_ms": {"p50": pct(lat, 0.5), "p90": pct(lat, 0.9), "p99": pct(lat, 0.99),
+                           "max": round(max(lat), 1) if lat else None}}
 
 
 def lines_right(completion: str, typed: str) -> tuple[int, int]:
@@ -493,13 +495,15 @@ def write_report(out: Path, runs: list[dict], meta: dict) -> dict:
         lines.append(f"| {s['scheme']} | {cells[0]} | {cells[1]} |")
     lines += ["", f"At pauses (requests after which the user typed nothing for {PAUSE_MS} ms or more: the "
               "suggestions a user waits for): how many, answered with a completion, accepted, and the answered "
-              "ones' latency.", "", "| scheme | requests | shown | accepted | latency p50 / p90 ms |",
-              "|---|---|---|---|---|"]
+              "ones' latency.", "", "| scheme | requests | shown | accepted | chars saved | "
+              "latency p50 / p90 / p99 / max ms |", "|---|---|---|---|---|---|"]
     for s in summaries:
         p = s.get("at_pauses") or {}
         if p:
+            lat = p["latency_ms"]
             lines.append(f"| {s['scheme']} | {p['requests']} | {p['shown']} | {p['accepted']} | "
-                         f"{_dash(p['latency_ms']['p50'])} / {_dash(p['latency_ms']['p90'])} |")
+                         f"{_dash(p.get('chars_saved'))} | " + " / ".join(_dash(lat.get(k)) for k in
+                                                                    ("p50", "p90", "p99", "max")) + " |")
     lines += ["", "Latency counts requests the daemon answered (with or without items); stale and "
               "superseded requests were dropped because the user typed on. Typed through: answered with "
               "the rest of the last completion, without the model (only where `completion.type_through` is on: "

@@ -341,13 +341,16 @@ def test_the_requests_a_user_waits_at_are_those_the_typing_stops_after():
         {"t": 530, "type": "request", "uri": "file:///a.py", "line": 0, "character": 2},
         {"t": 900, "type": "save", "uri": "file:///a.py"}])
     assert pauses_after_requests(session) == {1: 300, 4: 70, 6: None}
-    reqs = [{"pause_ms": 300, "status": "answered", "completion": "z = 1", "accepted": True, "latency_ms": 40.0},
+    reqs = [{"pause_ms": 300, "status": "answered", "completion": "z = 1", "accepted": True, "latency_ms": 40.0,
+             "chars_saved": 5},
             {"pause_ms": 70, "status": "answered", "completion": "w", "accepted": False, "latency_ms": 9.0},
             {"pause_ms": 600, "status": "answered", "completion": "", "accepted": False, "latency_ms": 80.0},
             {"pause_ms": 250, "status": "stale", "completion": "", "accepted": False, "latency_ms": 0.0},
             {"pause_ms": None, "status": "answered", "completion": "q", "accepted": False, "latency_ms": 5.0}]
-    assert at_pauses(reqs) == {"requests": 3, "shown": 1, "accepted": 1, "latency_ms": {"p50": 80.0, "p90": 80.0}}
-    assert at_pauses([]) == {"requests": 0, "shown": 0, "accepted": 0, "latency_ms": {"p50": None, "p90": None}}
+    assert at_pauses(reqs) == {"requests": 3, "shown": 1, "accepted": 1, "chars_saved": 5,
+                               "latency_ms": {"p50": 80.0, "p90": 80.0, "p99": 80.0, "max": 80.0}}
+    assert at_pauses([]) == {"requests": 0, "shown": 0, "accepted": 0, "chars_saved": 0,
+                             "latency_ms": {"p50": None, "p90": None, "p99": None, "max": None}}
 
 
 def test_edit_similarity():
