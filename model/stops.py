@@ -408,7 +408,10 @@ def rewrites_rest(text: str, rest: str, line_prefix: str | None = None, after_cl
 
 def agrees(so_far: str, typed: str) -> bool:
     """Whether a completion's text so far and the text typed at its cursor since agree: one
-    starts the other (the daemon keeps a run going while the user types along it)."""
+    starts the other (the daemon keeps a run going while the user types along it).  A character
+    the text so far holds only part of (its decode ends in U+FFFD: the rest of its bytes come with
+    the next token) agrees with any."""
+    so_far = so_far.rstrip("\ufffd")
     return so_far.startswith(typed) or typed.startswith(so_far)
 
 

@@ -212,6 +212,8 @@ def test_the_text_typed_at_a_cursor():
     assert typed_between("b = f\n", "a = ", "\n") is None
     assert agrees("return x", "ret") and agrees("ret", "return x") and agrees("", "r")
     assert not agrees("return x", "reg")
+    # a character split between byte-level tokens (the run wrote half of 語 so far) agrees with it typed
+    assert agrees("# 日本\ufffd", "# 日本語") and not agrees("# 日本\ufffd", "# 日曜")
 
 
 NOTEBOOK = "file:///work/analysis.ipynb"
