@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import hashlib
 import json
 import statistics
 import sys
@@ -209,8 +210,9 @@ def run_model(spec_name: str, args, cost: PassCost) -> dict:
     shipped = SpecSettings()
     check = {"outputs_identical": 0, "engine_passes": 0, "tasks": len(tasks)}
     saved = Path(f"{args.reuse_outputs}.{lm.name.split()[0]}.{args.split}.json") if args.reuse_outputs else None
-    if saved is not None and saved.exists():  # the greedy outputs and the engine check of an earlier run
-        kept = json.loads(saved.read_text())
+    prompts = hashlib.sha1(json.dumps([t["prompt"] for t in tasks]).encode()).hexdigest()  # the same tasks?
+    kept = json.loads(saved.read_text()) if saved is not None and saved.exists() else {}
+    if kept.get("prompts") == prompts:  # the greedy outputs and the engine check of an earlier run of these tasks
         for t, out in zip(tasks, kept["outputs"]):
             t["out"] = out
         check = kept["check"]
@@ -224,8 +226,8 @@ def run_model(spec_name: str, args, cost: PassCost) -> dict:
             check["outputs_identical"] += t["out"] == list(spec.token_ids)
             check["engine_passes"] += spec.forward_passes
         print(f"{lm.name} / {name}: outputs", file=sys.stderr)
-    if saved is not None and not saved.exists():
-        saved.write_text(json.dumps({"outputs": [t["out"] for t in tasks], "check": check}))
+    if saved is not None and kept.get("prompts") != prompts:
+        saved.write_text(json.dumps({"prompts": prompts, "outputs": [t["out"] for t in tasks], "check": check}))
     rows = {}
     engine_rows, engine_mm = pass_rows(shipped, lm.model), datastore_min_match(shipped, lm.model)
     shipped_row = replay(tasks, stores, vocab.texts, shipped, cost, engine_rows, engine_mm)

@@ -1551,7 +1551,7 @@ FIRST_LINES_POLL_S = 0.01  # how often a request past first_lines_ms looks for a
 
 def first_lines(progress: str) -> str:
     """The whole lines of a multi-line completion's text so far (up to its last line break, line
-    breaks as ``\n``, trailing blank lines dropped), or "" when it has none with code yet.  Last
+    breaks as ``\\n``, trailing blank lines dropped), or "" when it has none with code yet.  Last
     lines that repeat the lines just before them are left out: the stop rules cut a repeated line
     or block once it comes a third time, and keep the first copy."""
     text = progress.replace("\r\n", "\n")
