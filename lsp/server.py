@@ -936,10 +936,8 @@ class CodecompleteServer(LanguageServer):
     def _keep_done(self, run: Run) -> None:
         """A run answered early (``first_lines_ms``) finished: its whole completion goes into the
         completion cache, for a request at its cursor again (the lines shown were only its start)."""
-        if run.waiter.cancelled() or run.waiter.exception() is not None or run.key is None:
-            return
-        done = run.waiter.result()
-        if not (done.cancelled or done.error):
+        done = finished(run)
+        if done is not None and run.key is not None:
             self.cache.put(run.key, done, run.generation)
 
     def _handed_on(self, rid: str, position: types.Position, pending: Pending, started: float) -> None:
@@ -1576,10 +1574,16 @@ def reaches_past(run: Run, typed: str) -> bool:
     with it and goes on."""
     if not run.waiter.done():
         return agrees(run.request.progress, typed)
+    done = finished(run)
+    return done is not None and done.text.startswith(typed) and bool(done.text[len(typed):].strip())
+
+
+def finished(run: Run) -> Completion | None:
+    """A done run's completion, unless the run failed or was cancelled (then None)."""
     if run.waiter.cancelled() or run.waiter.exception() is not None:
-        return False
+        return None
     done = run.waiter.result()
-    return not (done.cancelled or done.error) and done.text.startswith(typed) and bool(done.text[len(typed):].strip())
+    return None if done.cancelled or done.error else done
 
 
 def plain(value: Any) -> Any:
