@@ -20,7 +20,7 @@ from pathlib import Path
 from codecomplete import __version__
 
 from . import startgc
-from .config import Config, engine_settings, load_config
+from .config import Config, deep_update, engine_settings, load_config, parse_set
 from .logs import setup_logging
 
 log = logging.getLogger("codecomplete")
@@ -36,15 +36,28 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None, help="a config file instead of the user one")
     p.add_argument("--log-file", help="write logs here instead of stderr")
     p.add_argument("-v", "--verbose", action="count", default=0, help="-v debug, -vv protocol too")
+    p.add_argument("--set", action="append", default=[], type=set_item, metavar="[SECTION.]KEY=VALUE",
+                   help="any setting, over every other source (repeatable; e.g. completion.max_tokens=32; "
+                        "VALUE is read as JSON, else as a string); the flags above win over it")
+
+
+def set_item(value: str) -> str:
+    """One ``--set`` flag, its form checked as argparse reads it (its key and value: by ``merge``)."""
+    try:
+        parse_set([value])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def cli_settings(args: argparse.Namespace) -> dict:
-    """The flags that override configuration, as a config mapping."""
+    """The flags that override configuration, as a config mapping: ``--set`` ones, then the
+    named flags (--model, --device, --dtype, --index-dir) over them."""
     model = {k: v for k, v in (("name", args.model), ("device", args.device), ("dtype", args.dtype)) if v}
     out: dict = {"model": model} if model else {}
     if args.index_dir:
         out["index_dir"] = args.index_dir
-    return out
+    return deep_update(parse_set(getattr(args, "set", None) or []), out)
 
 
 def build_config(args: argparse.Namespace) -> Config:

@@ -312,6 +312,45 @@ def editor_settings(options: Any) -> dict:
     return inner if isinstance(inner, dict) else {}
 
 
+def parse_set(items: list[str], *, section: bool = False) -> dict:
+    """``--set`` flags as a config mapping: ``["completion.max_tokens=32", "log_level=debug"]``
+    -> ``{"completion": {"max_tokens": 32}, "log_level": "debug"}``.  VALUE is read as JSON
+    (numbers, true/false, lists), else taken as a string.  ``section``: every key must name a
+    section (SECTION.KEY).  Raises ``ValueError`` saying what was expected; the keys and values
+    themselves are checked by ``merge`` (an unknown key or a bad value: a warning)."""
+    import json
+
+    out: dict = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        parts = [part.strip() for part in key.split(".")]
+        if not eq or not all(parts) or (section and len(parts) < 2):
+            raise ValueError(f"--set {item!r}: expected {'SECTION.KEY' if section else '[SECTION.]KEY'}=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        table = out
+        for part in parts[:-1]:
+            inner = table.setdefault(part, {})
+            if not isinstance(inner, dict):
+                raise ValueError(f"--set {item!r}: {part!r} was set to a value above, not a section")
+            table = inner
+        if isinstance(table.get(parts[-1]), dict):
+            raise ValueError(f"--set {item!r}: {parts[-1]!r} is a section, not a setting")
+        table[parts[-1]] = value
+    return out
+
+
+def deep_update(base: dict, over: dict) -> dict:
+    """``base`` with ``over`` applied, section by section (a copy; neither is changed)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = deep_update(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else value
+    return out
+
+
 def load_config(repo: Path | None, cli: dict | None = None,
                 user_file: Path | None = None) -> tuple[Config, list[str]]:
     """Defaults <- user file <- repo file <- command line."""

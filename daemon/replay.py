@@ -574,19 +574,13 @@ def materialize(sessions: list[Session], work: Path) -> Path:
 
 def parse_settings(items: list[str]) -> dict:
     """``["completion.contextSnippets=4", ...]`` -> ``{"completion": {"contextSnippets": 4}}``."""
-    out: dict = {}
-    for item in items:
-        key, eq, raw = item.partition("=")
-        section, dot, name = key.strip().partition(".")
-        if not eq or not dot or not section or not name:
-            raise ValueError(f"--set {item!r}: expected SECTION.KEY=VALUE")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        camel = re.sub(r"_([a-z0-9])", lambda m: m.group(1).upper(), name)  # as the schemes spell keys
-        out.setdefault(section, {})[camel] = value
-    return out
+    from .config import parse_set
+
+    def camel(name: str) -> str:  # as the schemes spell keys
+        return re.sub(r"_([a-z0-9])", lambda m: m.group(1).upper(), name)
+
+    return {section: {camel(name): value for name, value in table.items()}
+            for section, table in parse_set(items, section=True).items()}
 
 
 def replay(argv: list[str]) -> int:

@@ -13,13 +13,22 @@ from pytest_lsp import LanguageClient, make_test_lsp_client
 from codecomplete.lsp.server import plain
 
 
+# A test that compares a daemon's completion with a reference engine's wants the whole of it;
+# with completion.first_lines_ms (on by default) a multi-line completion still being written
+# 150 ms after its request is answered with its first lines, which depends on the machine's speed.
+WHOLE_COMPLETIONS = ("--set", "completion.first_lines_ms=0")
+
+
 async def start_daemon(repo: Path, model: Path, *, encodings: list[str] | None = None,
                        init_options: dict | None = None, extra_args: tuple[str, ...] = (),
+                       first_lines_ms: int | None = 0,
                        inline: bool = True, markdown: bool = False, progress: bool = False,
                        folders: list[Path] | None = None, registrations: list | None = None,
                        registration_gate: asyncio.Event | None = None) -> LanguageClient:
     """``inline``: the client announces inline-completion support (False: a client that
-    only has the completion menu, as Neovim 0.11 with nvim-cmp or Helix)."""
+    only has the completion menu, as Neovim 0.11 with nvim-cmp or Helix).  ``first_lines_ms``:
+    completion.first_lines_ms on the daemon's command line (over any other source; None: the
+    daemon's own settings)."""
     client = make_test_lsp_client()
     if registrations is not None:  # the client watches files for the server when asked
         @client.feature(T.CLIENT_REGISTER_CAPABILITY)
@@ -29,8 +38,9 @@ async def start_daemon(repo: Path, model: Path, *, encodings: list[str] | None =
             registrations.extend(params.registrations)
             return None
     env = dict(os.environ)
+    pin = ("--set", f"completion.first_lines_ms={first_lines_ms}") if first_lines_ms is not None else ()
     await client.start_io(sys.executable, "-m", "codecomplete.daemon", "--repo", str(repo),
-                          "--model", str(model), "--dtype", "float32", *extra_args, env=env)
+                          "--model", str(model), "--dtype", "float32", *pin, *extra_args, env=env)
     general = T.GeneralClientCapabilities(position_encodings=encodings) if encodings else None
     caps = T.ClientCapabilities(
         general=general,

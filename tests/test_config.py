@@ -2,7 +2,13 @@
 
 import dataclasses
 
-from codecomplete.daemon.config import Config, SpeculationConfig, editor_settings, engine_settings, load_config, merge
+import argparse
+
+import pytest
+
+from codecomplete.daemon.cli import _common, cli_settings
+from codecomplete.daemon.config import (Config, SpeculationConfig, editor_settings, engine_settings, load_config, merge,
+                                       parse_set)
 from codecomplete.model.api import SpecSettings
 
 
@@ -80,3 +86,50 @@ def test_every_speculation_setting_reaches_the_engine_with_the_engines_defaults(
                 "editor", warnings)
     spec = engine_settings(cfg).speculation
     assert warnings == [] and spec.live_chain == 0 and spec.max_nodes == 2
+
+
+def test_set_flags_are_read_as_a_config_mapping():
+    """Guards --set's reading: sections by dots, VALUE as JSON (numbers, booleans, lists) else a
+    string, a top-level key without a section, the last of one key wins."""
+    assert parse_set(["completion.max_tokens=32", "completion.mode=single", "log_level=debug",
+                      "completion.disabled_languages=[\"markdown\", \"plaintext\"]", "speculation.enabled=false",
+                      "model.name=/models/my model", "completion.max_tokens=16", "completion.context=a=b"]) == {
+        "completion": {"max_tokens": 16, "mode": "single", "disabled_languages": ["markdown", "plaintext"],
+                       "context": "a=b"},
+        "log_level": "debug", "speculation": {"enabled": False}, "model": {"name": "/models/my model"}}
+    for bad in ["completion.max_tokens", "=3", "completion.=3", ".x=1", "a..b=1"]:
+        with pytest.raises(ValueError, match="KEY=VALUE"):
+            parse_set([bad])
+    with pytest.raises(ValueError, match="SECTION.KEY=VALUE"):
+        parse_set(["log_level=debug"], section=True)
+    with pytest.raises(ValueError, match="not a section"):
+        parse_set(["completion=1", "completion.mode=single"])
+    with pytest.raises(ValueError, match="is a section"):
+        parse_set(["completion.mode=single", "completion=1"])
+
+
+def test_set_flags_win_over_every_file_and_the_named_flags_win_over_them(tmp_path):
+    """Guards the daemon's --set: over the user and repository files (and, in the server, the
+    editor's settings: the command line is merged last there too); --model/--dtype over a --set of
+    the same key; its keys and values checked as any source's (a warning, the rest kept); a
+    malformed one refused by the parser."""
+    p = argparse.ArgumentParser()
+    _common(p)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / ".codecomplete.toml").write_text("[completion]\nmax_tokens = 20\nfirst_lines_ms = 300\n")
+    args = p.parse_args(["--repo", str(repo), "--dtype", "float32", "--set", "completion.max_tokens=8",
+                         "--set", "model.dtype=bfloat16", "--set", "model.device=cpu", "--set", "completion.nope=1",
+                         "--set", "completion.mode=sideways", "--set", "completion.first_lines_ms=0"])
+    settings = cli_settings(args)
+    assert settings["model"] == {"dtype": "float32", "device": "cpu"}
+    cfg, warnings = load_config(repo, settings, user_file=tmp_path / "none.toml")
+    assert (cfg.completion.max_tokens, cfg.completion.first_lines_ms, cfg.model.dtype, cfg.model.device,
+            cfg.completion.mode) == (8, 0, "float32", "cpu", "auto")
+    assert "command line: unknown setting 'completion.nope' ignored" in warnings
+    assert any(w.startswith("command line: invalid completion.mode") for w in warnings)
+    editor = merge(merge(cfg, editor_settings({"codecomplete": {"completion": {"maxTokens": 40}}}), "editor", []),
+                   settings, "command line", [])
+    assert editor.completion.max_tokens == 8
+    with pytest.raises(SystemExit):
+        p.parse_args(["--set", "completion.max_tokens"])

@@ -15,7 +15,8 @@ from pygls.exceptions import JsonRpcException
 from codecomplete.model.api import CompletionRequest
 from codecomplete.model.engine import Engine, EngineSettings
 
-from .lsp_client import complete, inline_params, insert, menu, open_doc, send_raw, start_daemon, stats
+from .lsp_client import (WHOLE_COMPLETIONS, complete, inline_params, insert, menu, open_doc, send_raw, start_daemon,
+                         stats)
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
@@ -369,7 +370,7 @@ async def test_before_initialize_a_request_is_answered_server_not_initialized(re
 
     client = make_test_lsp_client()
     await client.start_io(sys.executable, "-m", "codecomplete.daemon", "--repo", str(repo),
-                          "--model", str(tiny_model), "--dtype", "float32")
+                          "--model", str(tiny_model), "--dtype", "float32", *WHOLE_COMPLETIONS)
     uri = (repo / "early.py").as_uri()
     body = {"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {
         "uri": uri, "languageId": "python", "version": 1, "text": POINT}}}
@@ -413,7 +414,7 @@ async def test_the_repository_comes_from_the_clients_workspace_without_root_uri(
 
     client = make_test_lsp_client()
     await client.start_io(sys.executable, "-m", "codecomplete.daemon", "--model", str(tiny_model),
-                          "--dtype", "float32", cwd=str(repo.parent))
+                          "--dtype", "float32", *WHOLE_COMPLETIONS, cwd=str(repo.parent))
     params = {
         "workspace_folders": dict(workspace_folders=[
             T.WorkspaceFolder(uri="vscode-vfs://github/x/y", name="remote"),
@@ -490,6 +491,26 @@ async def test_completions_are_off_in_disabled_languages_and_paths(repo, tiny_mo
         assert await complete(c, (repo / "notes.md").as_uri(), 3, 13)
         assert await complete(c, (repo / ".env").as_uri(), 3, 13)
         assert not await complete(c, (repo / "secrets/key.py").as_uri(), 3, 13)
+    finally:
+        await c.shutdown_session()
+        await c.stop()
+
+
+async def test_a_set_flag_wins_over_the_editors_settings_and_their_changes(repo, tiny_model, model_cache):
+    """Guards the daemon's --set: a setting named on its command line holds against the editor's
+    initializationOptions and a later workspace/didChangeConfiguration (those change the others)."""
+    c = await start_daemon(repo, tiny_model, init_options={"completion": {"disabledLanguages": []}},
+                           extra_args=("--set", 'completion.disabled_languages=["markdown"]'))
+    try:
+        for name, language in (("a.py", "python"), ("b.md", "markdown")):
+            open_doc(c, (repo / name).as_uri(), POINT, language=language)
+        assert await complete(c, (repo / "a.py").as_uri(), 3, 13)
+        assert not await complete(c, (repo / "b.md").as_uri(), 3, 13)
+        c.workspace_did_change_configuration(T.DidChangeConfigurationParams(settings={"codecomplete": {
+            "completion": {"disabledLanguages": [], "disabledPaths": ["a.py"]}}}))
+        assert not await complete(c, (repo / "b.md").as_uri(), 3, 13)
+        assert not await complete(c, (repo / "a.py").as_uri(), 3, 13)  # the editor's change applies to the rest
+        assert (await stats(c))["counters"]["disabled"] == 3
     finally:
         await c.shutdown_session()
         await c.stop()
@@ -1230,8 +1251,8 @@ async def test_a_slow_block_comes_as_its_first_lines_then_its_rest(repo, model_c
     writing is answered with its whole lines so far; accepting them types along its run, and
     the request after the accept gets the run's rest (no second run); the two together are the
     completion a fresh session gets at the first cursor."""
-    c = await start_daemon(repo, "default", init_options={"completion": {
-        "firstLinesMs": 1, "debounceMs": 0, "warmMs": 0, "startAhead": "never", "timeBudgetMs": 60000}})
+    c = await start_daemon(repo, "default", first_lines_ms=1, init_options={"completion": {
+        "debounceMs": 0, "warmMs": 0, "startAhead": "never", "timeBudgetMs": 60000}})
     reference = Engine(EngineSettings(model="default", dtype="float32")).start()
     try:
         await stats_when(c, lambda s: s["engine"]["ready"])

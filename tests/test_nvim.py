@@ -19,6 +19,8 @@ from codecomplete.model.api import CompletionRequest
 from codecomplete.model.engine import Engine, EngineSettings
 from codecomplete.model.stops import open_pairs
 
+from .lsp_client import WHOLE_COMPLETIONS
+
 ROOT = Path(__file__).resolve().parents[1]
 FILE = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self\n"
 
@@ -62,7 +64,7 @@ def run_nvim(tmp_path, tiny_model, builtin: bool, script: str = "type_and_accept
     (repo / "point.py").write_text(text)
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "codecomplete.daemon", "--model", str(tiny_model), "--dtype", "float32",
-           "--log-file", str(tmp_path / "daemon.log")]
+           "--log-file", str(tmp_path / "daemon.log"), *WHOLE_COMPLETIONS]
     env = {**os.environ, "CC_PLUGIN": str(ROOT / "editors" / "nvim"), "CC_CMD": json.dumps(cmd),
            "CC_BUILTIN": "1" if builtin else "0", "CC_FILE": str(repo / "point.py"), "CC_OUT": str(out),
            "XDG_STATE_HOME": str(tmp_path / "state"),
