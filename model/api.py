@@ -5,9 +5,13 @@ Torch-free, so ``lsp/`` and ``daemon/`` can build requests without importing tor
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +38,21 @@ class CompletionRequest:
     # from what was typed the engine cancels the run.  "" typed: nothing to check.
     progress: str = ""
     typed: str = ""
+    # Called on the engine's thread when ``progress`` gains a line break (``set_progress``): the
+    # daemon waits on it for a slow block's first whole lines (completion.first_lines_ms) instead
+    # of polling; it must only hand the news on (a loop's call_soon_threadsafe), never block.
+    on_line: Callable[[], None] | None = None
+
+    def set_progress(self, text: str) -> None:
+        """The completion's text so far (the engine, after each token); tells ``on_line`` when
+        it has more line breaks than before."""
+        grew = self.on_line is not None and text.count("\n") > self.progress.count("\n")
+        self.progress = text
+        if grew:
+            try:
+                self.on_line()
+            except Exception as exc:  # a listener's failure must not stop the run
+                log.warning("[%s] on_line failed: %s", self.request_id, exc)
 
 
 @dataclass

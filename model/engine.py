@@ -302,7 +302,7 @@ def advance(lm: LoadedModel, live: Live, vocab: "_Vocab | None") -> bool:
     if not live.pending:
         live.text = decoded(lm, live, vocab)[len(live.plan.healed):]
         if live.head is None:  # the request's own completion (not an alternative's fork)
-            request.progress = live.text
+            request.set_progress(live.text)
             if request.typed and not agrees(live.text, request.typed):
                 request.cancel.set()  # the user typed something else than this run writes
                 return _finish(live, "", "cancelled")

@@ -24,7 +24,7 @@ WRITES = "result = a + b\n    return result"  # what the run writes there
 
 class HeldEngine:
     """``submit`` hands back a future that the test resolves (``finish``); what a run has
-    written so far is set by the test too (``request.progress``), as the real engine sets it
+    written so far is set by the test too (``request.set_progress``), as the real engine sets it
     after each token."""
 
     def __init__(self):
@@ -45,6 +45,7 @@ class HeldEngine:
 def server(**completion) -> tuple[CodecompleteServer, HeldEngine]:
     config = Config()
     config.completion.debounce_ms = 0
+    config.completion.first_lines_ms = 0  # on by default; the tests of it set it
     for k, v in completion.items():
         setattr(config.completion, k, v)
     engine = HeldEngine()
@@ -86,7 +87,7 @@ async def test_typing_along_a_run_keeps_it_and_the_next_request_takes_its_rest()
     first = ask(ls, 1, 4)
     await settle()
     (request, _), = engine.runs
-    request.progress = "res"  # three characters written so far
+    request.set_progress("res")  # three characters written so far
     type_at(ls, 1, 4, "r")
     type_at(ls, 1, 5, "e")
     # the first request answers nothing at once (its cursor is gone); its run goes on
@@ -117,7 +118,7 @@ async def test_typing_ahead_of_what_the_run_wrote_keeps_it_until_it_departs():
     type_at(ls, 1, 4, "res")  # nothing written yet: nothing to disagree with
     assert not request.cancel.is_set() and request.typed == "res"
     assert (await asyncio.wait_for(first, 1)).items == []
-    request.progress = "ret"  # it wrote something else than typed: the next keystroke ends it
+    request.set_progress("ret")  # it wrote something else than typed: the next keystroke ends it
     type_at(ls, 1, 7, "u")
     assert request.cancel.is_set() and ls.following == {}
     second = ask(ls, 1, 8)
@@ -132,7 +133,7 @@ async def test_a_run_that_ends_before_the_typed_text_leaves_the_request_its_own_
     ls, engine = server()
     first = ask(ls, 1, 4)
     await settle()
-    engine.runs[0][0].progress = "re"
+    engine.runs[0][0].set_progress("re")
     type_at(ls, 1, 4, "re")
     await asyncio.wait_for(first, 1)
     second = ask(ls, 1, 6)
@@ -192,7 +193,7 @@ async def test_an_edit_elsewhere_or_the_setting_off_stops_the_run_as_before():
     ls, engine = server(type_along=False)
     first = ask(ls, 1, 4)
     await settle()
-    engine.runs[0][0].progress = "res"
+    engine.runs[0][0].set_progress("res")
     type_at(ls, 1, 4, "r")
     assert engine.runs[0][0].cancel.is_set() and ls.following == {}
     engine.finish(0, WRITES)
@@ -258,7 +259,7 @@ async def test_typing_along_in_a_notebook_cell_keeps_the_run_a_cell_moved_stops_
     await settle()
     (request, _), = engine.runs
     assert request.prefix.startswith("import math\n")  # the cell above is the prompt's context
-    request.progress = "res"
+    request.set_progress("res")
     notebook.type_in_cell(1, 1, 4, "re")
     assert not request.cancel.is_set() and request.typed == "re"
     assert (await asyncio.wait_for(first, 1)).items == []
@@ -268,7 +269,7 @@ async def test_typing_along_in_a_notebook_cell_keeps_the_run_a_cell_moved_stops_
     assert offered(await asyncio.wait_for(second, 1), "    re") == [WRITES[2:]] and ls.counters.followed == 1
     third = ask(ls, 0, 11, CELLS[0])  # a run in the first cell; then the cells are reordered
     await settle()
-    engine.runs[1][0].progress = "\nimport os"
+    engine.runs[1][0].set_progress("\nimport os")
     notebook.change(T.NotebookDocumentChangeEvent(cells=T.NotebookDocumentCellChanges(
         structure=T.NotebookDocumentCellChangeStructure(array=T.NotebookCellArrayChange(start=1, delete_count=1)))))
     assert engine.runs[1][0].cancel.is_set() and ls.following == {}
@@ -285,7 +286,7 @@ async def test_an_edit_to_another_notebook_cell_stops_a_cells_run():
     first = ask(ls, 1, 4, CELLS[1])
     await settle()
     request = engine.runs[0][0]
-    request.progress = "res"
+    request.set_progress("res")
     notebook.type_in_cell(1, 1, 4, "r")  # along the run: it goes on for the next request
     assert ls.following and not request.cancel.is_set()
     assert (await asyncio.wait_for(first, 1)).items == []
@@ -330,7 +331,7 @@ async def test_a_pause_starts_the_run_and_the_request_after_it_takes_it_over():
     (request, _), = engine.runs  # started at the cursor, before any request
     assert request.prefix == "def total(a, b):\n    r" and request.suffix == "\n"
     assert ls.following[URI].request is request and ls.counters.started_ahead == 1
-    request.progress = "esu"
+    request.set_progress("esu")
     type_at(ls, 1, 5, "e")  # typed along it: it goes on, and no second run starts
     await pause()
     assert len(engine.runs) == 1 and not request.cancel.is_set() and request.typed == "e"
@@ -346,7 +347,7 @@ async def test_a_run_started_ahead_stops_at_a_key_that_departs_and_a_new_pause_s
     type_at(ls, 1, 4, "r")
     await pause()
     first = engine.runs[0][0]
-    first.progress = "esult"
+    first.set_progress("esult")
     type_at(ls, 1, 5, "x")
     assert first.cancel.is_set() and ls.following == {}
     await pause()
@@ -430,7 +431,7 @@ async def test_a_pause_in_a_notebook_cell_starts_its_run_with_the_cells_around_i
     (request, _), = engine.runs
     assert request.prefix == "import math\n\ndef total(a, b):\n    r" and request.suffix == "\n"
     assert ls.following[CELLS[1]].request is request and ls.counters.started_ahead == 1
-    request.progress = "esu"
+    request.set_progress("esu")
     notebook.type_in_cell(1, 1, 5, "e")
     await pause()
     assert len(engine.runs) == 1 and not request.cancel.is_set() and request.typed == "e"
@@ -488,7 +489,7 @@ async def test_a_slow_block_answers_its_whole_lines_and_accepting_them_takes_the
     first = ask(ls, 1, 4)  # a blank indented line: a block
     await settle()
     (request, _), = engine.runs
-    request.progress = "result = a + b\n    ret"  # one whole line written, the run goes on
+    request.set_progress("result = a + b\n    ret")  # one whole line written, the run goes on
     result = await asyncio.wait_for(first, 1)
     assert offered(result, "    ") == ["result = a + b"]
     assert not request.cancel.is_set() and ls.following[URI].request is request
@@ -508,16 +509,16 @@ async def test_a_block_answers_once_it_has_a_whole_line_and_a_quick_one_whole():
     first = ask(ls, 1, 4)
     await settle()
     (request, _), = engine.runs
-    request.progress = "resu"  # past the time, but no whole line yet: it waits
+    request.set_progress("resu")  # past the time, but no whole line yet: it waits
     await asyncio.sleep(0.05)
     assert not first.done()
-    request.progress = "result = a + b\n"
+    request.set_progress("result = a + b\n")
     assert offered(await asyncio.wait_for(first, 1), "    ") == ["result = a + b"]
     # a run done before the time answers whole, as without the setting
     ls2, engine2 = server(first_lines_ms=1000)
     second = ask(ls2, 1, 4)
     await settle()
-    engine2.runs[0][0].progress = "result = a + b\n    ret"
+    engine2.runs[0][0].set_progress("result = a + b\n    ret")
     engine2.finish(0, WRITES)
     assert offered(await asyncio.wait_for(second, 1), "    ") == [WRITES]
     assert ls2.counters.first_lines == 0 and URI not in ls2.following
@@ -527,7 +528,7 @@ async def test_the_block_finished_behind_its_first_lines_is_the_next_answer_ther
     ls, engine = server(first_lines_ms=1)
     first = ask(ls, 1, 4)
     await settle()
-    engine.runs[0][0].progress = "result = a + b\n"
+    engine.runs[0][0].set_progress("result = a + b\n")
     assert offered(await asyncio.wait_for(first, 1), "    ") == ["result = a + b"]
     engine.finish(0, WRITES)  # the user read the lines and did not type: the run ends behind them
     await settle()
@@ -541,7 +542,7 @@ async def test_a_line_completion_and_the_setting_off_never_answer_early():
     ls.workspace.put_text_document(T.TextDocumentItem(uri=URI, language_id="python", version=2, text=text))
     first = ask(ls, 1, 11)
     await settle()
-    engine.runs[0][0].progress = "g(a)\n    "
+    engine.runs[0][0].set_progress("g(a)\n    ")
     await asyncio.sleep(0.05)
     assert not first.done()
     engine.finish(0, "g(a) + ", "line_end")
@@ -549,7 +550,7 @@ async def test_a_line_completion_and_the_setting_off_never_answer_early():
     off, engine_off = server(first_lines_ms=0)
     second = ask(off, 1, 4)
     await settle()
-    engine_off.runs[0][0].progress = "result = a + b\n    ret"
+    engine_off.runs[0][0].set_progress("result = a + b\n    ret")
     await asyncio.sleep(0.05)
     assert not second.done() and off.counters.first_lines == ls.counters.first_lines == 0
     engine_off.finish(0, WRITES)
@@ -564,3 +565,24 @@ def test_the_whole_lines_of_a_text_so_far():
     # the stop rules keep a repeated line or block's first copy once it comes a third time
     assert first_lines("\n    a = 1\n    a = 1\n") == "\n    a = 1"
     assert first_lines("x\n    a = 1\n    b = 2\n    a = 1\n    b = 2\n    a") == "x\n    a = 1\n    b = 2"
+
+
+def test_the_text_so_far_tells_its_listener_of_each_new_line_break_only():
+    """Guards CompletionRequest.set_progress, the engine's news of a run's lines (what a request
+    waiting for a slow block's first lines wakes on): once a line break is added, not at each
+    token; a listener that fails is logged, the run's text still set."""
+    calls = []
+    request = CompletionRequest("def f():\n    ", "", on_line=lambda: calls.append(request.progress))
+    for text in ("x", "x = 1", "x = 1\n", "x = 1\n    y", "x = 1\n    y = 2\n\n", "x = 1\n    y = 2\n\n"):
+        request.set_progress(text)
+    assert calls == ["x = 1\n", "x = 1\n    y = 2\n\n"]
+
+    def broken():
+        raise RuntimeError("gone")
+
+    request = CompletionRequest("", "", on_line=broken)
+    request.set_progress("a\n")
+    assert request.progress == "a\n"
+    plain = CompletionRequest("", "")
+    plain.set_progress("a\nb")
+    assert plain.progress == "a\nb"
