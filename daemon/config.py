@@ -110,7 +110,9 @@ class CompletionConfig:
     # with the whole lines it has written by then (as soon as it has one); the run goes on, and
     # the next request at the cursor (once the user accepts those lines or types them) takes its
     # rest, as a run typed along (``type_along`` must be on).  0: wait for the whole completion.
-    first_lines_ms: int = field(default=0, metadata=_range(0, 60000))
+    # 150: measured (bench/results/first_lines_avx2) to halve the slowest waits where the user
+    # stops, with as many completions accepted.
+    first_lines_ms: int = field(default=150, metadata=_range(0, 60000))
     # Complete while typing with the cursor inside a word (``pri|nt``): off, as text inserted
     # there splits the word.  A request the user invokes is answered there either way.
     inside_word: bool = False
