@@ -905,8 +905,8 @@ class CodecompleteServer(LanguageServer):
                     await asyncio.sleep(debounce_s)
                 if run.request.cancel.is_set():
                     return None
-                if early:  # the engine's thread tells of each new line break (no polling: on 2 cores a
-                    # wake-up every few ms took a core from the run's threads, its prefill ~20 % slower)
+                if early:  # the engine's thread tells of each new line break (no polling: on a 2-core
+                    # machine each wake-up takes a core from the run's threads)
                     line = asyncio.Event()
                     run.request.on_line = functools.partial(_set_from_thread, asyncio.get_running_loop(), line)
                 run.waiter = asyncio.wrap_future(self.engine.submit(run.request))

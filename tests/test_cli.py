@@ -74,6 +74,23 @@ def test_complete_counts_lines_as_editors_do(repo, tiny_model):
     assert out.returncode == 0 and json.loads(out.stdout)["line"] == 3
 
 
+def test_complete_takes_set_flags_and_refuses_a_malformed_one(repo, tiny_model, model_cache):
+    """Guards --set on `complete`: a setting reaches the run (max_tokens 2: the completion the flag
+    --max-tokens 2 gives), an unknown key is reported and the rest still runs, and a malformed
+    flag is a usage error naming the form."""
+    args = ("complete", "--repo", str(repo), "util.py:6:18", "--json", "--model", str(tiny_model), "--dtype", "float32",
+            "--set", "completion.mode=multi")
+    by_set = run(*args, "--set", "completion.max_tokens=2", "--set", "completion.bogus=1")
+    assert by_set.returncode == 0, by_set.stderr
+    assert "unknown setting 'completion.bogus'" in by_set.stderr
+    by_flag = json.loads(run(*args, "--max-tokens", "2").stdout)
+    data = json.loads(by_set.stdout)
+    assert (data["text"], data["generated_tokens"]) == (by_flag["text"], by_flag["generated_tokens"])
+    assert data["stop_reason"] == "max_tokens"
+    bad = run("complete", "--repo", str(repo), "util.py:6:18", "--set", "max_tokens")
+    assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr and bad.stdout == ""
+
+
 def test_complete_missing_model_exits_1(repo, tmp_path):
     out = run("complete", "--repo", str(repo), "util.py:1:1", "--model", str(tmp_path / "gone"))
     assert out.returncode == 1 and "model not found" in out.stderr
