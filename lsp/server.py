@@ -37,7 +37,7 @@ from pygls.lsp.server import LanguageServer
 from pygls.uris import to_fs_path
 
 from codecomplete import __version__
-from codecomplete.daemon.config import Config, editor_settings, engine_settings, merge
+from codecomplete.daemon.config import Config, as_dict, editor_settings, engine_settings, merge
 from codecomplete.indexer.files import SourceError, join_cells, language_of, read_source
 from codecomplete.indexer.folders import Folders
 from codecomplete.model.api import Completion, CompletionRequest
@@ -1488,9 +1488,13 @@ class CodecompleteServer(LanguageServer):
             self.counters.accepted_alternatives += 1
         log.info("completion %s %s%s", cid or "?", kind, "" if info else " (unknown id)")
 
-    def stats(self, recent: bool = False) -> dict:
+    def stats(self, recent: bool = False, config: bool = False) -> dict:
+        """``recent``: the last requests' records too; ``config``: the settings in force, after
+        every source (defaults, files, the editor's, the command line's ``--set`` and flags)."""
         extra = {"recent": list(self.recent)} if recent else {}
-        return {**extra,"version": __version__, "counters": self.counters.as_dict(),
+        if config:
+            extra["config"] = as_dict(self.config)
+        return {**extra, "version": __version__, "counters": self.counters.as_dict(),
                 "engine": self.engine.stats(), "index": self.index.stats() if self.index else None,
                 "folders": self.folders.stats(), "open_documents": len(self.workspace.text_documents),
                 "completion_cache": len(self.cache),
@@ -1819,7 +1823,8 @@ def create_server(engine, config: Config, repo: Path | None = None,
     @server.feature(STATS_REQUEST)
     def stats(ls: CodecompleteServer, params: Any):
         p = plain(params)
-        return ls.stats(recent=bool(isinstance(p, dict) and p.get("recent")))
+        p = p if isinstance(p, dict) else {}
+        return ls.stats(recent=bool(p.get("recent")), config=bool(p.get("config")))
 
     @server.feature(RETRIEVE_REQUEST)
     async def retrieve(ls: CodecompleteServer, params: Any):

@@ -86,8 +86,9 @@ async def complete(client: LanguageClient, uri: str, line: int, char: int, invok
     return list(result.items if isinstance(result, T.InlineCompletionList) else (result or []))
 
 
-async def stats(client: LanguageClient, recent: bool = False) -> dict:
-    return plain(await client.protocol.send_request_async("codecomplete/stats", {"recent": True} if recent else {}))
+async def stats(client: LanguageClient, recent: bool = False, config: bool = False) -> dict:
+    params = {**({"recent": True} if recent else {}), **({"config": True} if config else {})}
+    return plain(await client.protocol.send_request_async("codecomplete/stats", params))
 
 
 async def send_raw(client: LanguageClient, body: bytes, msg_id: str | None = None):

@@ -498,7 +498,8 @@ async def test_completions_are_off_in_disabled_languages_and_paths(repo, tiny_mo
 
 async def test_a_set_flag_wins_over_the_editors_settings_and_their_changes(repo, tiny_model, model_cache):
     """Guards the daemon's --set: a setting named on its command line holds against the editor's
-    initializationOptions and a later workspace/didChangeConfiguration (those change the others)."""
+    initializationOptions and a later workspace/didChangeConfiguration (those change the others);
+    codecomplete/stats with {"config": true} shows the settings in force."""
     c = await start_daemon(repo, tiny_model, init_options={"completion": {"disabledLanguages": []}},
                            extra_args=("--set", 'completion.disabled_languages=["markdown"]'))
     try:
@@ -510,7 +511,13 @@ async def test_a_set_flag_wins_over_the_editors_settings_and_their_changes(repo,
             "completion": {"disabledLanguages": [], "disabledPaths": ["a.py"]}}}))
         assert not await complete(c, (repo / "b.md").as_uri(), 3, 13)
         assert not await complete(c, (repo / "a.py").as_uri(), 3, 13)  # the editor's change applies to the rest
-        assert (await stats(c))["counters"]["disabled"] == 3
+        s = await stats(c, config=True)
+        assert s["counters"]["disabled"] == 3
+        # the settings in force, as codecomplete/stats {"config": true} shows them
+        assert s["config"]["completion"]["disabled_languages"] == ["markdown"]
+        assert s["config"]["completion"]["disabled_paths"] == ["a.py"]
+        assert s["config"]["completion"]["first_lines_ms"] == 0  # start_daemon's own --set
+        assert "config" not in await stats(c)
     finally:
         await c.shutdown_session()
         await c.stop()

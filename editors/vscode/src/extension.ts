@@ -189,7 +189,7 @@ export async function activate(context: vscode.ExtensionContext): Promise<void> 
       if (!client) {
         return;
       }
-      const stats = await client.sendRequest('codecomplete/stats', {});
+      const stats = await client.sendRequest('codecomplete/stats', { config: true });
       output.appendLine(JSON.stringify(stats, null, 2));
       output.show(true);
     }),
