@@ -36,18 +36,23 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None, help="a config file instead of the user one")
     p.add_argument("--log-file", help="write logs here instead of stderr")
     p.add_argument("-v", "--verbose", action="count", default=0, help="-v debug, -vv protocol too")
-    p.add_argument("--set", action="append", default=[], type=set_item, metavar="[SECTION.]KEY=VALUE",
+    p.add_argument("--set", action=SetAction, default=[], metavar="[SECTION.]KEY=VALUE",
                    help="any setting, over every other source (repeatable; e.g. completion.max_tokens=32; "
                         "VALUE is read as JSON, else as a string); the flags above win over it")
 
 
-def set_item(value: str) -> str:
-    """One ``--set`` flag, its form checked as argparse reads it (its key and value: by ``merge``)."""
-    try:
-        parse_set([value])
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
+class SetAction(argparse.Action):
+    """``--set``, repeatable: each flag's form, and the flags so far together (one may not make a
+    section of another's setting), checked as argparse reads them, so a mistake is a usage error
+    at start (its key and value are checked by ``merge``: a warning)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        items = [*(getattr(namespace, self.dest, None) or []), value]
+        try:
+            parse_set(items)
+        except ValueError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+        setattr(namespace, self.dest, items)
 
 
 def cli_settings(args: argparse.Namespace) -> dict:

@@ -131,5 +131,8 @@ def test_set_flags_win_over_every_file_and_the_named_flags_win_over_them(tmp_pat
     editor = merge(merge(cfg, editor_settings({"codecomplete": {"completion": {"maxTokens": 40}}}), "editor", []),
                    settings, "command line", [])
     assert editor.completion.max_tokens == 8
-    with pytest.raises(SystemExit):
-        p.parse_args(["--set", "completion.max_tokens"])
+    for bad in (["--set", "completion.max_tokens"], ["--set", "completion=1", "--set", "completion.mode=single"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+    assert p.parse_args(["--set", "log_level=debug"]).set == ["log_level=debug"]
+    assert p.parse_args([]).set == []
