@@ -897,15 +897,15 @@ class CodecompleteServer(LanguageServer):
         ``following`` for the next request at the cursor."""
         run, uri = pending.run, pending.uri
         released = line = None
-        early = early_s > 0 and run.waiter is None and run.doc is not None and CompletionShape.at_cursor(
-            run.request.prefix, run.request.suffix, run.request.mode).multiline
         try:
             if run.waiter is None:
                 if debounce_s:
                     await asyncio.sleep(debounce_s)
                 if run.request.cancel.is_set():
                     return None
-                if early:  # the engine's thread tells of each new line break (no polling: on a 2-core
+                if early_s > 0 and run.doc is not None and CompletionShape.at_cursor(
+                        run.request.prefix, run.request.suffix, run.request.mode).multiline:
+                    # the engine's thread tells of each new line break (no polling: on a 2-core
                     # machine each wake-up takes a core from the run's threads)
                     line = asyncio.Event()
                     run.request.on_line = functools.partial(_set_from_thread, asyncio.get_running_loop(), line)

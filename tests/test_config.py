@@ -1,8 +1,7 @@
 """Typed configuration: layering, validation, fallbacks."""
 
-import dataclasses
-
 import argparse
+import dataclasses
 
 import pytest
 
