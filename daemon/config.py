@@ -128,6 +128,10 @@ class EngineConfig:
     # 16-line grid) moves within this many more characters typed: the request or EFIM rebase
     # after the move then prefills only the lines since, not the whole window.  0: off.
     ahead_chars: int = field(default=600, metadata=_range(0, 100_000))
+    # A warm-up or ahead prefill checks for a request between pieces of about this many ms (at the
+    # speed its last pieces ran; multiples of 32 tokens, at most 256): a request that comes meanwhile
+    # waits for the piece in flight.  0: pieces of 256 tokens.
+    warm_piece_ms: int = field(default=100, metadata=_range(0, 10_000))
     max_batch: int = field(default=16, metadata=_range(1, 256))  # requests decoded together
     # the KV cache's dtype; auto: see docs/decisions.md
     kv_dtype: str = field(default="auto", metadata=_choice("auto", "float32", "bfloat16", "float16"))
@@ -386,7 +390,7 @@ def engine_settings(cfg: Config):
                           native_attention=m.native_attention, max_prefix_tokens=c.max_prefix_tokens,
                           max_suffix_tokens=c.max_suffix_tokens, token_healing=c.token_healing,
                           kv_budget_mb=e.kv_budget_mb, efim=e.efim, inc_bound=e.inc_bound, head_lines=e.head_lines,
-                          ahead_chars=e.ahead_chars,
+                          ahead_chars=e.ahead_chars, warm_piece_ms=e.warm_piece_ms,
                           max_batch=e.max_batch, kv_dtype=e.kv_dtype,
                           speculation=SpecSettings(**dataclasses.asdict(sp)),
                           early_exit=ExitSettings(**dataclasses.asdict(cfg.early_exit)))

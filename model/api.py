@@ -160,6 +160,9 @@ class EngineSettings:
     # idle time after a request prefills the prefix window's next opening when its start moves
     # within this many more characters typed (prompts.ahead_heads); 0: off
     ahead_chars: int = 600
+    # a warm prefill (warm-up, ahead) runs pieces of about this many ms between checks for a request
+    # (engine.PieceClock); 0: pieces of 256 tokens
+    warm_piece_ms: float = 100.0
     max_batch: int = 16  # requests decoded together per iteration
     kv_dtype: str = "auto"  # the KV cache's dtype: auto | float32 | bfloat16 | float16
     speculation: SpecSettings = field(default_factory=SpecSettings)  # retrieval drafts, verified exactly

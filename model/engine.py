@@ -213,32 +213,67 @@ def start(lm: LoadedModel, request: CompletionRequest, plan: PromptPlan, store: 
     return live
 
 
-WARM_PIECE = 256  # prompt tokens a warm prefill runs between checks of its cancel (native.PREFILL_ROWS)
+WARM_PIECE = 256  # the most prompt tokens a warm prefill runs between checks of its cancel (native.PREFILL_ROWS)
+PIECE_ROWS = 32  # a warm prefill's pieces are multiples of this: the native prefill's bits do not depend on them
+
+
+class PieceClock:
+    """How many prompt rows a warm prefill (a warm-up, the window's ahead prefill) runs between
+    checks of its cancel: as many as take about ``target_ms`` at the speed its last pieces ran, a
+    multiple of ``PIECE_ROWS`` up to ``WARM_PIECE`` (``target_ms`` 0: always ``WARM_PIECE``).  A
+    request that arrives meanwhile waits for the piece in flight, and 256 rows take 0.5-0.9 s on
+    two AVX2 cores against ~0.1 s with AMX (bench/results/warm_pieces_avx2.md)."""
+
+    def __init__(self, target_ms: float = 0.0):
+        self.target_ms = target_ms
+        self.ms_per_row: float | None = None  # the last pieces' speed, None before any
+
+    def rows(self) -> int:
+        if self.target_ms <= 0:
+            return WARM_PIECE
+        if self.ms_per_row is None:
+            return 2 * PIECE_ROWS  # the speed unknown: a small piece first
+        n = int(self.target_ms / self.ms_per_row) // PIECE_ROWS * PIECE_ROWS
+        return max(PIECE_ROWS, min(WARM_PIECE, n))
+
+    def observe(self, rows: int, ms: float) -> None:
+        """A piece of ``rows`` rows ran in ``ms``; a short last piece (its fixed costs dominate) says nothing."""
+        if rows >= PIECE_ROWS and ms > 0:
+            rate = ms / rows
+            self.ms_per_row = rate if self.ms_per_row is None else (self.ms_per_row + rate) / 2
 
 
 def warm(lm: LoadedModel, ids: list[int], store: KVStore | None, cancel: threading.Event,
-         piece: int = WARM_PIECE) -> tuple[int, int]:
+         piece: "int | PieceClock" = WARM_PIECE) -> tuple[int, int]:
     """Prefill ``ids`` into ``store`` ahead of a request for the same prompt, ``piece`` tokens
-    at a time, stopping between pieces once ``cancel`` is set (a request came, or the user
-    moved on); what ran is stored either way.  The pieces start where the store's match ends,
-    as a request's prefill runs them (native prefill: in pieces of ``PREFILL_ROWS``), so the
-    request that reuses them finds the KV it would have computed itself.  Returns (tokens
-    run, tokens the store already had)."""
+    at a time (a ``PieceClock``: as many as it says, timed for it), stopping between pieces once
+    ``cancel`` is set (a request came, or the user moved on); what ran is stored either way.  The
+    pieces start where the store's match ends, as a request's prefill does; on the native prefill
+    pieces of any multiple of ``PIECE_ROWS`` rows give the bits the request's own pieces would
+    (tests/test_native.py), so the request that reuses them finds the KV it would have computed
+    itself.  Returns (tokens run, tokens the store already had)."""
     if store is None or not ids:
         return 0, 0
     match = store.match_prefix(ids, count=False)
     reused = min(match.length, len(ids))
     if reused >= len(ids) - 1:  # a request runs its last token itself
         return 0, reused
+    clock = piece if isinstance(piece, PieceClock) else None
     store.lock(match.nodes)
     try:
         cache = lm.model.new_cache(len(ids))
         if reused:
             cache.load(match.parts, reused)
-        for i in range(reused, len(ids), piece):
+        i = reused
+        while i < len(ids):
             if cancel.is_set() and i > reused:
                 break
-            lm.model(torch.tensor([ids[i:i + piece]], device=lm.device), [cache], greedy=True)
+            n = clock.rows() if clock is not None else piece
+            t0 = time.perf_counter()
+            lm.model(torch.tensor([ids[i:i + n]], device=lm.device), [cache], greedy=True)
+            if clock is not None:
+                clock.observe(min(n, len(ids) - i), (time.perf_counter() - t0) * 1000)
+            i += n
         n = cache.length
         store.insert(ids[:n], cache.k[:, :, :n], cache.v[:, :, :n])
     finally:
@@ -258,7 +293,7 @@ class Arrival:
 
 
 def warm_ahead(lm: LoadedModel, request: CompletionRequest, settings: EngineSettings, store: KVStore | None,
-               cancel) -> tuple[int, int, int]:
+               cancel, piece: "int | PieceClock" = WARM_PIECE) -> tuple[int, int, int]:
     """The prefix window's next openings (``prompts.ahead_heads``) for ``request``'s document
     prefilled into ``store``, stopping between pieces once ``cancel`` is set.  The prompts
     themselves are not changed: a request after the window moves plans what it would plan
@@ -271,7 +306,7 @@ def warm_ahead(lm: LoadedModel, request: CompletionRequest, settings: EngineSett
     for ids in heads:
         if cancel.is_set():
             break
-        r, h = warm(lm, ids, store, cancel)
+        r, h = warm(lm, ids, store, cancel, piece)
         ran, had = ran + r, had + h
     return len(heads), ran, had
 
@@ -657,6 +692,7 @@ class Engine:
         self.exit_error: str | None = None
         self._retriever = None  # RepoIndex.lookup, given by the daemon (set_retriever)
         self._ahead: CompletionRequest | None = None  # the last request, for idle time's warm-up ahead
+        self.pieces = PieceClock(settings.warm_piece_ms)  # warm prefills' pieces, timed on this machine
         self.governor: ThreadGovernor | None = None  # CPU passes' thread count under contention
         self._default_threads = 0
         self._stats = engine_counters()
@@ -701,6 +737,7 @@ class Engine:
                 self.lm.model.release_dense()
             self.pool.inc_bound = settings.inc_bound
             self.pool.head_lines = settings.head_lines
+            self.pieces.target_ms = settings.warm_piece_ms
             if self.store is not None:
                 self.store.budget = settings.kv_budget_mb * 2**20
 
@@ -724,9 +761,13 @@ class Engine:
         with self._stats_lock:
             counters = dict(self._stats)
         ready = self.ready.is_set()
-        return engine_stats(counters, self.settings, self.lm, ready, self.load_error, self.exit_error,
-                            self.drafter, self.store, self.pool.counts, self.governor,
-                            loading=None if ready else load_stage())
+        s = engine_stats(counters, self.settings, self.lm, ready, self.load_error, self.exit_error,
+                         self.drafter, self.store, self.pool.counts, self.governor,
+                         loading=None if ready else load_stage())
+        pieces = self.pieces  # a warm prefill's pieces now: rows, and the speed they were sized by
+        s["warm_piece"] = {"rows": pieces.rows(), "ms_per_row": None if pieces.ms_per_row is None
+                           else round(pieces.ms_per_row, 3)}
+        return s
 
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -809,7 +850,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 plan = plan_prompt(self.lm, request, self.settings, self._healing_vocab(), self.pool)
-                ran, had = warm(self.lm, plan.ids, self.store, request.cancel)
+                ran, had = warm(self.lm, plan.ids, self.store, request.cancel, self.pieces)
         except Exception as exc:
             log.exception("[%s] warm prefill failed", request.request_id)
             fut.set_result(Completion("", "error", error=f"{type(exc).__name__}: {exc}",
@@ -832,7 +873,8 @@ class Engine:
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
-                heads, ran, had = warm_ahead(self.lm, request, self.settings, self.store, Arrival(self._jobs))
+                heads, ran, had = warm_ahead(self.lm, request, self.settings, self.store, Arrival(self._jobs),
+                                              self.pieces)
         except Exception:
             log.exception("[%s] ahead prefill failed", request.request_id)
             return
@@ -901,6 +943,7 @@ class Engine:
         self.ready.clear()
         self.settings = settings
         self.pool = SessionPool(inc_bound=settings.inc_bound, head_lines=settings.head_lines)
+        self.pieces = PieceClock(settings.warm_piece_ms)  # another model, device or thread count: timed anew
         if self._default_threads == 0:  # the engine thread's count before anything set it
             self._default_threads = torch.get_num_threads()
         if settings.threads > 0 or torch.get_num_threads() != self._default_threads:  # a governor's count undone

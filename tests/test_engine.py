@@ -11,7 +11,7 @@ import torch
 
 from codecomplete.model.api import CompletionRequest, EngineSettings
 from codecomplete.model.engine import (BRANCH_MIN_P, BRANCH_WINDOW, Engine, _Vocab, advance, generate, plan_prompt,
-                                       release, start, step, warm, warm_ahead)
+                                       PieceClock, release, start, step, warm, warm_ahead)
 from codecomplete.model.kvstore import KVStore
 from codecomplete.model.loader import load_model
 from codecomplete.model import prompts
@@ -263,6 +263,63 @@ def test_warm_prefill_is_what_the_request_reuses(lm, checks):
     assert fast.token_ids == slow.token_ids and fast.text == slow.text
 
 
+def test_the_piece_clock_sizes_pieces_to_its_target():
+    """Guards warm prefills' timed pieces: a small piece while the speed is unknown, then as many
+    rows as take about the target at the last pieces' speed, in multiples of 32 between 32 and
+    256; a short last piece says nothing about the speed; a target of 0 means pieces of 256."""
+    clock = PieceClock(100)
+    assert clock.rows() == 64
+    clock.observe(64, 64 * 3.0)  # 3 ms a row (two AVX2 cores): 33 rows would take 100 ms
+    assert clock.rows() == 32
+    clock.observe(5, 1.0)  # a last piece of 5 rows: its fixed costs say nothing
+    assert clock.ms_per_row == 3.0
+    for _ in range(8):  # a faster machine (or the cores free again): the pieces grow, up to 256
+        clock.observe(32, 32 * 0.1)
+    assert clock.rows() == 256
+    clock.observe(256, 256 * 1.1)  # slower again: 100 / ((0.1.. + 1.1) / 2) rows, rounded down to 32s
+    assert clock.rows() % 32 == 0 and 32 <= clock.rows() < 256
+    off = PieceClock(0)
+    off.observe(64, 1000.0)
+    assert off.rows() == 256
+
+
+class CountingClock(PieceClock):
+    """A PieceClock that records the pieces it was asked for and what they were said to take."""
+
+    def __init__(self, target_ms):
+        super().__init__(target_ms)
+        self.seen = []
+
+    def observe(self, rows, ms):
+        self.seen.append(rows)
+        super().observe(rows, ms)
+
+
+@pytest.mark.parametrize("checks", [None, 2])
+def test_warm_runs_the_pieces_its_clock_gives(lm, checks):
+    """Guards warm-ups in timed pieces: ``warm`` asks its clock for each piece's rows and tells it
+    how long the piece took; stopped by its cancel after two pieces it has run those two; the
+    request after it reuses what ran and completes as without a store."""
+    vocab = _Vocab(lm.tokenizer)
+    settings = EngineSettings(token_healing=True)
+    store, pool = KVStore(64 * 2**20), SessionPool(inc_bound=16)
+    request = CompletionRequest(POINT * 12, "\n\n    def norm(self):\n        pass\n", mode="multi", max_tokens=8,
+                                max_lines=200, session_key="doc")
+    clock = CountingClock(1e-6)  # any speed: pieces of 32 after the first of 64
+    with torch.inference_mode():
+        plan = plan_prompt(lm, request, settings, vocab, pool)
+        n = len(plan.ids)
+        assert n > 160
+        ran, had = warm(lm, plan.ids, store, TripAfter(checks) if checks else threading.Event(), clock)
+        assert had == 0 and clock.seen[:2] == [64, 32]
+        assert ran == (n if checks is None else 96) and sum(clock.seen) == ran
+        assert clock.ms_per_row is not None and clock.ms_per_row > 0
+        fast = run_plan(lm, request, plan, vocab, store)
+        slow = run_plan(lm, request, plan, vocab, None)
+    assert fast.reused_tokens == min(ran, n - 1)
+    assert fast.token_ids == slow.token_ids and fast.text == slow.text
+
+
 def test_a_prompt_is_in_the_store_once_prefilled(lm):
     """Guards requests admitted together (the next keystroke's, queued while this one
     prefilled): a request's prompt KV is in the store as soon as it is prefilled, before the
@@ -317,6 +374,8 @@ def test_engine_thread_warms_without_completing(tiny_model):
         stats = engine.stats()
         assert stats["warm_prefills"] == 1 and stats["warm_tokens"] == got.prompt_tokens > 0
         assert stats["completions"] == 0
+        # its pieces were timed: the next ones are sized from that speed (the default 100 ms)
+        assert stats["warm_piece"]["ms_per_row"] > 0 and stats["warm_piece"]["rows"] % 32 == 0
         real = engine.complete(CompletionRequest(prefix + "x", suffix, session_key="doc", max_tokens=4))
         assert real.error is None
         assert real.reused_tokens >= got.prompt_tokens - 2  # the warm prompt (its healed end aside), then "x"

@@ -866,6 +866,40 @@ def test_long_bf16_prompt_runs_in_native_pieces(monkeypatch):
     assert torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure])
 
 
+@needs_kernel
+@pytest.mark.parametrize("start", [0, 77])
+def test_warm_pieces_give_the_bits_of_the_requests_own_prefill(start):
+    """Guards warm-ups in timed pieces (engine.PieceClock): a prompt prefilled from ``start``
+    (where the store's match ends) in pieces of 32, 64 or 96 rows, as a warm-up runs it, leaves
+    the KV, bit for bit, that the request's own prefill from there leaves (pieces of
+    ``native.PREFILL_ROWS``), and the last row's logits are the same."""
+    model = random_bf16_model(12, 0.08, tie=True, unit_norms=True, vocab_size=300, dim=128, n_layers=3, n_heads=4,
+                              n_kv_heads=2, head_dim=32, hidden_dim=320)
+    assert model.native_decode(True)
+    model.native_prefill = True
+    n = native.PREFILL_ROWS + 90
+    prompt = torch.randint(0, 300, (1, n))
+
+    def run(piece: int | None):
+        c = model.new_cache(n + 4)
+        with torch.no_grad():
+            if start:
+                model(prompt[:, :start], [c])
+            if piece is None:
+                last = model(prompt[:, start:], [c])
+            else:
+                for i in range(start, n, piece):
+                    last = model(prompt[:, i:i + piece], [c])
+        return last, c
+
+    want, ref = run(None)
+    for piece in (32, 64, 96):
+        got, c = run(piece)
+        assert c.length == ref.length == n
+        assert torch.equal(c.k[:, :, :n], ref.k[:, :, :n]) and torch.equal(c.v[:, :, :n], ref.v[:, :, :n]), piece
+        assert torch.equal(got, want), piece
+
+
 needs_greedy_head = pytest.mark.skipif(not native.greedy_head_available(),
                                        reason="the greedy head needs AVX2 + FMA or AVX512-VNNI and AVX512-BF16")
 
