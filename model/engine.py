@@ -761,13 +761,12 @@ class Engine:
         with self._stats_lock:
             counters = dict(self._stats)
         ready = self.ready.is_set()
-        s = engine_stats(counters, self.settings, self.lm, ready, self.load_error, self.exit_error,
-                         self.drafter, self.store, self.pool.counts, self.governor,
-                         loading=None if ready else load_stage())
-        pieces = self.pieces  # a warm prefill's pieces now: rows, and the speed they were sized by
-        s["warm_piece"] = {"rows": pieces.rows(), "ms_per_row": None if pieces.ms_per_row is None
-                           else round(pieces.ms_per_row, 3)}
-        return s
+        pieces = self.pieces
+        return engine_stats(counters, self.settings, self.lm, ready, self.load_error, self.exit_error,
+                            self.drafter, self.store, self.pool.counts, self.governor,
+                            loading=None if ready else load_stage(),
+                            warm_piece={"rows": pieces.rows(), "ms_per_row": None if pieces.ms_per_row is None
+                                        else round(pieces.ms_per_row, 3)})
 
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
