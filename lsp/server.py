@@ -921,7 +921,7 @@ class CodecompleteServer(LanguageServer):
                     if lines:
                         self.following[uri] = run  # typing along it (accepting the lines) keeps it going
                         run.waiter.add_done_callback(lambda _f, run=run: self._keep_done(run))
-                        return Completion(lines, FIRST_LINES, multiline=True, prompt_kind="first-lines")
+                        return answered_so_far(lines, run.request)
                     signal = asyncio.ensure_future(line.wait())
                     try:
                         done, _ = await asyncio.wait(waiting | {signal}, return_when=asyncio.FIRST_COMPLETED)
@@ -1568,6 +1568,18 @@ def _set_from_thread(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> N
         loop.call_soon_threadsafe(event.set)
     except RuntimeError:  # the loop closed (the daemon exits) while the run went on
         pass
+
+
+def answered_so_far(text: str, request: CompletionRequest) -> Completion:
+    """A completion of ``text``, the whole lines ``request``'s run has written so far
+    (``FIRST_LINES``), with the run's prompt and engine time up to now (``run_info``), so the
+    replay harness can split its latency as a finished run's."""
+    info = request.run_info or {}
+    timings = {k: info[k] for k in ("queue_ms", "prefill_ms") if k in info}
+    if "decode_start" in info:
+        timings["decode_ms"] = (time.perf_counter() - info["decode_start"]) * 1000
+    return Completion(text, FIRST_LINES, info.get("prompt_tokens", 0), request.progress_tokens, timings,
+                      multiline=True, reused_tokens=info.get("reused_tokens", 0), prompt_kind="first-lines")
 
 
 def first_lines(progress: str) -> str:

@@ -37,17 +37,22 @@ class CompletionRequest:
     # run going while the user types along it, ``lsp/server.py``): once the text so far departs
     # from what was typed the engine cancels the run.  "" typed: nothing to check.
     progress: str = ""
+    progress_tokens: int = 0  # the tokens generated for ``progress``
     typed: str = ""
+    # Set by the engine once the prompt is prefilled: prompt_tokens, reused_tokens, prompt_kind,
+    # queue_ms, prefill_ms and decode_start (perf_counter), for an answer made from ``progress``
+    # before the run ends (the daemon's first lines) to say where its time went.
+    run_info: dict | None = None
     # Called on the engine's thread when ``progress`` gains a line break (``set_progress``): the
     # daemon waits on it for a slow block's first whole lines (completion.first_lines_ms) instead
     # of polling; it must only hand the news on (a loop's call_soon_threadsafe), never block.
     on_line: Callable[[], None] | None = None
 
-    def set_progress(self, text: str) -> None:
-        """The completion's text so far (the engine, after each token); tells ``on_line`` when
-        it has more line breaks than before."""
+    def set_progress(self, text: str, tokens: int = 0) -> None:
+        """The completion's text so far, of ``tokens`` generated tokens (the engine, after each
+        token); tells ``on_line`` when it has more line breaks than before."""
         grew = self.on_line is not None and text.count("\n") > self.progress.count("\n")
-        self.progress = text
+        self.progress, self.progress_tokens = text, tokens
         if grew:
             try:
                 self.on_line()

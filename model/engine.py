@@ -337,7 +337,7 @@ def advance(lm: LoadedModel, live: Live, vocab: "_Vocab | None") -> bool:
     if not live.pending:
         live.text = decoded(lm, live, vocab)[len(live.plan.healed):]
         if live.head is None:  # the request's own completion (not an alternative's fork)
-            request.set_progress(live.text)
+            request.set_progress(live.text, len(live.generated))
             if request.typed and not agrees(live.text, request.typed):
                 request.cancel.set()  # the user typed something else than this run writes
                 return _finish(live, "", "cancelled")
@@ -840,6 +840,9 @@ class Engine:
             return None
         lv.future = fut
         lv.timings["queue_ms"] = queued_ms
+        request.run_info = {"prompt_tokens": len(plan.ids), "reused_tokens": lv.reused, "prompt_kind": plan.kind,
+                            "queue_ms": queued_ms, "prefill_ms": lv.timings["prefill_ms"],
+                            "decode_start": lv.timings["decode_start"]}
         return lv
 
     def _warm(self, request: CompletionRequest, fut: Future, queued_ms: float) -> None:

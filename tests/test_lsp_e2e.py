@@ -1270,6 +1270,10 @@ async def test_a_slow_block_comes_as_its_first_lines_then_its_rest(repo, model_c
         items = await complete(c, uri, 2, 4)
         s = await stats(c, recent=True)
         assert s["counters"]["first_lines"] == 1 and s["recent"][-1]["stop_reason"] == "first_lines"
+        early = s["recent"][-1]  # the run's prompt and its engine time so far, for the replay's split
+        assert early["prompt_tokens"] > early["reused_tokens"] >= 0 and early["generated_tokens"] >= 2
+        assert early["prefill_ms"] > 0 and early["decode_ms"] > 0
+        assert early["queue_ms"] + early["prefill_ms"] + early["decode_ms"] <= early["latency_ms"] + 1
         lines, = proposed(items, "    ")
         assert lines.strip() and not lines.endswith("\n")
         insert(c, uri, 2, 2, 4, lines)  # the user accepts them

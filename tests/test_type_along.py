@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 
 from lsprotocol import types as T
 
@@ -489,11 +490,18 @@ async def test_a_slow_block_answers_its_whole_lines_and_accepting_them_takes_the
     first = ask(ls, 1, 4)  # a blank indented line: a block
     await settle()
     (request, _), = engine.runs
-    request.set_progress("result = a + b\n    ret")  # one whole line written, the run goes on
+    # what the engine says of the run once its prompt is prefilled (the record below reports it)
+    request.run_info = {"prompt_tokens": 40, "reused_tokens": 30, "prompt_kind": "efim", "queue_ms": 2.0,
+                        "prefill_ms": 5.0, "decode_start": time.perf_counter()}
+    request.set_progress("result = a + b\n    ret", 7)  # one whole line written, the run goes on
     result = await asyncio.wait_for(first, 1)
     assert offered(result, "    ") == ["result = a + b"]
     assert not request.cancel.is_set() and ls.following[URI].request is request
     assert ls.counters.first_lines == 1 and ls.recent[-1]["stop_reason"] == "first_lines"
+    record = ls.recent[-1]  # where its time went, as a finished run's record says
+    assert (record["prompt_kind"], record["prompt_tokens"], record["reused_tokens"], record["generated_tokens"],
+            record["queue_ms"], record["prefill_ms"]) == ("first-lines", 40, 30, 7, 2.0, 5.0)
+    assert 0 <= record["decode_ms"] <= record["latency_ms"] + 1
     type_at(ls, 1, 4, "result = a + b")  # the user accepts the lines: typed along the run
     assert request.typed == "result = a + b" and not request.cancel.is_set()
     rest = ask(ls, 1, 18)
