@@ -39,9 +39,9 @@ class CompletionRequest:
     progress: str = ""
     progress_tokens: int = 0  # the tokens generated for ``progress``
     typed: str = ""
-    # Set by the engine once the prompt is prefilled: prompt_tokens, reused_tokens, prompt_kind,
-    # queue_ms, prefill_ms and decode_start (perf_counter), for an answer made from ``progress``
-    # before the run ends (the daemon's first lines) to say where its time went.
+    # Set by the engine once the prompt is prefilled: prompt_tokens, reused_tokens, queue_ms,
+    # prefill_ms and decode_start (perf_counter), for an answer made from ``progress`` before
+    # the run ends (the daemon's first lines) to say where its time went.
     run_info: dict | None = None
     # Called on the engine's thread when ``progress`` gains a line break (``set_progress``): the
     # daemon waits on it for a slow block's first whole lines (completion.first_lines_ms) instead

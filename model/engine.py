@@ -222,7 +222,8 @@ class PieceClock:
     checks of its cancel: as many as take about ``target_ms`` at the speed its last pieces ran, a
     multiple of ``PIECE_ROWS`` up to ``WARM_PIECE`` (``target_ms`` 0: always ``WARM_PIECE``).  A
     request that arrives meanwhile waits for the piece in flight, and 256 rows take 0.5-0.9 s on
-    two AVX2 cores against ~0.1 s with AMX (bench/results/warm_pieces_avx2.md)."""
+    two AVX2 cores against ~0.1 s with AMX (bench/results/warm_pieces_avx2.md).  On a GPU the
+    time seen is the launch's (no synchronization), so the pieces stay at ``WARM_PIECE``."""
 
     def __init__(self, target_ms: float = 0.0):
         self.target_ms = target_ms
@@ -268,12 +269,12 @@ def warm(lm: LoadedModel, ids: list[int], store: KVStore | None, cancel: threadi
         while i < len(ids):
             if cancel.is_set() and i > reused:
                 break
-            n = clock.rows() if clock is not None else piece
+            rows = clock.rows() if clock is not None else piece
             t0 = time.perf_counter()
-            lm.model(torch.tensor([ids[i:i + n]], device=lm.device), [cache], greedy=True)
+            lm.model(torch.tensor([ids[i:i + rows]], device=lm.device), [cache], greedy=True)
             if clock is not None:
-                clock.observe(min(n, len(ids) - i), (time.perf_counter() - t0) * 1000)
-            i += n
+                clock.observe(min(rows, len(ids) - i), (time.perf_counter() - t0) * 1000)
+            i += rows
         n = cache.length
         store.insert(ids[:n], cache.k[:, :, :n], cache.v[:, :, :n])
     finally:
@@ -840,9 +841,8 @@ class Engine:
             return None
         lv.future = fut
         lv.timings["queue_ms"] = queued_ms
-        request.run_info = {"prompt_tokens": len(plan.ids), "reused_tokens": lv.reused, "prompt_kind": plan.kind,
-                            "queue_ms": queued_ms, "prefill_ms": lv.timings["prefill_ms"],
-                            "decode_start": lv.timings["decode_start"]}
+        request.run_info = {"prompt_tokens": len(plan.ids), "reused_tokens": lv.reused, "queue_ms": queued_ms,
+                            "prefill_ms": lv.timings["prefill_ms"], "decode_start": lv.timings["decode_start"]}
         return lv
 
     def _warm(self, request: CompletionRequest, fut: Future, queued_ms: float) -> None:

@@ -491,7 +491,7 @@ async def test_a_slow_block_answers_its_whole_lines_and_accepting_them_takes_the
     await settle()
     (request, _), = engine.runs
     # what the engine says of the run once its prompt is prefilled (the record below reports it)
-    request.run_info = {"prompt_tokens": 40, "reused_tokens": 30, "prompt_kind": "efim", "queue_ms": 2.0,
+    request.run_info = {"prompt_tokens": 40, "reused_tokens": 30, "queue_ms": 2.0,
                         "prefill_ms": 5.0, "decode_start": time.perf_counter()}
     request.set_progress("result = a + b\n    ret", 7)  # one whole line written, the run goes on
     result = await asyncio.wait_for(first, 1)
