@@ -54,6 +54,8 @@ class CompletionConfig:
     max_tokens: int = field(default=64, metadata=_range(1, 1024))
     max_lines: int = field(default=12, metadata=_range(1, 200))
     time_budget_ms: int = field(default=3000, metadata=_range(50, 60000))
+    # an automatic request runs once its document has been this quiet (since its last change or
+    # automatic request); the time the editor took to ask counts
     debounce_ms: int = field(default=25, metadata=_range(0, 2000))
     max_prefix_tokens: int = field(default=1024, metadata=_range(16, 32768))
     max_suffix_tokens: int = field(default=256, metadata=_range(0, 32768))

@@ -8,8 +8,9 @@ Handlers are thin: they find the document, convert the position at the edge, han
   they stop at the engine's next decode step and answer an empty list;
 * an edit to a document makes its in-flight request stale in the same way;
 * ``$/cancelRequest`` stops the request the same way and answers RequestCancelled;
-* automatic triggers wait ``debounce_ms`` first, so a burst of keystrokes costs one
-  generation.
+* automatic triggers wait until the document has been quiet ``debounce_ms`` (since its last
+  change or automatic request; an editor that asks late has waited part of it), so a burst of
+  keystrokes costs one generation.
 No torch here: the engine is any object with ``submit``, ``configure`` and ``stats``.
 """
 
@@ -21,6 +22,7 @@ import gc
 import itertools
 import json
 import logging
+import math
 import re
 import statistics
 import threading
@@ -222,6 +224,7 @@ class CodecompleteServer(LanguageServer):
         self._warm_line: dict[str, int] = {}  # uri -> the line of its last request or warm-up
         self._start_timer: asyncio.TimerHandle | None = None  # a run started ahead (completion.start_ahead)
         self._changed_at: dict[str, float] = {}  # uri -> perf_counter() of its last didChange
+        self._asked_at: dict[str, float] = {}  # uri -> perf_counter() of its last automatic request to the model
         self._waits: deque[float] = deque(maxlen=8)  # ms from a document's last change to an automatic request
         self._warm_timer: asyncio.TimerHandle | None = None
         self._warming: CompletionRequest | None = None  # the warm-up the engine may be running
@@ -314,6 +317,7 @@ class CodecompleteServer(LanguageServer):
             self._start_timer = None
         self._waits.clear()  # the next client may ask otherwise
         self._changed_at.clear()
+        self._asked_at.clear()
         self._contexts.clear()
         self.shown.clear()
         self.cache.clear()
@@ -428,6 +432,7 @@ class CodecompleteServer(LanguageServer):
         self.shown.pop(uri, None)
         self._warm_line.pop(uri, None)
         self._changed_at.pop(uri, None)
+        self._asked_at.pop(uri, None)
         self.cache.drop(uri)
         self.overlay(uri, closed=True)
 
@@ -794,8 +799,8 @@ class CodecompleteServer(LanguageServer):
         self._warm_line[uri] = position.line
         self.pending[uri] = pending
         early = cfg.first_lines_ms / 1000 if along else 0.0
-        completion = await self._wait(rid, pending, cfg.debounce_ms / 1000 if automatic else 0.0,
-                                      early_s=early, started=started)
+        debounce = self._debounce_left(uri, cfg.debounce_ms / 1000) if automatic else 0.0
+        completion = await self._wait(rid, pending, debounce, early_s=early, started=started)
         if completion is None:  # stopped before it ran, or released (its run goes on for the text typed since)
             return self._dropped(pending) if run.waiter is None else self._handed_on(rid, position, pending, started)
         if completion.stop_reason == FIRST_LINES:  # the run goes on in following; the next request takes its rest
@@ -1097,6 +1102,18 @@ class CodecompleteServer(LanguageServer):
     def _running_along(self) -> bool:
         """Whether a run typed along (or started ahead) is still being made."""
         return any(not run.waiter.done() for run in self.following.values() if run.waiter is not None)
+
+    def _debounce_left(self, uri: str, debounce_s: float) -> float:
+        """What is left of ``debounce_s`` of quiet in ``uri`` for an automatic request now: quiet
+        since the document's last change or automatic request to the model, whichever is later.
+        An editor that asks some time after a keystroke (VS Code's own debounce, Neovim's idle
+        wait, 30 ms in the replays) has waited that long already; a burst of requests without
+        edits (the cursor moved line by line) still waits after each; a document with no change
+        seen waits it all."""
+        now = time.perf_counter()
+        last = max(self._changed_at.get(uri, now), self._asked_at.get(uri, -math.inf))
+        self._asked_at[uri] = now
+        return max(0.0, debounce_s - (now - last))
 
     # -- runs started ahead: the completion begun at a pause, before the editor asks -----
     def _note_wait(self, uri: str) -> None:

@@ -111,6 +111,34 @@ async def test_typing_along_a_run_keeps_it_and_the_next_request_takes_its_rest()
     assert offered(third, "    res") == [WRITES[3:]] and ls.counters.typed_through == 1
 
 
+async def test_the_debounce_counts_the_quiet_since_the_last_keystroke_or_request():
+    """Guards completion.debounce_ms as quiet time: a request right after a keystroke waits it
+    (a key typed meanwhile means no run at all); one that comes after the user has been still
+    that long (an editor that asks late) runs at once; a request right after another with no
+    edit between (the cursor moving line by line) waits it again."""
+    ls, engine = server(debounce_ms=300)
+    type_at(ls, 1, 4, "r")
+    first = ask(ls, 1, 5)
+    await settle()
+    assert engine.runs == []  # waiting out the quiet time
+    type_at(ls, 1, 5, "e")
+    assert (await asyncio.wait_for(first, 2)).items == [] and engine.runs == []  # typed past: never run
+    ls.config.completion.debounce_ms = 100
+    await asyncio.sleep(0.2)  # the user is still for longer than the debounce, then the editor asks
+    second = ask(ls, 1, 6)
+    await settle()
+    assert len(engine.runs) == 1  # no wait left
+    engine.finish(0, "sult = a + b")
+    assert offered(await asyncio.wait_for(second, 1), "    re") == ["sult = a + b"]
+    ls.config.completion.debounce_ms = 1000
+    third = ask(ls, 2, 0)  # right after the last request, no edit since: the whole wait again
+    await settle()
+    assert len(engine.runs) == 1
+    type_at(ls, 2, 0, "x")
+    ls.config.completion.debounce_ms = 0
+    assert (await asyncio.wait_for(third, 3)).items == [] and len(engine.runs) == 1
+
+
 async def test_typing_ahead_of_what_the_run_wrote_keeps_it_until_it_departs():
     ls, engine = server()
     first = ask(ls, 1, 4)
