@@ -197,7 +197,7 @@ def _native_report(lm, settings: EngineSettings) -> dict | None:
 def engine_stats(counters: dict, settings: EngineSettings, lm=None, ready: bool = False,
                  load_error: str | None = None, exit_error: str | None = None, drafter=None, store=None,
                  prompts: dict | None = None, governor=None, loading: str | None = None,
-                 warm_piece: dict | None = None) -> dict:
+                 pieces=None) -> dict:
     """What ``Engine.stats`` reports, from its parts (torch-free: the daemon reports it before
     the engine has started too, ``model.handle``)."""
     s = dict(counters)
@@ -226,5 +226,5 @@ def engine_stats(counters: dict, settings: EngineSettings, lm=None, ready: bool 
     s["kv_store"] = store.snapshot() if store else None
     s["prompts"] = dict(prompts or {})
     s["threads"] = governor.snapshot() if governor is not None else None
-    s["warm_piece"] = warm_piece  # a warm prefill's pieces now: rows, and the speed they were sized by
+    s["warm_piece"] = pieces.snapshot() if pieces is not None else None  # a warm prefill's pieces (PieceClock)
     return s

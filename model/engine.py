@@ -237,6 +237,10 @@ class PieceClock:
         n = int(self.target_ms / self.ms_per_row) // PIECE_ROWS * PIECE_ROWS
         return max(PIECE_ROWS, min(WARM_PIECE, n))
 
+    def snapshot(self) -> dict:
+        """The pieces now: rows, and the speed (ms a row) they were sized by."""
+        return {"rows": self.rows(), "ms_per_row": None if self.ms_per_row is None else round(self.ms_per_row, 3)}
+
     def observe(self, rows: int, ms: float) -> None:
         """A piece of ``rows`` rows ran in ``ms``; a short last piece (its fixed costs dominate) says nothing."""
         if rows >= PIECE_ROWS and ms > 0:
@@ -762,12 +766,9 @@ class Engine:
         with self._stats_lock:
             counters = dict(self._stats)
         ready = self.ready.is_set()
-        pieces = self.pieces
         return engine_stats(counters, self.settings, self.lm, ready, self.load_error, self.exit_error,
                             self.drafter, self.store, self.pool.counts, self.governor,
-                            loading=None if ready else load_stage(),
-                            warm_piece={"rows": pieces.rows(), "ms_per_row": None if pieces.ms_per_row is None
-                                        else round(pieces.ms_per_row, 3)})
+                            loading=None if ready else load_stage(), pieces=self.pieces)
 
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
