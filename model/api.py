@@ -155,6 +155,9 @@ class EngineSettings:
     adaptive_threads: bool = True
     pack_weights: bool = True  # oneDNN-prepacked linear weights on CPU (faster, same results)
     native_attention: bool = True  # decode attention through the native CPU kernel (model/native)
+    # the layers' matrices: "bf16" as the checkpoint has them, or "int8" with a scale per output row
+    # (half the bytes a decode step reads; the native bf16 stack on the CPU only)
+    weights: str = "bf16"
     max_prefix_tokens: int = 1024
     max_suffix_tokens: int = 256
     token_healing: bool = True
@@ -203,6 +206,7 @@ def engine_stats(counters: dict, settings: EngineSettings, lm=None, ready: bool 
     s = dict(counters)
     s.update(model=lm.name if lm else None, device=str(lm.device) if lm else None,
              dtype=str(lm.dtype).removeprefix("torch.") if lm else None,
+             weights=getattr(lm.model, "weights", None) if lm else None,  # the layers' matrices as they run
              template=lm.template.name if lm else None,
              load_seconds=round(lm.load_seconds, 3) if lm else None,
              load_prepacked=lm.prepacked if lm else None,  # the packed weights' cache served the load

@@ -730,8 +730,11 @@ class Engine:
         """Apply new settings: a reload if the model changed, else at the next request."""
         old = self.settings
         if (old.model, old.device, old.dtype, old.template, old.threads, old.adaptive_threads, old.pack_weights,
-                old.kv_dtype) != (settings.model, settings.device, settings.dtype, settings.template, settings.threads,
-                                  settings.adaptive_threads, settings.pack_weights, settings.kv_dtype):
+                old.kv_dtype, old.weights) != (settings.model, settings.device, settings.dtype, settings.template,
+                                               settings.threads, settings.adaptive_threads, settings.pack_weights,
+                                               settings.kv_dtype, settings.weights) \
+                or (old.native_attention != settings.native_attention and settings.weights != "bf16"):
+            # int8 weights are made from the checkpoint's at load: native_decode cannot pack them anew
             self.reload(settings)
         else:
             self.settings = settings
@@ -953,7 +956,8 @@ class Engine:
             torch.set_num_threads(settings.threads or self._default_threads)
         try:
             self.lm = load_model(settings.model, settings.device, settings.dtype, settings.template,
-                                 pack=settings.pack_weights, native=settings.native_attention, busy=self.busy)
+                                 pack=settings.pack_weights, native=settings.native_attention, busy=self.busy,
+                                 weights=settings.weights)
             self.lm.model.kv_dtype = kv_dtype(settings.kv_dtype, self.lm.model)
             self._govern(settings)
             self.load_error = None

@@ -478,25 +478,28 @@ def stop_token_ids(tokenizer, template: TemplateChoice, vocab: dict[str, int] | 
 
 def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
                template: str = "auto", pack: bool = True, native: bool = True,
-               busy: Callable[[], bool] | None = None) -> LoadedModel:
+               busy: Callable[[], bool] | None = None, weights: str = "bf16") -> LoadedModel:
     """Load a checkpoint for inference; see the module docstring for ``spec``.  ``pack``:
     prepack the linear layers' weights for oneDNN where that applies (CPU; measured faster,
     same results; costs a second copy of those weights), unless the native stack serves every
     pass (``Transformer.pack_where_read``); there the dense weights go too
     (``Transformer.release_dense``).  ``native``: decode attention through
     the native CPU kernel where it builds (``Transformer.native_decode``).  ``busy``: the
-    engine's probe, which the packed weights' write waits on (model/packcache.py)."""
+    engine's probe, which the packed weights' write waits on (model/packcache.py).  ``weights``:
+    "int8" runs the layers' matrices as int8 where the native bf16 stack serves the model
+    (``Transformer.native_decode``; elsewhere they stay as ``dtype`` says: ``weights`` on the model
+    tells which)."""
     from . import pack_prefetch
 
     with _LOAD_LOCK:
         try:
-            return _load_model(spec, device, dtype, template, pack, native, busy)
+            return _load_model(spec, device, dtype, template, pack, native, busy, weights)
         finally:  # what the daemon read ahead and this load did not take (another model, a failed load)
             pack_prefetch.drop()
 
 
 def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, native: bool,
-                busy: Callable[[], bool] | None = None) -> LoadedModel:
+                busy: Callable[[], bool] | None = None, weights: str = "bf16") -> LoadedModel:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline by default: nothing downloads
     from safetensors import SafetensorError
 
@@ -529,7 +532,7 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
                     cfg = _hf().AutoConfig.from_pretrained(ckpt, **local_only)
                 except (ValueError, KeyError):  # a config transformers cannot read: its own path says why
                     cfg = None
-            kept = _pack_entry(ckpt, dt, dev, native, wait=False) if cfg is not None else None
+            kept = _pack_entry(ckpt, dt, dev, native, wait=False, weights=weights) if cfg is not None else None
             prepacked = kept.read() if kept is not None else None  # its bytes come in while the rest is built
         tok = FastTokenizer.load(ckpt) if isinstance(ckpt, Path) else None
         if tok is None:
@@ -540,7 +543,7 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
                 kept = None  # the next load goes through transformers too: nothing it could read
             if net is not None and prepacked is not None:
                 try:
-                    net.native_decode(native, prepacked)
+                    net.native_decode(native, prepacked, weights=weights)
                     adopted = True
                 except ValueError as exc:  # whole, but not for this model: pack again
                     log.warning("packed weights %s not used (%s): packing again", kept.path, exc)
@@ -566,9 +569,9 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
         raise ModelLoadError(f"cannot load model {spec!r} from {ckpt}: the checkpoint is damaged or does not "
                              f"match its config ({type(exc).__name__}: {exc})") from exc
     if not adopted:
-        net.native_decode(native)
+        net.native_decode(native, weights=weights)
         if direct and net.native_arena is not None:
-            kept = kept or _pack_entry(ckpt, dt, dev, native, wait=True)
+            kept = kept or _pack_entry(ckpt, dt, dev, native, wait=True, weights=weights)
             if kept is not None:
                 kept.write(net, busy=busy)  # on a thread of its own, while the engine rests; the next load reads it
     if kept is not None:  # the next start of these settings reads this file ahead (pack_prefetch)
@@ -586,14 +589,14 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
                          dtype=dt, template=choice, stop_ids=stop_token_ids(tok, choice, vocab),
                          load_seconds=time.perf_counter() - t0, prepacked=adopted,
                          read_ahead=adopted and prepacked.ahead)
-    log.info("model %s loaded from %s on %s/%s in %.2f s, template %s%s%s", name, ckpt, dev,
+    log.info("model %s loaded from %s on %s/%s in %.2f s, template %s%s%s%s", name, ckpt, dev,
              str(dt).removeprefix("torch."), loaded.load_seconds, choice.name,
-             ", weights packed" if net.packed else "",
+             ", weights packed" if net.packed else "", ", int8 layer weights" if net.weights == "int8" else "",
              ", native decode attention" if net.layers[0].attn.native else "")
     return loaded
 
 
-def _pack_entry(ckpt: Path, dtype: torch.dtype, device: torch.device, native: bool, wait: bool):
+def _pack_entry(ckpt: Path, dtype: torch.dtype, device: torch.device, native: bool, wait: bool, weights: str = "bf16"):
     """The packed weights' cache entry of a local checkpoint (model/packcache.py), where the
     native bf16 stack serves it.  ``wait=False``: only where the kernels' library is built
     already (a first build is not waited for: it runs while the checkpoint is read)."""
@@ -604,7 +607,7 @@ def _pack_entry(ckpt: Path, dtype: torch.dtype, device: torch.device, native: bo
 
     if not packcache.enabled() or not (wait or kernels.ready() or native_build.library_path().is_file()):
         return None
-    return packcache.entry(ckpt, dtype)
+    return packcache.entry(ckpt, dtype, weights)
 
 
 def _hf():

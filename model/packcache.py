@@ -12,8 +12,8 @@ a weight read later is unpacked from its native copy (``Linear.restore_dense``).
 A file is used only where its key equals the load's: the checkpoint's files (name, size,
 modification time, inode), the dtype, the native library (its name hashes the C sources, their
 flags and the CPU), the packing code (the Python files that lay the weights out), the AMX layout,
-the bf16 kernel's path and whether a greedy head is built.  Any other file (another key, short,
-damaged, not this format) is ignored: the load packs as before and writes a new one.  A file is
+the bf16 kernel's path, whether a greedy head is built and the layers' weights (bf16 or int8).
+Any other file (another key, short, damaged, not this format) is ignored: the load packs as before and writes a new one.  A file is
 written by a background thread under a temporary name, flushed to disk and then renamed, so a
 reader sees a whole file or none; a folder that cannot be written, or a disk with less than
 ``MIN_FREE`` left after the file, costs nothing but the log line.  The write goes in pieces
@@ -217,7 +217,7 @@ class Entry:
         return thread
 
 
-def entry(ckpt: Path, dtype: torch.dtype) -> Entry | None:
+def entry(ckpt: Path, dtype: torch.dtype, weights: str = "bf16") -> Entry | None:
     """The cache entry of a local checkpoint folder for this CPU, or None where the cache is off
     or the native kernels are not available (this waits for their build)."""
     if not enabled() or not native.available():
@@ -231,7 +231,7 @@ def entry(ckpt: Path, dtype: torch.dtype) -> Entry | None:
         log.debug("no packed weights for %s: %s", ckpt, exc)
         return None
     layout = {"dtype": str(dtype), "amx": native.amx(), "path": native.linear_bf16_path(),
-              "greedy": native.greedy_head_available()}
+              "greedy": native.greedy_head_available(), "weights": weights}
     key = {"format": FORMAT, "files": stats, "library": native_build.library_path().name, "code": code, **layout}
     name = hashlib.sha256(json.dumps([str(ckpt), layout], sort_keys=True).encode()).hexdigest()[:16]
     return Entry(folder() / f"{name}.pack", key, str(ckpt))

@@ -419,6 +419,7 @@ class Transformer(nn.Module):
         self.head = Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
         self.native_stack: native.Stack | None = None  # Transformer.native_decode
+        self.weights_wanted = "bf16"  # native_decode's `weights`: what it packs the layers' matrices as
         self.native_arena: torch.Tensor | None = None  # the one buffer of the native copies (native_decode)
         self.native_prefill = True  # long causal prompts in native pieces (forward; set by native_decode)
         self.greedy_head = True  # forward(greedy=True) may use native's greedy head (exact argmax, half the bytes)
@@ -435,6 +436,12 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
+    @property
+    def weights(self) -> str:
+        """What the layers' matrices run as: "int8" (``native_decode(weights="int8")``), else the dtype's name."""
+        stack = self.native_stack
+        return "int8" if stack is not None and stack.q8 else str(self.dtype).removeprefix("torch.")
+
     @torch.no_grad()
     def pack(self, on: bool = True) -> bool:
         """Give every linear layer (the head too) a oneDNN-prepacked copy of its weight, or
@@ -446,7 +453,7 @@ class Transformer(nn.Module):
                 mod.packed = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), None) if on else None
         return on
 
-    def native_decode(self, on: bool = True, prepacked: "Prepacked | None" = None) -> bool:
+    def native_decode(self, on: bool = True, prepacked: "Prepacked | None" = None, weights: str | None = None) -> bool:
         """Run few-token steps (decode steps, speculation's verification: up to 64 new tokens
         per sequence, causal or masked) through the native CPU kernels (``model/native``,
         built on first use): attention with its rotary embedding, the norms and the MLP's
@@ -458,15 +465,27 @@ class Transformer(nn.Module):
         ``prepacked``: the native copies as an earlier load made them (model/packcache.py), for a
         model built without its linear weights (``from_safetensors(linear=False)``): they are used
         as they are, and a dense weight read later is unpacked from them.  ValueError where they do
-        not fit this model and this CPU's layout (nothing is changed then)."""
+        not fit this model and this CPU's layout (nothing is changed then).
+
+        ``weights`` (``native.WEIGHTS``; None: as the last call chose, at first "bf16"): "int8" packs
+        the layers' four matrices as int8 with a scale per output row (``native.pack_linear_q8``:
+        half the bytes a step reads; the head stays bf16), from the weights the model holds now, so
+        the model becomes an approximation of the checkpoint's (``weights`` reports what runs)."""
+        if weights is not None and weights not in native.WEIGHTS:
+            raise ValueError(f"weights {weights!r}: expected one of {', '.join(native.WEIGHTS)}")
+        want = weights or self.weights_wanted
         on = on and self.device.type == "cpu" and native.available()
         lin = on and self.dtype == torch.bfloat16
         mats = [m for m in self.modules() if isinstance(m, Linear)]
-        # every matrix on AMX tiles where the CPU has them (linear.c: up to 16 rows at the cost of
+        q8 = lin and want == "int8"
+        layer_mats = {id(m) for b in self.layers
+                      for m in (b.attn.wqkv, b.attn.wo, b.mlp.w13, b.mlp.w2)} if q8 else set()
+        # every bf16 matrix on AMX tiles where the CPU has them (linear.c: up to 16 rows at the cost of
         # one, and faster at one) and every matrix's K allows their layout
         amx = lin and native.amx() and all(m.in_features % 32 == 0 for m in mats)
-        shapes = [native.pack_linear(torch.empty(m.out_features, m.in_features, dtype=torch.bfloat16,
-                                                 device="meta"), amx=amx) for m in mats] if lin else []
+        shapes = [native.q8_shape(m.out_features, m.in_features) if id(m) in layer_mats else
+                  native.pack_linear(torch.empty(m.out_features, m.in_features, dtype=torch.bfloat16, device="meta"),
+                                     amx=amx) for m in mats] if lin else []
         if prepacked is not None:
             prepacked.check(lin, shapes, self.head)
         for layer in self.layers:
@@ -483,7 +502,10 @@ class Transformer(nn.Module):
         elif lin:  # every step streams them all: one buffer on huge pages, each matrix packed into its room in turn
             self.native_arena = native.huge_empty((native.arena_bytes(shapes),), torch.uint8)
             for mod, room in zip(mats, native.huge_views(shapes, self.native_arena)):
-                mod.native_weight = room.copy_(native.pack_linear(mod.weight, amx=amx))
+                packed = native.pack_linear_q8(mod.weight) if id(mod) in layer_mats else native.pack_linear(mod.weight,
+                                                                                                          amx=amx)
+                mod.native_weight = room.copy_(packed)
+        self.weights_wanted = want
         # long prompts: native pieces on CPUs without AMX (1.2-1.8x faster than PyTorch's path
         # there), and on a CPU with AMX where our matrices and attention both run on its tiles
         # (1.03-1.5x faster than PyTorch's path at 2k-256 tokens); with our matrices or attention

@@ -74,6 +74,16 @@ def test_early_exit_section_reaches_the_engine():
     assert not engine_settings(Config()).early_exit.enabled  # off by default
 
 
+def test_the_weights_setting_reaches_the_engine_and_only_takes_what_it_can_run():
+    warnings: list[str] = []
+    assert engine_settings(Config()).weights == "bf16"  # the checkpoint's numbers unless asked
+    cfg = merge(Config(), {"model": {"weights": "int8"}}, "x", warnings)
+    assert engine_settings(cfg).weights == "int8" and warnings == []
+    cfg = merge(cfg, {"model": {"weights": "int4"}}, "y", warnings)
+    assert engine_settings(cfg).weights == "int8"
+    assert len(warnings) == 1 and warnings[0].startswith("y: invalid") and "weights" in warnings[0]
+
+
 def test_every_speculation_setting_reaches_the_engine_with_the_engines_defaults():
     """Guards against a setting the config offers but the engine never gets (live_chain was
     missing), and against the two sets of defaults drifting apart."""

@@ -73,6 +73,9 @@ def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.linear_bf16.argtypes = [i32] * 3 + [ptr] * 4
     lib.linear_bf16_path.restype = i32
     lib.linear_bf16_amx.restype = None
+    if hasattr(lib, "linear_q8"):  # a build of an older revision (bench/common.build_revision) may lack it
+        lib.linear_q8.restype = None
+        lib.linear_q8.argtypes = [i32] * 3 + [ptr] * 4
     lib.linear_bf16_amx.argtypes = [i32] * 3 + [ptr] * 4
     lib.amx_enable.restype = i32
     lib.attn_amx_set.restype = i32
@@ -82,7 +85,7 @@ def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_stack.restype = i32
     lib.decode_stack.argtypes = [i32] * 9 + [ctypes.POINTER(ptr), ctypes.c_float, i32] + [ptr] * 3 + [
         ctypes.POINTER(ptr)] * 2 + [i64p] * 2 + [ctypes.POINTER(ptr), ctypes.c_float, i32, ptr, ptr, i32, i32, ptr,
-                                                 ctypes.POINTER(QHead), i32]
+                                                 ctypes.POINTER(QHead), i32, i32]
     lib.head_greedy_native.restype = i32
     lib.head_greedy_amx_set.restype = i32
     lib.head_greedy_amx_set.argtypes = [i32]
@@ -403,6 +406,41 @@ def pack_linear(weight: torch.Tensor, amx: bool = False, path: int | None = None
     return w.reshape(np_ // 4, 4, kp // 32, 32).transpose(1, 2).contiguous()
 
 
+WEIGHTS = ("bf16", "int8")  # model.weights: the layers' matrices as the checkpoint's bf16, or int8 (pack_linear_q8)
+
+
+def pack_linear_q8(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] as int8 with one fp32 scale per output row, in ``linear_q8``'s layout
+    (linear.c): [N/16, K * 16 + 64] int8, per panel of sixteen rows column k's sixteen values at
+    16 k, then the panel's sixteen scales; q = round(w / s) with s = max |w| / 127 of the row (an
+    all-zero row: scale 1), N padded with zero rows to a multiple of 16.  Half the bf16 layouts'
+    bytes (a one-row step is bound by reading them); the numbers are the weight's to within s / 2
+    each, so a model on them is the checkpoint's approximately (bench/results/int8_weights_avx2.md)."""
+    n, k = weight.shape
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127 if k else torch.zeros(n)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    np_ = -(-n // 16) * 16
+    if np_ != n:
+        q = torch.nn.functional.pad(q, (0, 0, 0, np_ - n))
+        scale = torch.nn.functional.pad(scale, (0, np_ - n), value=1.0)
+    out = torch.empty(np_ // 16, k * 16 + 64, dtype=torch.int8, device=weight.device)
+    out[:, :k * 16] = q.reshape(np_ // 16, 16, k).transpose(1, 2).reshape(np_ // 16, k * 16)
+    out[:, k * 16:] = scale.reshape(np_ // 16, 16).contiguous().view(torch.int8)
+    return out
+
+
+def q8_shape(n: int, k: int) -> torch.Tensor:
+    """A meta tensor shaped and typed as ``pack_linear_q8`` of an [n, k] weight (room in an arena)."""
+    return torch.empty(-(-n // 16), k * 16 + 64, dtype=torch.int8, device="meta")
+
+
+def q8_layout(packed: torch.Tensor) -> bool:
+    """Whether a packed weight is ``pack_linear_q8``'s int8 layout."""
+    return packed.dtype == torch.int8
+
+
 def unpack_linear(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The weight [n, k] that ``pack_linear`` packed (any of its layouts), padding dropped: the
     same bf16 numbers, a new tensor (``Linear.dense``)."""
@@ -412,8 +450,14 @@ def unpack_linear(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 def lookup_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
     """Rows ``ids`` (any shape) of the weight [n, k] that ``pack_linear`` packed, padding dropped,
     in a new tensor (a gather, never a view): an embedding lookup from a tied head's native copy
-    (``Transformer.release_dense``), or all rows (``unpack_linear``)."""
+    (``Transformer.release_dense``), or all rows (``unpack_linear``).  From ``pack_linear_q8``'s
+    layout: each row's int8 values times its scale, rounded to bf16."""
     flat = ids.reshape(-1)
+    if q8_layout(packed):  # [N/16, K * 16 + 64]: row 16p + j at column j of panel p's [K, 16], its scale after
+        kk = (packed.shape[1] - 64) // 16
+        q = packed[:, :kk * 16].reshape(-1, kk, 16)[flat // 16, :, flat % 16]
+        scale = packed[:, kk * 16:].contiguous().view(torch.float32)[flat // 16, flat % 16]
+        return (q.float() * scale[:, None]).to(torch.bfloat16)[:, :k].reshape(*ids.shape, k)
     if amx_layout(packed):  # [N/16, K/32, 16, 16, 2]: row 16a + b at [a, :, :, b, :]
         rows = packed[flat // 16, :, :, flat % 16, :]
     elif panel_layout(packed):  # [N/16, K, 8, 2]: row 16p + j at [p, :, j % 8, j // 8]
@@ -437,7 +481,7 @@ def packed_rows(packed: torch.Tensor, start: int) -> torch.Tensor | None:
     """The packed weight's output rows from ``start`` on (a view), or None where the layout
     cannot start there: a multiple of 4 rows, of 16 in the panel layout, of 32 in the AMX layout
     (its tiles go in pairs)."""
-    align, group = (32, 16) if amx_layout(packed) else (16, 16) if panel_layout(packed) else (4, 4)
+    align, group = (32, 16) if amx_layout(packed) else (16, 16) if panel_layout(packed) or q8_layout(packed) else (4, 4)
     return None if start % align else packed[start // group:]
 
 
@@ -542,6 +586,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     k = x.shape[-1]
     x = x.contiguous()
     y = torch.empty((*x.shape[:-1], out_features), dtype=torch.bfloat16)
+    if q8_layout(packed):
+        _lib.linear_q8(x.numel() // k, out_features, k, x.data_ptr(), packed.data_ptr(),
+                       bias.data_ptr() if bias is not None else None, y.data_ptr())
+        return y
     if not amx_layout(packed) and panel_layout(packed) != (linear_bf16_path() == 1):
         raise ValueError("weight packed for another build's linear kernel (pack_linear's path)")
     fn = _lib.linear_bf16_amx if amx_layout(packed) else _lib.linear_bf16
@@ -663,12 +711,15 @@ class Stack:
         self.weights = ptrs(*[w for p in per for w in p])
         self.layer = [(ctypes.c_void_p * len(p))(*p) for p in per]
         self.norm, self.head, self.vocab = model.norm.weight.data_ptr(), model.head.native_weight.data_ptr(), a.vocab_size
-        layouts = {amx_layout(lin.native_weight)
-                   for b in model.layers for lin in (b.attn.wqkv, b.attn.wo, b.mlp.w13, b.mlp.w2)}
-        layouts.add(amx_layout(model.head.native_weight))
+        mats = [lin.native_weight for b in model.layers for lin in (b.attn.wqkv, b.attn.wo, b.mlp.w13, b.mlp.w2)]
+        q8 = {q8_layout(w) for w in mats}
+        if len(q8) != 1:
+            raise ValueError("the layers' matrices need the same native layout (all int8 or none)")
+        self.q8 = q8.pop()  # the layers' matrices are int8 (linear_q8); the head is bf16 either way
+        layouts = {amx_layout(w) for w in ([] if self.q8 else mats) + [model.head.native_weight]}
         if len(layouts) != 1:
             raise ValueError("every matrix of the stack needs the same native layout")
-        self.amx = layouts.pop()  # every matrix runs on AMX tiles (linear.c), the greedy head's exact rows too
+        self.amx = layouts.pop()  # every bf16 matrix runs on AMX tiles (linear.c), the greedy head's exact rows too
         if qhead is not None:
             packed = QHead(*[t.data_ptr() for t in qhead], qhead[0].shape[1] * 4), qhead
         else:
@@ -739,7 +790,7 @@ def decode_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
                            CHUNK, stack.norm if out is not None else None, stack.head if out is not None else None,
                            stack.vocab, int(logits == "last"), out.data_ptr() if out is not None else None,
                            ctypes.byref(stack.qhead) if greedy and stack.qhead is not None and out is not None else None,
-                           int(stack.amx))
+                           int(stack.amx), int(stack.q8))
     if rc != 0:
         raise MemoryError("native decode step: out of scratch memory")
     return x, out

@@ -1047,3 +1047,179 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
         (void)y, (void)amx;
 }
 #endif
+
+/* ---- int8 weights (model.weights = "int8"): a decode step streams half the bytes ----
+ *
+ * A one-row step on two AVX2 cores is bound by the weights' stream (~19 GB/s,
+ * bench/results/roofline_avx2.md): SmolLM2-135M's layer matrices are 212 MB of bf16 a step.
+ * Weight-only int8 with one scale per output row, w[n][k] ~ s[n] q[n][k] (q = round(w / s) in
+ * [-127, 127], s = max_k |w[n][k]| / 127, model/native/__init__.py's pack_linear_q8), halves them.
+ * The input keeps its bf16 values (converted to fp32 once a call, as the panel kernel does); each
+ * output's sum is one chain of FMAs over k = 0 .. K-1 of q (exact in fp32) times x, multiplied by
+ * s[n] once at the end: so, as in the bf16 kernels, a row's bits do not depend on how many rows the
+ * call has or which tile ran it (a verification pass's rows have a one-token step's bits).
+ *
+ *   packed [N/16][K * 16 + 64] bytes: per panel of sixteen output rows, column k's sixteen int8
+ *   at 16 k (row 16p + j at byte j), then the panel's sixteen fp32 scales.  N is padded to a
+ *   multiple of 16 with zero rows (scale 1); K is not padded.
+ *
+ * Tiles as the panel kernel's: one input row against four panels (8 accumulators), two against
+ * two, 3-6 rows against one; each column's sixteen bytes sign-extended and converted to two fp32
+ * vectors (vpmovsxbd + vcvtdq2ps), shared by the tile's rows.  Elsewhere a portable loop. */
+#include <omp.h>
+#include <pthread.h>
+#include <stdlib.h>
+
+enum { Q8_XROWS = 60 }; /* input rows converted to fp32 at a time */
+
+static inline size_t q8_panel_bytes(int K) { return (size_t)K * 16 + 64; }
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* 8 fp32 sums times their scales (+ bias) rounded to bf16, stored at y[0 .. n) (n <= 8) */
+static inline void q8_store8(__m256 s, const float *scale, const uint16_t *bias, uint16_t *y, int n) {
+    float t[8];
+    _mm256_storeu_ps(t, _mm256_mul_ps(s, _mm256_loadu_ps(scale)));
+    for (int i = 0; i < n && i < 8; i++) y[i] = f32_to_bf16(t[i] + (bias ? bf16_to_f32(bias[i]) : 0.0f));
+}
+
+#define Q8_DECL(R) __m256 c##R##0a = z, c##R##0b = z, c##R##1a = z, c##R##1b = z, c##R##2a = z, c##R##2b = z, \
+                          c##R##3a = z, c##R##3b = z;
+#define Q8_FMA(R, Q)                                                                                             \
+    if (MR > R) {                                                                                                \
+        const __m256 b = _mm256_broadcast_ss(xr + (size_t)R * K + k);                                              \
+        c##R##Q##a = _mm256_fmadd_ps(wa, b, c##R##Q##a);                                                         \
+        c##R##Q##b = _mm256_fmadd_ps(wb, b, c##R##Q##b);                                                         \
+    }
+#define Q8_COL(Q)                                                                                                \
+    if (P > Q) {                                                                                                 \
+        const int8_t *wq = w + (size_t)Q * ps + (size_t)k * 16;                                                  \
+        const __m256 wa = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)wq)));       \
+        const __m256 wb = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wq + 8)))); \
+        Q8_FMA(0, Q) Q8_FMA(1, Q) Q8_FMA(2, Q) Q8_FMA(3, Q) Q8_FMA(4, Q) Q8_FMA(5, Q)                            \
+    }
+#define Q8_STORE(R, Q)                                                                                           \
+    if (MR > R && P > Q) {                                                                                       \
+        const int n = N - n0 - 16 * Q;                                                                           \
+        uint16_t *yr = y + (size_t)(m0 + R) * N + n0 + 16 * Q;                                                   \
+        const uint16_t *bb = bias ? bias + n0 + 16 * Q : NULL;                                                   \
+        const float *sc = (const float *)(w + (size_t)Q * ps + (size_t)K * 16);                                  \
+        q8_store8(c##R##Q##a, sc, bb, yr, n);                                                                    \
+        if (n > 8) q8_store8(c##R##Q##b, sc + 8, bb ? bb + 8 : NULL, yr + 8, n - 8);                             \
+    }
+#define Q8_STORES(R) Q8_STORE(R, 0) Q8_STORE(R, 1) Q8_STORE(R, 2) Q8_STORE(R, 3)
+static inline __attribute__((always_inline)) void q8_tile(int MR, int P, int K, const float *x, const int8_t *w,
+                                                           size_t ps, const uint16_t *bias, uint16_t *y, int N, int n0,
+                                                           int m0) {
+    const __m256 z = _mm256_setzero_ps();
+    Q8_DECL(0) Q8_DECL(1) Q8_DECL(2) Q8_DECL(3) Q8_DECL(4) Q8_DECL(5)
+    const float *xr = x + (size_t)m0 * K;
+    int k = 0;
+    for (; k + 4 <= K; k += 4) { /* four columns a turn: one 64-byte line of each panel, prefetched 1 KB ahead */
+        for (int q = 0; q < P; q++) _mm_prefetch((const char *)(w + q * ps + (size_t)k * 16) + 1024, _MM_HINT_T0);
+        Q8_COL(0) Q8_COL(1) Q8_COL(2) Q8_COL(3)
+        k++;
+        Q8_COL(0) Q8_COL(1) Q8_COL(2) Q8_COL(3)
+        k++;
+        Q8_COL(0) Q8_COL(1) Q8_COL(2) Q8_COL(3)
+        k++;
+        Q8_COL(0) Q8_COL(1) Q8_COL(2) Q8_COL(3)
+        k -= 3;
+    }
+    for (; k < K; k++) {
+        Q8_COL(0) Q8_COL(1) Q8_COL(2) Q8_COL(3)
+    }
+    Q8_STORES(0) Q8_STORES(1) Q8_STORES(2) Q8_STORES(3) Q8_STORES(4) Q8_STORES(5)
+}
+
+#define Q8_FN(A, B)                                                                                              \
+    static __attribute__((noinline)) void q8_##A##x##B(int K, const float *x, const int8_t *w, size_t ps,        \
+                                                        const uint16_t *bias, uint16_t *y, int N, int n0, int m0) { \
+        q8_tile(A, B, K, x, w, ps, bias, y, N, n0, m0);                                                          \
+    }
+Q8_FN(1, 4) Q8_FN(1, 3) Q8_FN(1, 2) Q8_FN(1, 1) Q8_FN(2, 2) Q8_FN(2, 1) Q8_FN(3, 1) Q8_FN(4, 1) Q8_FN(5, 1)
+Q8_FN(6, 1)
+#undef Q8_FN
+
+/* rows m0 .. m0 + mr against panels p .. p + np (np <= the tile's width for mr) */
+static void q8_run(int mr, int np, int K, const float *x, const int8_t *wp, const uint16_t *bias, uint16_t *y, int N,
+                   int p, int m0) {
+    const size_t ps = q8_panel_bytes(K);
+    const int8_t *w = wp + (size_t)p * ps;
+    const int n0 = 16 * p;
+#define Q8_CASE(A, B)                                                                                            \
+    if (mr == A && np == B) {                                                                                    \
+        q8_##A##x##B(K, x, w, ps, bias, y, N, n0, m0);                                                           \
+        return;                                                                                                  \
+    }
+    Q8_CASE(1, 4) Q8_CASE(1, 3) Q8_CASE(1, 2) Q8_CASE(1, 1) Q8_CASE(2, 2) Q8_CASE(2, 1) Q8_CASE(3, 1) Q8_CASE(4, 1)
+    Q8_CASE(5, 1) Q8_CASE(6, 1)
+#undef Q8_CASE
+}
+#define Q8_SIMD 1
+#endif
+
+/* each thread's fp32 copy of the input rows, kept between calls (freed at the thread's exit by
+ * the pthread key below) */
+static __thread float *q8_x;
+static __thread size_t q8_xcap;
+static pthread_key_t q8_key;
+static pthread_once_t q8_once = PTHREAD_ONCE_INIT;
+static void q8_key_make(void) { pthread_key_create(&q8_key, free); }
+
+static float *q8_xbuf(size_t need) {
+    if (need > q8_xcap) {
+        free(q8_x);
+        q8_x = malloc(need * sizeof(float));
+        q8_xcap = q8_x ? need : 0;
+        pthread_once(&q8_once, q8_key_make);
+        pthread_setspecific(q8_key, q8_x);
+    }
+    return q8_x;
+}
+
+/* x [M, K] bf16 times int8 weights packed as above (+ bias [N] bf16 or NULL): y [M, N] bf16.
+ * Called inside a parallel region (decode_stack): each thread takes a contiguous share of the
+ * panels and does not wait at the end (the caller places the barrier). */
+void linear_q8_team(int M, int N, int K, const uint16_t *x, const int8_t *wp, const uint16_t *bias, uint16_t *y) {
+    const int np = (N + 15) / 16, T = omp_get_num_threads(), t = omp_get_thread_num();
+    const int p0 = (int)((long)np * t / T), p1 = (int)((long)np * (t + 1) / T);
+    const size_t ps = q8_panel_bytes(K);
+    if (p0 >= p1 || M <= 0) return;
+#ifdef Q8_SIMD
+    if (q8_xbuf((size_t)(M < Q8_XROWS ? M : Q8_XROWS) * K)) {
+        const int run = (int)(262144 / ps) > 1 ? (int)(262144 / ps) : 1; /* panels per 256 KB: re-read from the L2 */
+        for (int r0 = 0; r0 < M; r0 += Q8_XROWS) {
+            const int mc = M - r0 < Q8_XROWS ? M - r0 : Q8_XROWS, blocks = (mc + 5) / 6;
+            const uint16_t *xs = x + (size_t)r0 * K;
+            for (size_t i = 0; i < (size_t)mc * K; i++) q8_x[i] = bf16_to_f32(xs[i]);
+            uint16_t *yc = y + (size_t)r0 * N;
+            for (int pc = p0; pc < p1; pc += run) {
+                const int pe = pc + run < p1 ? pc + run : p1;
+                for (int b = 0, m0 = 0; b < blocks; b++) {
+                    const int mr = (mc - m0) / (blocks - b) + ((mc - m0) % (blocks - b) ? 1 : 0);
+                    const int width = mr == 1 ? 4 : mr == 2 ? 2 : 1;
+                    for (int p = pc; p < pe; p += width)
+                        q8_run(mr, pe - p < width ? pe - p : width, K, q8_x, wp, bias, yc, N, p, m0);
+                    m0 += mr;
+                }
+            }
+        }
+        return;
+    }
+#endif
+    /* the portable loop (or no memory for the fp32 copy): the same chain of FMAs for each output */
+    for (int m = 0; m < M; m++)
+        for (int n = 16 * p0; n < 16 * p1 && n < N; n++) {
+            const int8_t *w = wp + (size_t)(n / 16) * ps + n % 16;
+            const float *sc = (const float *)(wp + (size_t)(n / 16) * ps + (size_t)K * 16);
+            float s = 0.0f;
+            for (int k = 0; k < K; k++) s = fmaf((float)w[(size_t)k * 16], bf16_to_f32(x[(size_t)m * K + k]), s);
+            y[(size_t)m * N + n] = f32_to_bf16(s * sc[n % 16] + (bias ? bf16_to_f32(bias[n]) : 0.0f));
+        }
+}
+
+/* linear_q8_team in a parallel region of its own */
+void linear_q8(int M, int N, int K, const uint16_t *x, const int8_t *wp, const uint16_t *bias, uint16_t *y) {
+#pragma omp parallel
+    linear_q8_team(M, N, K, x, wp, bias, y);
+}

@@ -295,6 +295,7 @@ int qkv_attention(int B, int K, int G, int E, int S, int layer, int el_kv, int e
 
 void linear_team(int M, int N, int K, const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y);
 void linear_team_amx(int M, int N, int K, const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y);
+void linear_q8_team(int M, int N, int K, const uint16_t *x, const int8_t *wp, const uint16_t *bias, uint16_t *y);
 void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp, const QHead *qh, QRow *qr,
                       int8_t *bytes, float *hi, float *thr, float *T, uint16_t *y, int amx);
 int head_greedy_native(void);
@@ -325,15 +326,19 @@ enum { W_NORM1, W_NORM2, W_QKV, W_BQKV, W_O, W_13, W_2, W_PER_LAYER };
  * for linear_bf16) of each sequence's last row (`last_only`) or of every row; with `qhead` too (its
  * int8 copy, head_greedy_native()), exact logits only where the greedy choice can be and -inf
  * elsewhere (head_greedy_team in linear.c).  `amx`: every matrix (the head's too) is packed for and runs on
- * AMX tiles (linear_team_amx).  Returns 0, or -1 when scratch memory could not be
- * had (then nothing is written). */
+ * AMX tiles (linear_team_amx).  `q8`: the layers' four matrices are int8 with a scale per output row,
+ * packed for linear_q8_team (model.weights = "int8"); the head stays as `amx` says.  Returns 0, or -1
+ * when scratch memory could not be had (then nothing is written). */
 int decode_stack(int B, int S, int D, int H, int K, int E, int F, int layer0, int L, const uint16_t *const *w,
                  float eps, int el_kv, uint16_t *x, const uint16_t *cs, const uint16_t *sn, void *const *kbase,
                  void *const *vbase, const int64_t *cap, const int64_t *len, const uint8_t *const *masks, float scale,
                  int chunk, const uint16_t *normf, const uint16_t *head, int V, int last_only, uint16_t *logits,
-                 const QHead *qhead, int amx) {
+                 const QHead *qhead, int amx, int q8) {
     void (*const lin)(int, int, int, const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *) =
         amx ? linear_team_amx : linear_team; /* every matrix, the head's too */
+    /* a layer's matrix: int8 (`q8`) or as the head */
+#define LAYER_LIN(M_, N_, K_, X_, W_, B_, Y_)                                                                   \
+    (q8 ? linear_q8_team(M_, N_, K_, X_, (const int8_t *)(W_), B_, Y_) : lin(M_, N_, K_, X_, W_, B_, Y_))
     const int M = B * S, W = (H + 2 * K) * E, HR = last_only ? B : M;
     const size_t n = (size_t)M * ((size_t)D + W + (size_t)H * E + D + 2 * (size_t)F + F + D) + (size_t)HR * D * 2;
     uint16_t *h = malloc(sizeof(uint16_t) * n);
@@ -370,19 +375,19 @@ int decode_stack(int B, int S, int D, int H, int K, int E, int F, int layer0, in
             const uint16_t *const *lw = w + (size_t)l * W_PER_LAYER;
 #pragma omp for schedule(static)
             for (int r = 0; r < M; r++) rms_norm(1, D, 2, x + (size_t)r * D, NULL, NULL, lw[W_NORM1], eps, h + (size_t)r * D);
-            lin(M, W, D, h, lw[W_QKV], lw[W_BQKV], qkv);
+            LAYER_LIN(M, W, D, h, lw[W_QKV], lw[W_BQKV], qkv);
 #pragma omp barrier
             attention_team(&s, layer0 + l, 2, qkv, cs, sn, att);
-            lin(M, D, H * E, att, lw[W_O], NULL, a);
+            LAYER_LIN(M, D, H * E, att, lw[W_O], NULL, a);
 #pragma omp barrier
 #pragma omp for schedule(static)
             for (int r = 0; r < M; r++) /* x = x + a, h = norm2(x) */
                 rms_norm(1, D, 2, x + (size_t)r * D, a + (size_t)r * D, x + (size_t)r * D, lw[W_NORM2], eps,
                          h + (size_t)r * D);
-            lin(M, 2 * F, D, h, lw[W_13], NULL, gu);
+            LAYER_LIN(M, 2 * F, D, h, lw[W_13], NULL, gu);
 #pragma omp barrier
             silu_team(M, F, gu, g);
-            lin(M, D, F, g, lw[W_2], NULL, m);
+            LAYER_LIN(M, D, F, g, lw[W_2], NULL, m);
 #pragma omp barrier
 #pragma omp for schedule(static)
             for (size_t i = 0; i < (size_t)M * D; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(m[i]));
@@ -404,6 +409,7 @@ int decode_stack(int B, int S, int D, int H, int K, int E, int F, int layer0, in
     free(gs);
     free(h);
     return 0;
+#undef LAYER_LIN
 }
 
 /* The greedy choice of each of `rows` rows of n bf16 logits (row r at x + r * n): the first index of
