@@ -1,7 +1,7 @@
 """HumanEval-Infilling through the engine: pass@1 (executed), exact match, edit similarity.
 
     python bench/infill.py [--model default] [--sets single,light] [--limit 150] [--format fim,efim]
-                           [--stop-rule NAME=0|1 ...]
+                           [--stop-rule NAME=0|1 ...] [--weights bf16|int8]
 
 Sets: single (SingleLineInfilling), multi (MultiLineInfilling), light
 (RandomSpanInfillingLight); ``--limit`` takes a fixed, evenly spaced sample of a set.
@@ -134,6 +134,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "int8"], help="the layers' matrices (model.weights)")
     ap.add_argument("--sets", default="single,light")
     ap.add_argument("--limit", type=int, default=150)
     ap.add_argument("--format", default="fim,efim")
@@ -155,7 +156,7 @@ def main() -> None:
             ap.error(f"--stop-rule {item!r}: expected one of StopRules' switches (or closer_rules) and 0 or 1")
         rules[name] = value == "1"
         setattr(stops.StopRules, name, rules[name])
-    engine = Engine(EngineSettings(model=args.model, dtype=args.dtype, inc_bound=100000,
+    engine = Engine(EngineSettings(model=args.model, dtype=args.dtype, weights=args.weights, inc_bound=100000,
                                    token_healing=not args.no_healing, head_lines=0,
                                    speculation=SpecSettings(enabled=False))).start()  # plain greedy decoding
     engine.ready.wait()
@@ -170,11 +171,13 @@ def main() -> None:
             results[f"{name}/{fmt}"] = run(engine, tasks, SETS[name][1], fmt, args.seed, texts[f"{name}/{fmt}"])
     engine.close()
     out = Path(args.out)
-    res = {"model": st["model"], "template": st["template"], "dtype": st["dtype"], "stop_rules": rules,
+    res = {"model": st["model"], "template": st["template"], "dtype": st["dtype"], "weights": st["weights"],
+           "stop_rules": rules,
            "results": results, "texts": texts}
     out.with_suffix(".json").write_text(json.dumps(res, indent=2))
     lines = [header("HumanEval-Infilling"),
-             f"Model: {st['model']} (template {st['template']}, {st['dtype']}); greedy; "
+             f"Model: {st['model']} (template {st['template']}, {st['dtype']}, layer weights {st['weights']}); "
+             "greedy; "
              f"fixed evenly spaced samples of at most {args.limit} tasks per set; "
              f"token healing {'off' if args.no_healing else 'on'}"
              + "".join(f"; StopRules.{k} = {v}" for k, v in rules.items()) + ".", "",

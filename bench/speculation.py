@@ -229,6 +229,7 @@ def task_args(ap: argparse.ArgumentParser) -> None:
     (shared with bench/spec_ceiling.py, which must pick the same test split)."""
     ap.add_argument("--repos", required=True, help="comma-separated git directories")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "int8"], help="the layers' matrices (model.weights)")
     ap.add_argument("--functions", type=int, default=10, help="test functions per repository")
     ap.add_argument("--tune-functions", type=int, default=4, help="tune functions per repository (the datastores "
                     "leave out test and tune functions both)")
@@ -268,8 +269,8 @@ def main() -> None:
                     "retrieval speculation")
     ap.add_argument("--out", default=str(RESULTS / "speculation"))
     args = ap.parse_args()
-    lm = load_model(args.model, dtype=args.dtype)
-    settings = EngineSettings(model=args.model, max_prefix_tokens=2048)
+    lm = load_model(args.model, dtype=args.dtype, weights=args.weights)
+    settings = EngineSettings(model=args.model, max_prefix_tokens=2048, weights=args.weights)
     vocab = _Vocab(lm.tokenizer)
     tok = TokenizerInfo(lm.tokenizer, lm.name)
     repos = load_repos(args, lm, tok)
@@ -413,8 +414,8 @@ def tune_grid(lm, settings, repos, vocab, args, out: Path) -> None:
 
 def write(out: Path, args, lm, repos, results, per_repo, peers, best: SpecSettings, exact) -> None:
     lines = [header("Retrieval speculation (FastCoder setup)"),
-             f"Model {lm.name} ({str(lm.dtype).removeprefix('torch.')}), greedy, {args.max_new} tokens per held-out "
-             "function (end-of-text ignored), batch 1.",
+             f"Model {lm.name} ({str(lm.dtype).removeprefix('torch.')}, layer weights {lm.model.weights}), greedy, "
+             f"{args.max_new} tokens per held-out function (end-of-text ignored), batch 1.",
              "Repositories (HEAD, code not committed): " + "; ".join(
                  f"{r['name']} ({r['files']} files, {r['tokens']:,} datastore tokens, {len(r['test'])} test functions)"
                  for r in repos) + ".",

@@ -578,6 +578,9 @@ def _load_model(spec: str, device: str, dtype: str, template: str, pack: bool, n
         from . import pack_prefetch
 
         pack_prefetch.remember(spec, device, dtype, kept.path)
+    if weights != "bf16" and net.weights != weights:
+        log.warning("%s layer weights need the native bf16 stack on the CPU; they run as %s here", weights,
+                    net.weights)
     net.pack_where_read(pack)
     net.release_dense()  # where the native copies serve every pass
     trim_heap()  # the copies made on the way (the HF model, conversions, dense weights) were freed above

@@ -188,3 +188,14 @@ def test_the_engine_serves_int8_weights_and_speculation_stays_exact_on_them():
         finally:
             eng.close(30)
     assert texts[True] == texts[False]
+
+
+def test_int8_weights_where_the_native_bf16_stack_does_not_run_are_refused_with_a_warning(tiny_model, caplog):
+    """An fp32 model (or a GPU's, or no C compiler) has no int8 path: it loads and serves as its
+    dtype says, reports so, and the log says why."""
+    with caplog.at_level("WARNING", logger="codecomplete.model.loader"):
+        lm = load_model(str(tiny_model), dtype="float32", weights="int8")
+    assert lm.model.weights == "float32"
+    assert any("int8 layer weights need the native bf16 stack" in r.getMessage() for r in caplog.records)
+    assert generate(lm, CompletionRequest("def add(a, b):\n    return", "\n", max_tokens=4),
+                    EngineSettings(dtype="float32")).stop_reason != "error"
