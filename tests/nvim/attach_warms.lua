@@ -18,7 +18,9 @@ vim.cmd('edit +' .. env.CC_ROW .. ' ' .. env.CC_FILE)
 helpers.poll(function()
   local client = cc.client(0)
   result.stats = client and stats()
+  -- a warm-up stopped after a piece (another one came) counts too: wait for the prompt's tokens
   return result.stats and result.stats.engine and result.stats.engine.warm_prefills > 0
+    and result.stats.engine.warm_tokens > 100
 end, function()
   result.attached = cc.client(0) ~= nil
   result.row = vim.api.nvim_win_get_cursor(0)[1]

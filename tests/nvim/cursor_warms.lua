@@ -34,7 +34,8 @@ end, function(ready)
   vim.api.nvim_exec_autocmds('CursorMoved', { buffer = 0 }) -- as a user's motion fires it
   poll(function()
     result.stats = stats()
-    return result.stats and result.stats.engine.warm_prefills > 0
+    -- a warm-up the user's next move stops after a piece counts too: wait for the prompt's tokens
+    return result.stats and result.stats.engine.warm_prefills > 0 and result.stats.engine.warm_tokens > 100
   end, function()
     finish()
   end, 60000)
