@@ -33,6 +33,29 @@
 #if defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include <pthread.h>
+#include <stdlib.h>
+
+/* Room for `need` floats in this thread's scratch (the fp32 copy of a call's input rows in the AVX2
+ * kernels; NULL without the memory), kept between calls and freed when the thread exits (a pthread
+ * key's destructor: a server's short-lived threads would otherwise leave up to 60 x K floats each
+ * behind).  One buffer a thread: a kernel call takes it whole and gives it back when it returns. */
+static __thread float *thread_x;
+static __thread size_t thread_xcap;
+static pthread_key_t thread_key;
+static pthread_once_t thread_once = PTHREAD_ONCE_INIT;
+static void thread_key_make(void) { pthread_key_create(&thread_key, free); }
+
+static __attribute__((unused)) float *thread_floats(size_t need) {
+    if (need > thread_xcap) {
+        free(thread_x);
+        thread_x = malloc(need * sizeof(float));
+        thread_xcap = thread_x ? need : 0;
+        pthread_once(&thread_once, thread_key_make);
+        pthread_setspecific(thread_key, thread_x);
+    }
+    return thread_x;
+}
 
 /* y[m, n0 + i] = s[i] + bias, for the rows of the group that exist (n0 + i < N) */
 static inline void store4(const float *s, const uint16_t *bias, uint16_t *y, int N, int n0, int m) {
@@ -328,27 +351,8 @@ static void panel_run(int mr, int np, int K, const float *x, const uint16_t *wp,
 /* the panels' width a tile of `mr` rows takes */
 static inline int panel_width(int mr) { return mr == 1 ? 4 : mr == 2 ? 2 : 1; }
 
-/* each thread's fp32 copy of the input rows (at most PANEL_XROWS at a time), kept between calls and
- * freed when the thread exits (a pthread key's destructor: a server's short-lived threads would
- * otherwise leave up to 60 x K floats each behind) */
+/* each thread's fp32 copy of the input rows: at most PANEL_XROWS at a time (thread_floats) */
 enum { PANEL_XROWS = 60 };
-static __thread float *panel_x;
-static __thread size_t panel_xcap;
-static pthread_key_t panel_key;
-static pthread_once_t panel_once = PTHREAD_ONCE_INIT;
-static void panel_key_make(void) { pthread_key_create(&panel_key, free); }
-
-/* this thread's copy, room for `need` floats (NULL without the memory) */
-static float *panel_xbuf(size_t need) {
-    if (need > panel_xcap) {
-        free(panel_x);
-        panel_x = malloc(need * sizeof(float));
-        panel_xcap = panel_x ? need : 0;
-        pthread_once(&panel_once, panel_key_make);
-        pthread_setspecific(panel_key, panel_x);
-    }
-    return panel_x;
-}
 
 /* linear_team on the panel layout: this thread's share of the panels (contiguous, equal counts),
  * input rows in chunks of up to PANEL_XROWS converted to fp32, then panels in runs that fit the L2
@@ -357,7 +361,8 @@ static void panel_team(int M, int N, int K, const uint16_t *x, const uint16_t *w
     const int np = (N + 15) / 16, T = omp_get_num_threads(), t = omp_get_thread_num();
     const int p0 = (int)((long)np * t / T), p1 = (int)((long)np * (t + 1) / T);
     if (p0 >= p1 || M <= 0) return;
-    if (!panel_xbuf((size_t)(M < PANEL_XROWS ? M : PANEL_XROWS) * K)) { /* no memory for the copy: the same chains of FMAs, one output at a time */
+    float *const panel_x = thread_floats((size_t)(M < PANEL_XROWS ? M : PANEL_XROWS) * K);
+    if (!panel_x) { /* no memory for the copy: the same chains of FMAs, one output at a time */
         for (int m = 0; m < M; m++)
             for (int n = 16 * p0; n < 16 * p1 && n < N; n++) {
                 const uint16_t *w = wp + (size_t)(n / 16) * K * 16 + (n % 8) * 2 + (n % 16) / 8;
@@ -997,7 +1002,7 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
     }
     thresholds(M, nt, thr, qr, T); /* a non-finite row: every logit computed */
     const int xr = M < PANEL_XROWS ? M : PANEL_XROWS;
-    float *xf = panel_xbuf((size_t)xr * K);
+    float *xf = thread_floats((size_t)xr * K);
 #pragma omp for schedule(static)
     for (int g = 0; g < groups; g++) {
         int need = 0;
@@ -1067,8 +1072,6 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
  * two, 3-6 rows against one; each column's sixteen bytes sign-extended and converted to two fp32
  * vectors (vpmovsxbd + vcvtdq2ps), shared by the tile's rows.  Elsewhere a portable loop. */
 #include <omp.h>
-#include <pthread.h>
-#include <stdlib.h>
 
 enum { Q8_XROWS = 60 }; /* input rows converted to fp32 at a time */
 
@@ -1158,25 +1161,6 @@ static void q8_run(int mr, int np, int K, const float *x, const int8_t *wp, cons
 #define Q8_SIMD 1
 #endif
 
-/* each thread's fp32 copy of the input rows, kept between calls (freed at the thread's exit by
- * the pthread key below) */
-static __thread float *q8_x;
-static __thread size_t q8_xcap;
-static pthread_key_t q8_key;
-static pthread_once_t q8_once = PTHREAD_ONCE_INIT;
-static void q8_key_make(void) { pthread_key_create(&q8_key, free); }
-
-static float *q8_xbuf(size_t need) {
-    if (need > q8_xcap) {
-        free(q8_x);
-        q8_x = malloc(need * sizeof(float));
-        q8_xcap = q8_x ? need : 0;
-        pthread_once(&q8_once, q8_key_make);
-        pthread_setspecific(q8_key, q8_x);
-    }
-    return q8_x;
-}
-
 /* x [M, K] bf16 times int8 weights packed as above (+ bias [N] bf16 or NULL): y [M, N] bf16.
  * Called inside a parallel region (decode_stack): each thread takes a contiguous share of the
  * panels and does not wait at the end (the caller places the barrier). */
@@ -1186,7 +1170,8 @@ void linear_q8_team(int M, int N, int K, const uint16_t *x, const int8_t *wp, co
     const size_t ps = q8_panel_bytes(K);
     if (p0 >= p1 || M <= 0) return;
 #ifdef Q8_SIMD
-    if (q8_xbuf((size_t)(M < Q8_XROWS ? M : Q8_XROWS) * K)) {
+    float *const q8_x = thread_floats((size_t)(M < Q8_XROWS ? M : Q8_XROWS) * K);
+    if (q8_x) {
         const int run = (int)(262144 / ps) > 1 ? (int)(262144 / ps) : 1; /* panels per 256 KB: re-read from the L2 */
         for (int r0 = 0; r0 < M; r0 += Q8_XROWS) {
             const int mc = M - r0 < Q8_XROWS ? M - r0 : Q8_XROWS, blocks = (mc + 5) / 6;
