@@ -158,7 +158,8 @@ class Linear(nn.Linear):
 
     def release_dense(self) -> bool:
         """Drop the dense weight where ``native_weight`` holds the same numbers (bf16, repacked
-        by ``Transformer.native_decode``): the memory of one copy of the weights.  Reading
+        by ``Transformer.native_decode``; with int8 weights, the numbers the model now runs): the
+        memory of one copy of the weights.  Reading
         ``weight`` afterwards brings it back (``restore_dense``), so a path that needs it stays
         correct.  Returns whether the weight is dropped now."""
         w = self._parameters.get("weight")

@@ -62,6 +62,36 @@ static inline void store4(const float *s, const uint16_t *bias, uint16_t *y, int
     for (int i = 0; i < 4 && n0 + i < N; i++) y[(size_t)m * N + n0 + i] = f32_to_bf16(s[i] + (bias ? bf16_to_f32(bias[n0 + i]) : 0.0f));
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* Shared by the AVX2 kernels (the bf16 panels and linear_q8's int8 panels). */
+
+/* 8 fp32 sums (+ bias) rounded to bf16 as f32_to_bf16 rounds, stored at y[0 .. n) (n <= 8: the rest are padding) */
+static inline void store8(__m256 s, const uint16_t *bias, uint16_t *y, int n) {
+    if (n < 8) {
+        float t[8];
+        _mm256_storeu_ps(t, s);
+        for (int i = 0; i < n; i++) y[i] = f32_to_bf16(t[i] + (bias ? bf16_to_f32(bias[i]) : 0.0f));
+        return;
+    }
+    if (bias) s = _mm256_add_ps(s, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)bias)), 16)));
+    const __m256i u = _mm256_castps_si256(s);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    r = _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), _mm256_set1_epi32(0x7fc0), nan);
+    _mm_storeu_si128((__m128i *)y, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+/* a tile's accumulators for input row R (four panels of two vectors: e rows 0-7, o rows 8-15), and
+ the FMAs of row R's x[k] with a column's two weight vectors `we`, `wo` of panel Q */
+#define PANEL_DECL(R) __m256 a##R##0e = z, a##R##0o = z, a##R##1e = z, a##R##1o = z, a##R##2e = z, a##R##2o = z, a##R##3e = z, a##R##3o = z;
+#define PANEL_FMA(R, Q)                                                                                          \
+    if (MR > R) {                                                                                                \
+        const __m256 b = _mm256_broadcast_ss(xr + (size_t)R * K + k);                                              \
+        a##R##Q##e = _mm256_fmadd_ps(we, b, a##R##Q##e);                                                         \
+        a##R##Q##o = _mm256_fmadd_ps(wo, b, a##R##Q##o);                                                         \
+    }
+#endif
+
 #ifdef __AVX512BF16__
 /* the first half of reduce4's tree: 128-bit block i of the result holds lanes j = 0..3 of a_i
  * summed over its four blocks b as (b0 + b2) + (b1 + b3) */
@@ -251,33 +281,10 @@ static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t 
 #include <pthread.h>
 #include <stdlib.h>
 
-/* 8 fp32 sums (+ bias) rounded to bf16 as f32_to_bf16 rounds, stored at y[0 .. n) (n <= 8: the rest are padding) */
-static inline void store8(__m256 s, const uint16_t *bias, uint16_t *y, int n) {
-    if (n < 8) {
-        float t[8];
-        _mm256_storeu_ps(t, s);
-        for (int i = 0; i < n; i++) y[i] = f32_to_bf16(t[i] + (bias ? bf16_to_f32(bias[i]) : 0.0f));
-        return;
-    }
-    if (bias) s = _mm256_add_ps(s, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)bias)), 16)));
-    const __m256i u = _mm256_castps_si256(s);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
-    r = _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), _mm256_set1_epi32(0x7fc0), nan);
-    _mm_storeu_si128((__m128i *)y, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-}
-
 /* MR input rows (m0 ..) against P panels (from w, `ps` elements apart), MR and P constants at each
  * call site; the accumulators are named variables (an array was kept on the stack).  Two columns a
  * loop turn: one 64-byte line of each panel, prefetched 1 KB ahead (512 and 2048 measured no
  * better on the EPYC). */
-#define PANEL_DECL(R) __m256 a##R##0e = z, a##R##0o = z, a##R##1e = z, a##R##1o = z, a##R##2e = z, a##R##2o = z, a##R##3e = z, a##R##3o = z;
-#define PANEL_FMA(R, Q)                                                                                          \
-    if (MR > R) {                                                                                                \
-        const __m256 b = _mm256_broadcast_ss(xr + (size_t)R * K + k);                                              \
-        a##R##Q##e = _mm256_fmadd_ps(we, b, a##R##Q##e);                                                         \
-        a##R##Q##o = _mm256_fmadd_ps(wo, b, a##R##Q##o);                                                         \
-    }
 #define PANEL_COL(Q)                                                                                             \
     if (P > Q) {                                                                                                 \
         const __m256i v = _mm256_loadu_si256((const __m256i *)(wk + (size_t)Q * ps));                            \
@@ -1078,27 +1085,12 @@ enum { Q8_XROWS = 60 }; /* input rows converted to fp32 at a time */
 static inline size_t q8_panel_bytes(int K) { return (size_t)K * 16 + 64; }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* 8 fp32 sums times their scales (+ bias) rounded to bf16, stored at y[0 .. n) (n <= 8) */
-static inline void q8_store8(__m256 s, const float *scale, const uint16_t *bias, uint16_t *y, int n) {
-    float t[8];
-    _mm256_storeu_ps(t, _mm256_mul_ps(s, _mm256_loadu_ps(scale)));
-    for (int i = 0; i < n && i < 8; i++) y[i] = f32_to_bf16(t[i] + (bias ? bf16_to_f32(bias[i]) : 0.0f));
-}
-
-#define Q8_DECL(R) __m256 c##R##0a = z, c##R##0b = z, c##R##1a = z, c##R##1b = z, c##R##2a = z, c##R##2b = z, \
-                          c##R##3a = z, c##R##3b = z;
-#define Q8_FMA(R, Q)                                                                                             \
-    if (MR > R) {                                                                                                \
-        const __m256 b = _mm256_broadcast_ss(xr + (size_t)R * K + k);                                              \
-        c##R##Q##a = _mm256_fmadd_ps(wa, b, c##R##Q##a);                                                         \
-        c##R##Q##b = _mm256_fmadd_ps(wb, b, c##R##Q##b);                                                         \
-    }
 #define Q8_COL(Q)                                                                                                \
     if (P > Q) {                                                                                                 \
         const int8_t *wq = w + (size_t)Q * ps + (size_t)k * 16;                                                  \
-        const __m256 wa = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)wq)));       \
-        const __m256 wb = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wq + 8)))); \
-        Q8_FMA(0, Q) Q8_FMA(1, Q) Q8_FMA(2, Q) Q8_FMA(3, Q) Q8_FMA(4, Q) Q8_FMA(5, Q)                            \
+        const __m256 we = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)wq)));        \
+        const __m256 wo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wq + 8))));  \
+        PANEL_FMA(0, Q) PANEL_FMA(1, Q) PANEL_FMA(2, Q) PANEL_FMA(3, Q) PANEL_FMA(4, Q) PANEL_FMA(5, Q)          \
     }
 #define Q8_STORE(R, Q)                                                                                           \
     if (MR > R && P > Q) {                                                                                       \
@@ -1106,15 +1098,15 @@ static inline void q8_store8(__m256 s, const float *scale, const uint16_t *bias,
         uint16_t *yr = y + (size_t)(m0 + R) * N + n0 + 16 * Q;                                                   \
         const uint16_t *bb = bias ? bias + n0 + 16 * Q : NULL;                                                   \
         const float *sc = (const float *)(w + (size_t)Q * ps + (size_t)K * 16);                                  \
-        q8_store8(c##R##Q##a, sc, bb, yr, n);                                                                    \
-        if (n > 8) q8_store8(c##R##Q##b, sc + 8, bb ? bb + 8 : NULL, yr + 8, n - 8);                             \
+        store8(_mm256_mul_ps(a##R##Q##e, _mm256_loadu_ps(sc)), bb, yr, n);                                       \
+        if (n > 8) store8(_mm256_mul_ps(a##R##Q##o, _mm256_loadu_ps(sc + 8)), bb ? bb + 8 : NULL, yr + 8, n - 8); \
     }
 #define Q8_STORES(R) Q8_STORE(R, 0) Q8_STORE(R, 1) Q8_STORE(R, 2) Q8_STORE(R, 3)
 static inline __attribute__((always_inline)) void q8_tile(int MR, int P, int K, const float *x, const int8_t *w,
                                                            size_t ps, const uint16_t *bias, uint16_t *y, int N, int n0,
                                                            int m0) {
     const __m256 z = _mm256_setzero_ps();
-    Q8_DECL(0) Q8_DECL(1) Q8_DECL(2) Q8_DECL(3) Q8_DECL(4) Q8_DECL(5)
+    PANEL_DECL(0) PANEL_DECL(1) PANEL_DECL(2) PANEL_DECL(3) PANEL_DECL(4) PANEL_DECL(5)
     const float *xr = x + (size_t)m0 * K;
     int k = 0;
     for (; k + 4 <= K; k += 4) { /* four columns a turn: one 64-byte line of each panel, prefetched 1 KB ahead */
