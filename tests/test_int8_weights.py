@@ -83,6 +83,56 @@ def test_the_int8_kernel_computes_the_product_and_each_row_alone(n, k, bias):
     assert (alone.double() - full).abs().max() <= 0.02 * full.abs().max()
 
 
+needs_amx = pytest.mark.skipif(not native.available() or not native.amx(), reason="no AMX tiles here")
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (48, 64)])
+def test_int8_weights_multiply_on_amx_tiles_where_granted_as_exactly_as_the_panel_kernel(n, k):
+    """Where the tiles are granted, int8 matrices whose K is a multiple of 32 multiply on them by
+    default (``q8_team_amx``: every block widened to bf16): each of 1-40 rows (the one-chunk path of
+    up to 16 rows, four panels at a time, and the chunked path past it, odd panel counts included)
+    within a bf16 rounding of the exact int8 product and with the bits of that row alone; the panel
+    kernel (the switch off) computes the same product to the same bound, in another order."""
+    assert native.amx_int8()
+    torch.manual_seed(n)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16)
+    packed = native.pack_linear_q8(w)
+    q, scale = dequantized(packed, n, k)
+    x = torch.randn(40, k).to(torch.bfloat16)
+    exact = (x.double() @ q.double().T) * scale.double() + b.double()
+    bound = 2 ** -7 * exact.abs().max() + 1e-3
+    try:
+        tiles = torch.cat([native.linear(x[i:i + 1], packed, b, n) for i in range(40)])
+        assert (tiles.double() - exact).abs().max() <= bound
+        for rows in (2, 4, 5, 15, 16, 17, 33, 40):
+            assert torch.equal(native.linear(x[:rows].view(1, rows, k), packed, b, n)[0], tiles[:rows]), rows
+        assert not native.amx_int8(False)
+        panels = native.linear(x.view(1, 40, k), packed, b, n)[0]
+        assert (panels.double() - exact).abs().max() <= bound
+    finally:
+        native.amx_int8(True)
+    assert native.amx_int8()
+
+
+@needs_amx
+@pytest.mark.parametrize("env", [{"CODECOMPLETE_AMX_INT8": "0"}, {"CODECOMPLETE_AMX": "0"}, {}])
+def test_the_amx_int8_kernel_is_on_unless_turned_off(env):
+    """``CODECOMPLETE_AMX_INT8=0`` (or ``CODECOMPLETE_AMX=0``, all tiles) keeps int8 weights on the
+    panel kernel, as measured against it (bench/results/int8_weights_amx.md)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from codecomplete.model import native; print(native.amx_int8())"
+    base = {key: v for key, v in os.environ.items() if key not in ("CODECOMPLETE_AMX_INT8", "CODECOMPLETE_AMX")}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(base, **env), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("False" if env else "True")
+
+
 @needs_stack
 def test_a_model_on_int8_weights_runs_its_stack_on_them_and_keeps_passes_exact():
     """``native_decode(weights="int8")``: the layers' four matrices in the int8 layout, the head

@@ -76,6 +76,11 @@ def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(lib, "linear_q8"):  # a build of an older revision (bench/common.build_revision) may lack it
         lib.linear_q8.restype = None
         lib.linear_q8.argtypes = [i32] * 3 + [ptr] * 4
+    if hasattr(lib, "q8_amx_set"):
+        lib.q8_amx_set.restype = i32
+        lib.q8_amx_set.argtypes = [i32]
+        lib.q8_amx_set(int(os.environ.get("CODECOMPLETE_AMX", "1") != "0"  # int8 weights' products on AMX tiles
+                           and os.environ.get("CODECOMPLETE_AMX_INT8", "1") != "0"))
     lib.linear_bf16_amx.argtypes = [i32] * 3 + [ptr] * 4
     lib.amx_enable.restype = i32
     lib.attn_amx_set.restype = i32
@@ -375,6 +380,15 @@ def amx_attention(on: bool | None = None) -> bool:
     ``on`` sets it for the process (a comparison's switch: a row's bits differ between the two
     ways, so a generation keeps one)."""
     return available() and bool(_lib.attn_amx_set(-1 if on is None else int(on)))
+
+
+def amx_int8(on: bool | None = None) -> bool:
+    """Whether int8 layer weights (``pack_linear_q8``) multiply on AMX tiles (linear.c's
+    ``q8_team_amx``: each block widened to bf16, every row count on the tile unit): where the tiles
+    are granted, unless ``CODECOMPLETE_AMX=0`` or ``CODECOMPLETE_AMX_INT8=0``; or as ``on`` sets it
+    for the process (a comparison's switch: a row's bits differ between the two kernels, so a model
+    is generated with one)."""
+    return available() and hasattr(_lib, "q8_amx_set") and bool(_lib.q8_amx_set(-1 if on is None else int(on)))
 
 
 def pack_linear(weight: torch.Tensor, amx: bool = False, path: int | None = None) -> torch.Tensor:

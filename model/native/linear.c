@@ -1153,6 +1153,219 @@ static void q8_run(int mr, int np, int K, const float *x, const int8_t *wp, cons
 #define Q8_SIMD 1
 #endif
 
+/* ---- int8 weights on AMX tiles ----
+ *
+ * On a CPU with AMX the panel tiles above leave the tile unit idle: measured on this project's AMX
+ * Xeon (2 cores), int8 steps were 1.4-1.5x faster than bf16 ones but a pass of 8 rows 0.77x, of 16
+ * rows 0.60x and a prefill 0.22x (bench/results/int8_weights_amx.md).  Here each block of 32 columns
+ * of a panel is widened to a bf16 tile in the unit's pair layout (every int8 value is a bf16 number:
+ * its fp32 conversion has zero low halves), and TDPBF16PS multiplies it with the input rows as
+ * linear_team_amx does: each output row's sums in the tile's order, whatever M is (a pass's rows keep
+ * a one-token step's bits), times its scale at the store.  A panel (or two, sharing the input's
+ * tile) is widened once per call into this thread's scratch and read by every 16-row chunk.  K must
+ * be a multiple of 32; other matrices keep the panel kernel (per matrix: every M alike). */
+#ifdef CODECOMPLETE_AMX
+static int q8_amx; /* q8_amx_set */
+#ifndef Q8_AHEAD
+#define Q8_AHEAD 2 /* blocks widened ahead of the products that read them */
+#endif
+#define Q8_RING (Q8_AHEAD + 2) /* blocks of the ring a one-chunk call widens into */
+#ifndef Q8_PF
+#define Q8_PF 2048 /* bytes of a panel prefetched ahead of its widening */
+#endif
+
+/* on: 1 or 0 sets it (1 only where Linux grants the tiles), -1 leaves it; returns the setting */
+int q8_amx_set(int on) {
+    if (on >= 0) q8_amx = on && amx_enable();
+    return q8_amx;
+}
+
+/* block kb (columns 32 kb .. 32 kb + 32) of panel w as a bf16 tile t [16][16 pairs]: tile row r holds
+ * columns 32 kb + 2r and 32 kb + 2r + 1 of the panel's sixteen output rows (bytes 16 c .. 16 c + 16 of
+ * the panel for column c) */
+static inline void q8_widen(const int8_t *w, int kb, uint32_t *t) {
+    const int8_t *c = w + (size_t)kb * 512;
+#ifdef __AVX512VBMI__
+    /* bytes as table lookups: a bf16 of -v is v's with the sign bit, so each |v| (0 .. 127) indexes
+     * its bf16's low byte (lo) and high byte (hi), two 128-entry tables in pairs of registers; then
+     * one two-source byte permute per tile row puts (lo, hi) of column 2r and of 2r + 1 side by side
+     * for each output row.  6 operations per 64 weights, where the conversions below take 12. */
+    static const uint8_t idx_bytes[64] = {
+        0,  64, 16, 80, 1,  65, 17, 81, 2,  66, 18, 82, 3,  67, 19, 83, 4,  68, 20, 84, 5,  69,
+        21, 85, 6,  70, 22, 86, 7,  71, 23, 87, 8,  72, 24, 88, 9,  73, 25, 89, 10, 74, 26, 90,
+        11, 75, 27, 91, 12, 76, 28, 92, 13, 77, 29, 93, 14, 78, 30, 94, 15, 79, 31, 95};
+    static uint8_t lo_tab[128] __attribute__((aligned(64))), hi_tab[128] __attribute__((aligned(64)));
+    static int ready;
+    if (!ready) { /* the same bytes whichever thread writes them first */
+        for (int i = 0; i < 128; i++) {
+            const float f = (float)i;
+            uint32_t u;
+            memcpy(&u, &f, 4);
+            lo_tab[i] = (uint8_t)(u >> 16);
+            hi_tab[i] = (uint8_t)(u >> 24);
+        }
+        __atomic_store_n(&ready, 1, __ATOMIC_RELEASE);
+    }
+    const __m512i l0 = _mm512_load_si512(lo_tab), l1 = _mm512_load_si512(lo_tab + 64);
+    const __m512i h0 = _mm512_load_si512(hi_tab), h1 = _mm512_load_si512(hi_tab + 64);
+    const __m512i i0 = _mm512_loadu_si512(idx_bytes), i1 = _mm512_add_epi8(i0, _mm512_set1_epi8(32));
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    for (int r = 0; r < 16; r += 2) {
+        _mm_prefetch((const char *)c + Q8_PF + 32 * r, _MM_HINT_T0); /* every line, Q8_PF bytes ahead */
+        const __m512i v = _mm512_loadu_si512(c + 32 * r); /* tile rows r and r + 1: columns 2r .. 2r + 3 */
+        const __m512i a = _mm512_abs_epi8(v);
+        const __m512i lo = _mm512_permutex2var_epi8(l0, a, l1);
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(h0, a, h1), v, sign, 0xf8);
+        _mm512_storeu_si512(t + 16 * r, _mm512_permutex2var_epi8(lo, i0, hi));
+        _mm512_storeu_si512(t + 16 * (r + 1), _mm512_permutex2var_epi8(lo, i1, hi));
+    }
+#else
+    for (int r = 0; r < 16; r++) {
+        if ((r & 1) == 0) _mm_prefetch((const char *)c + Q8_PF + 32 * r, _MM_HINT_T0);
+        const __m512i a = _mm512_castps_si512(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 32 * r)))));
+        const __m512i b = _mm512_castps_si512(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 32 * r + 16)))));
+        /* low half: column 2r's bf16 (a's high half), high half: column 2r + 1's */
+        _mm512_storeu_si512(t + 16 * r, _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(a, 16), b));
+    }
+#endif
+}
+
+/* rows m0 .. m0 + mr of y, output rows n0 .. n0 + width (16 or 32) from tile sums c, times the
+ * panels' scales (sc0 for the first 16, sc1 for the next) (+ bias), rounded as f32_to_bf16 rounds */
+static inline void q8_amx_store(const float *c, int mr, int m0, int n0, int width, int N, const float *sc0,
+                                const float *sc1, const uint16_t *bias, uint16_t *y) {
+    for (int i = 0; i < mr; i++) {
+        for (int h = 0; h < width; h += 16) {
+            const int n = n0 + h;
+            if (n >= N) break;
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(c + (size_t)(h / 16) * 256 + (size_t)i * 16),
+                                     _mm512_loadu_ps(h ? sc1 : sc0));
+            const __mmask16 km = N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1u);
+            if (bias) s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                               _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(km, bias + n)), 16)));
+            const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(rnd_bf16x16(s)), 16);
+            _mm256_mask_storeu_epi16(y + (size_t)(m0 + i) * N + n, km, _mm512_cvtepi32_epi16(r));
+        }
+    }
+}
+
+#define Q8_AMX_CHUNK(C0, C1, A, XR)                                                                              \
+    {                                                                                                            \
+        _tile_zero(C0);                                                                                          \
+        _tile_zero(C1);                                                                                          \
+        for (int kb = 0; kb < Kb; kb++) {                                                                        \
+            _tile_loadd(A, (XR) + kb * 32, K * 2);                                                               \
+            _tile_loadd(3, t0 + (size_t)kb * 256, 64);                                                           \
+            _tile_loadd(4, t1 + (size_t)kb * 256, 64);                                                           \
+            _tile_dpbf16ps(C0, A, 3);                                                                            \
+            _tile_dpbf16ps(C1, A, 4);                                                                            \
+        }                                                                                                        \
+        _tile_stored(C0, c, 64);                                                                                 \
+        _tile_stored(C1, c + 256, 64);                                                                           \
+    }
+
+/* q8_team_amx for M <= 16 rows (one chunk: decode steps, verification passes): four panels at a time,
+ * so that four chains of sums run at once (one panel's chain, a product after each block, waits on
+ * each product's latency: measured, the step's end was that wait), each panel's sums in the order the
+ * chunked path adds them (the same bits).  Each block is widened Q8_AHEAD blocks before its products
+ * read it (a tile load waits for the stores it reads) into a ring of Q8_RING blocks a panel, in L1. */
+static void q8_small_amx(int M, int N, int K, const uint16_t *x, const int8_t *wp, const uint16_t *bias,
+                         uint16_t *y, int p0, int p1, uint32_t *ring) {
+    const int Kb = K / 32;
+    const size_t ps = q8_panel_bytes(K);
+    const uint8_t m = (uint8_t)M, tiles[8] = {m, m, m, m, m, 16, 16, 0}; /* 0-3 sums, 4 input, 5, 6 weights */
+    float c[1024];
+    amx_tiles(tiles);
+    for (int p = p0; p < p1; p += 4) {
+        const int np = p1 - p < 4 ? p1 - p : 4;
+        const int8_t *w[4];
+        uint32_t *r[4];
+        for (int i = 0; i < 4; i++) { /* past np: the last panel again, its sums not stored */
+            w[i] = wp + (size_t)(p + (i < np ? i : np - 1)) * ps;
+            r[i] = ring + (size_t)(i < np ? i : np - 1) * Q8_RING * 256;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int kb = 0; kb < Q8_AHEAD && kb < Kb; kb++)
+            for (int i = 0; i < np; i++) q8_widen(w[i], kb, r[i] + (kb % Q8_RING) * 256);
+        for (int kb = 0; kb < Kb; kb++) {
+            const int ahead = kb + Q8_AHEAD, slot = (kb % Q8_RING) * 256;
+            if (ahead < Kb)
+                for (int i = 0; i < np; i++) q8_widen(w[i], ahead, r[i] + (ahead % Q8_RING) * 256);
+            _tile_loadd(4, x + kb * 32, K * 2);
+            _tile_loadd(5, r[0] + slot, 64);
+            _tile_loadd(6, r[1] + slot, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, r[2] + slot, 64);
+            _tile_loadd(6, r[3] + slot, 64);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+        _tile_stored(0, c, 64);
+        _tile_stored(1, c + 256, 64);
+        _tile_stored(2, c + 512, 64);
+        _tile_stored(3, c + 768, 64);
+        for (int i = 0; i < np; i += 2) {
+            const float *sa = (const float *)(w[i] + (size_t)K * 16), *sb = (const float *)(w[i + 1] + (size_t)K * 16);
+            q8_amx_store(c + 256 * i, M, 0, 16 * (p + i), np - i > 1 ? 32 : 16, N, sa, sb, bias, y);
+        }
+    }
+    _tile_release();
+}
+
+/* linear_q8_team's panels p0 .. p1 on the tiles (K a multiple of 32); 0, or -1 without scratch */
+static int q8_team_amx(int M, int N, int K, const uint16_t *x, const int8_t *wp, const uint16_t *bias, uint16_t *y,
+                       int p0, int p1) {
+    const int Kb = K / 32, full = M / 16, rem = M % 16;
+    const size_t ps = q8_panel_bytes(K);
+    float *const scratch = thread_floats((size_t)(2 * Kb > 4 * Q8_RING ? 2 * Kb : 4 * Q8_RING) * 256 + 16);
+    if (!scratch) return -1;
+    uint32_t *const buf = (uint32_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63); /* whole cache lines a tile row */
+    if (M <= 16) {
+        q8_small_amx(M, N, K, x, wp, bias, y, p0, p1, buf);
+        return 0;
+    }
+    float c[512];
+    amx_config(full ? 16 : rem, full ? rem : 0);
+    for (int p = p0; p < p1; p += 2) {
+        const int two = p + 1 < p1; /* an odd last panel: its tile twice, the second sums not stored */
+        const int8_t *w0 = wp + (size_t)p * ps, *w1 = two ? w0 + ps : w0;
+        uint32_t *const t0 = buf, *const t1 = two ? buf + (size_t)Kb * 256 : buf;
+        const float *sc0 = (const float *)(w0 + (size_t)K * 16), *sc1 = (const float *)(w1 + (size_t)K * 16);
+        const int width = two ? 32 : 16;
+        for (int kb = 0; kb < Kb; kb++) {
+            q8_widen(w0, kb, t0 + (size_t)kb * 256);
+            if (two) q8_widen(w1, kb, t1 + (size_t)kb * 256);
+        }
+        for (int ch = 0; ch < full; ch++) {
+            Q8_AMX_CHUNK(0, 1, 2, x + (size_t)ch * 16 * K)
+            q8_amx_store(c, 16, ch * 16, 16 * p, width, N, sc0, sc1, bias, y);
+        }
+        if (rem && full) {
+            Q8_AMX_CHUNK(5, 6, 7, x + (size_t)full * 16 * K)
+            q8_amx_store(c, rem, full * 16, 16 * p, width, N, sc0, sc1, bias, y);
+        } else if (rem) { /* M < 16: tiles 0, 1, 2 hold M rows */
+            Q8_AMX_CHUNK(0, 1, 2, x)
+            q8_amx_store(c, rem, 0, 16 * p, width, N, sc0, sc1, bias, y);
+        }
+    }
+    _tile_release();
+    return 0;
+}
+#undef Q8_AMX_CHUNK
+#define Q8_AMX 1
+#else
+int q8_amx_set(int on) {
+    (void)on;
+    return 0;
+}
+#endif
+
 /* x [M, K] bf16 times int8 weights packed as above (+ bias [N] bf16 or NULL): y [M, N] bf16.
  * Called inside a parallel region (decode_stack): each thread takes a contiguous share of the
  * panels and does not wait at the end (the caller places the barrier). */
@@ -1161,6 +1374,9 @@ void linear_q8_team(int M, int N, int K, const uint16_t *x, const int8_t *wp, co
     const int p0 = (int)((long)np * t / T), p1 = (int)((long)np * (t + 1) / T);
     const size_t ps = q8_panel_bytes(K);
     if (p0 >= p1 || M <= 0) return;
+#ifdef Q8_AMX
+    if (q8_amx && K % 32 == 0 && q8_team_amx(M, N, K, x, wp, bias, y, p0, p1) == 0) return;
+#endif
 #ifdef Q8_SIMD
     float *const q8_x = thread_floats((size_t)(M < Q8_XROWS ? M : Q8_XROWS) * K);
     if (q8_x) {
