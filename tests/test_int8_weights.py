@@ -87,7 +87,7 @@ needs_amx = pytest.mark.skipif(not native.available() or not native.amx(), reaso
 
 
 @needs_amx
-@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (48, 64)])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (48, 64), (40, 64)])
 def test_int8_weights_multiply_on_amx_tiles_where_granted_as_exactly_as_the_panel_kernel(n, k):
     """Where the tiles are granted, int8 matrices whose K is a multiple of 32 multiply on them by
     default (``q8_team_amx``: every block widened to bf16): each of 1-40 rows (the one-chunk path of

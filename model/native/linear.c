@@ -489,13 +489,17 @@ static void amx_config(int rows, int rem) {
     amx_tiles(tiles);
 }
 
-/* rows m0 .. m0 + mr of y, output rows n0 .. n0 + width (one or two tiles' sums, 16 or 32) */
-static inline void amx_store(const float *c, int mr, int m0, int n0, int width, int N, const uint16_t *bias, uint16_t *y) {
+/* rows m0 .. m0 + mr of y, output rows n0 .. n0 + width (one or two tiles' sums, 16 or 32), each
+ * sum times its output row's scale where sc0 is given (int8 weights: sc0 for the first 16 rows, sc1
+ * for the next) (+ bias), rounded as f32_to_bf16 rounds */
+static inline void amx_store_scaled(const float *c, int mr, int m0, int n0, int width, int N, const float *sc0,
+                                    const float *sc1, const uint16_t *bias, uint16_t *y) {
     for (int i = 0; i < mr; i++) {
         for (int h = 0; h < width; h += 16) {
             const int n = n0 + h;
             if (n >= N) break;
             __m512 s = _mm512_loadu_ps(c + (size_t)(h / 16) * 256 + (size_t)i * 16);
+            if (sc0) s = _mm512_mul_ps(s, _mm512_loadu_ps(h ? sc1 : sc0));
             const __mmask16 km = N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1u);
             if (bias) s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(
                                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(km, bias + n)), 16)));
@@ -503,6 +507,10 @@ static inline void amx_store(const float *c, int mr, int m0, int n0, int width, 
             _mm256_mask_storeu_epi16(y + (size_t)(m0 + i) * N + n, km, _mm512_cvtepi32_epi16(r));
         }
     }
+}
+
+static inline void amx_store(const float *c, int mr, int m0, int n0, int width, int N, const uint16_t *bias, uint16_t *y) {
+    amx_store_scaled(c, mr, m0, n0, width, N, NULL, NULL, bias, y);
 }
 
 /* every pair of groups against all M rows: 16-row chunks, then the remaining rows on their own
@@ -1177,9 +1185,20 @@ static int q8_amx; /* q8_amx_set */
 #define Q8_PF 2048 /* bytes of a panel prefetched ahead of its widening */
 #endif
 
+/* the bf16 bytes of 0 .. 127 (low, high), q8_widen's tables: written by q8_amx_set, before any call */
+static uint8_t lo_tab[128] __attribute__((aligned(64))), hi_tab[128] __attribute__((aligned(64)));
+
 /* on: 1 or 0 sets it (1 only where Linux grants the tiles), -1 leaves it; returns the setting */
 int q8_amx_set(int on) {
-    if (on >= 0) q8_amx = on && amx_enable();
+    if (on < 0) return q8_amx;
+    for (int i = 0; i < 128; i++) {
+        const float f = (float)i;
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        lo_tab[i] = (uint8_t)(u >> 16);
+        hi_tab[i] = (uint8_t)(u >> 24);
+    }
+    q8_amx = on && amx_enable();
     return q8_amx;
 }
 
@@ -1197,18 +1216,6 @@ static inline void q8_widen(const int8_t *w, int kb, uint32_t *t) {
         0,  64, 16, 80, 1,  65, 17, 81, 2,  66, 18, 82, 3,  67, 19, 83, 4,  68, 20, 84, 5,  69,
         21, 85, 6,  70, 22, 86, 7,  71, 23, 87, 8,  72, 24, 88, 9,  73, 25, 89, 10, 74, 26, 90,
         11, 75, 27, 91, 12, 76, 28, 92, 13, 77, 29, 93, 14, 78, 30, 94, 15, 79, 31, 95};
-    static uint8_t lo_tab[128] __attribute__((aligned(64))), hi_tab[128] __attribute__((aligned(64)));
-    static int ready;
-    if (!ready) { /* the same bytes whichever thread writes them first */
-        for (int i = 0; i < 128; i++) {
-            const float f = (float)i;
-            uint32_t u;
-            memcpy(&u, &f, 4);
-            lo_tab[i] = (uint8_t)(u >> 16);
-            hi_tab[i] = (uint8_t)(u >> 24);
-        }
-        __atomic_store_n(&ready, 1, __ATOMIC_RELEASE);
-    }
     const __m512i l0 = _mm512_load_si512(lo_tab), l1 = _mm512_load_si512(lo_tab + 64);
     const __m512i h0 = _mm512_load_si512(hi_tab), h1 = _mm512_load_si512(hi_tab + 64);
     const __m512i i0 = _mm512_loadu_si512(idx_bytes), i1 = _mm512_add_epi8(i0, _mm512_set1_epi8(32));
@@ -1233,25 +1240,6 @@ static inline void q8_widen(const int8_t *w, int kb, uint32_t *t) {
         _mm512_storeu_si512(t + 16 * r, _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(a, 16), b));
     }
 #endif
-}
-
-/* rows m0 .. m0 + mr of y, output rows n0 .. n0 + width (16 or 32) from tile sums c, times the
- * panels' scales (sc0 for the first 16, sc1 for the next) (+ bias), rounded as f32_to_bf16 rounds */
-static inline void q8_amx_store(const float *c, int mr, int m0, int n0, int width, int N, const float *sc0,
-                                const float *sc1, const uint16_t *bias, uint16_t *y) {
-    for (int i = 0; i < mr; i++) {
-        for (int h = 0; h < width; h += 16) {
-            const int n = n0 + h;
-            if (n >= N) break;
-            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(c + (size_t)(h / 16) * 256 + (size_t)i * 16),
-                                     _mm512_loadu_ps(h ? sc1 : sc0));
-            const __mmask16 km = N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1u);
-            if (bias) s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                               _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(km, bias + n)), 16)));
-            const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(rnd_bf16x16(s)), 16);
-            _mm256_mask_storeu_epi16(y + (size_t)(m0 + i) * N + n, km, _mm512_cvtepi32_epi16(r));
-        }
-    }
 }
 
 #define Q8_AMX_CHUNK(C0, C1, A, XR)                                                                              \
@@ -1315,7 +1303,7 @@ static void q8_small_amx(int M, int N, int K, const uint16_t *x, const int8_t *w
         _tile_stored(3, c + 768, 64);
         for (int i = 0; i < np; i += 2) {
             const float *sa = (const float *)(w[i] + (size_t)K * 16), *sb = (const float *)(w[i + 1] + (size_t)K * 16);
-            q8_amx_store(c + 256 * i, M, 0, 16 * (p + i), np - i > 1 ? 32 : 16, N, sa, sb, bias, y);
+            amx_store_scaled(c + 256 * i, M, 0, 16 * (p + i), np - i > 1 ? 32 : 16, N, sa, sb, bias, y);
         }
     }
     _tile_release();
@@ -1347,11 +1335,11 @@ static int q8_team_amx(int M, int N, int K, const uint16_t *x, const int8_t *wp,
         }
         for (int ch = 0; ch < full; ch++) {
             Q8_AMX_CHUNK(0, 1, 2, x + (size_t)ch * 16 * K)
-            q8_amx_store(c, 16, ch * 16, 16 * p, width, N, sc0, sc1, bias, y);
+            amx_store_scaled(c, 16, ch * 16, 16 * p, width, N, sc0, sc1, bias, y);
         }
         if (rem) { /* the rows past the last 16-row chunk, on tiles of their own */
             Q8_AMX_CHUNK(5, 6, 7, x + (size_t)full * 16 * K)
-            q8_amx_store(c, rem, full * 16, 16 * p, width, N, sc0, sc1, bias, y);
+            amx_store_scaled(c, rem, full * 16, 16 * p, width, N, sc0, sc1, bias, y);
         }
     }
     _tile_release();
