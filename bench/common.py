@@ -20,7 +20,11 @@ def machine() -> str:
 
 
 def command_line() -> str:
-    return "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    """The command as typed, with the CODECOMPLETE_* variables in force before it (they switch
+    kernels and caches: a result without them would not say how it was made)."""
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("CODECOMPLETE_"))
+    cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    return f"{env} {cmd}" if env else cmd
 
 
 def git_commit() -> str:
