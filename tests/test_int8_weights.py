@@ -249,3 +249,38 @@ def test_int8_weights_where_the_native_bf16_stack_does_not_run_are_refused_with_
     assert any("int8 layer weights need the native bf16 stack" in r.getMessage() for r in caplog.records)
     assert generate(lm, CompletionRequest("def add(a, b):\n    return", "\n", max_tokens=4),
                     EngineSettings(dtype="float32")).stop_reason != "error"
+
+
+@needs_amx
+@pytest.mark.skipif(not __import__("shutil").which("gcc"), reason="needs gcc")
+def test_the_amx_int8_widening_without_vbmi_gives_the_same_products(tmp_path):
+    """An AMX CPU without AVX512-VBMI widens the int8 blocks with conversions instead of byte
+    tables (linear.c's q8_widen): a build without VBMI, loaded beside this one, gives the products
+    of the tiles bit for bit (the widening is exact either way), for a call of one row and of 20."""
+    import ctypes
+
+    from codecomplete.model.loader import cpu_flags
+
+    if "avx512vbmi" not in cpu_flags():
+        pytest.skip("this build widens without VBMI already")
+    flags = [*native._FLAGS, "-mno-avx512vbmi"]
+    out = tmp_path / "lib-novbmi.so"
+    proc = __import__("subprocess").run(["gcc", *flags, *map(str, native._SOURCES), "-o", str(out), "-lm"],
+                                        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lib = ctypes.CDLL(str(out))
+    ptr = ctypes.c_void_p
+    lib.q8_amx_set.restype = ctypes.c_int
+    lib.q8_amx_set.argtypes = [ctypes.c_int]
+    lib.linear_q8.restype = None
+    lib.linear_q8.argtypes = [ctypes.c_int] * 3 + [ptr] * 4
+    assert lib.q8_amx_set(1) == 1 and native.amx_int8()
+    torch.manual_seed(3)
+    n, k = 200, 576
+    packed = native.pack_linear_q8(torch.randn(n, k).to(torch.bfloat16))
+    b = torch.randn(n).to(torch.bfloat16)
+    for rows in (1, 20):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        lib.linear_q8(rows, n, k, x.data_ptr(), packed.data_ptr(), b.data_ptr(), y.data_ptr())
+        assert torch.equal(y, native.linear(x.view(1, rows, k), packed, b, n)[0]), rows
