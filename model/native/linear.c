@@ -1173,7 +1173,7 @@ static void q8_run(int mr, int np, int K, const float *x, const int8_t *wp, cons
  * widen each block just ahead of its products (q8_small_amx); longer ones (prefill) widen two panels
  * whole into this thread's scratch, read by every 16-row chunk.  K must be a multiple of 32; other
  * matrices keep the panel kernel (per matrix: every M alike).  Measured on the AMX Xeon against the
- * panel kernel (bench/results/int8_weights_amx.md): a step ~5 % slower (the widening), passes of 8-16
+ * panel kernel (bench/results/int8_weights_amx.md): a step ~10 % slower (the widening), passes of 8-16
  * rows 1.5-2x faster, a prefill 4x faster. */
 #ifdef CODECOMPLETE_AMX
 static int q8_amx; /* q8_amx_set */
