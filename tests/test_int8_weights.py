@@ -4,7 +4,11 @@ cache and the engine's setting."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -120,11 +124,7 @@ def test_int8_weights_multiply_on_amx_tiles_where_granted_as_exactly_as_the_pane
 @pytest.mark.parametrize("env", [{"CODECOMPLETE_AMX_INT8": "0"}, {"CODECOMPLETE_AMX": "0"}, {}])
 def test_the_amx_int8_kernel_is_on_unless_turned_off(env):
     """``CODECOMPLETE_AMX_INT8=0`` (or ``CODECOMPLETE_AMX=0``, all tiles) keeps int8 weights on the
-    panel kernel, as measured against it (bench/results/int8_weights_amx.md)."""
-    import os
-    import subprocess
-    import sys
-
+    panel kernel, as measured against it (bench/results/int8_weights_amx_panels.md)."""
     code = "from codecomplete.model import native; print(native.amx_int8())"
     base = {key: v for key, v in os.environ.items() if key not in ("CODECOMPLETE_AMX_INT8", "CODECOMPLETE_AMX")}
     out = subprocess.run([sys.executable, "-c", code], env=dict(base, **env), capture_output=True, text=True,
@@ -252,21 +252,19 @@ def test_int8_weights_where_the_native_bf16_stack_does_not_run_are_refused_with_
 
 
 @needs_amx
-@pytest.mark.skipif(not __import__("shutil").which("gcc"), reason="needs gcc")
+@pytest.mark.skipif(not shutil.which("gcc"), reason="needs gcc")
 def test_the_amx_int8_widening_without_vbmi_gives_the_same_products(tmp_path):
     """An AMX CPU without AVX512-VBMI widens the int8 blocks with conversions instead of byte
     tables (linear.c's q8_widen): a build without VBMI, loaded beside this one, gives the products
     of the tiles bit for bit (the widening is exact either way), for a call of one row and of 20."""
-    import ctypes
-
     from codecomplete.model.loader import cpu_flags
 
     if "avx512vbmi" not in cpu_flags():
         pytest.skip("this build widens without VBMI already")
     flags = [*native._FLAGS, "-mno-avx512vbmi"]
     out = tmp_path / "lib-novbmi.so"
-    proc = __import__("subprocess").run(["gcc", *flags, *map(str, native._SOURCES), "-o", str(out), "-lm"],
-                                        capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(["gcc", *flags, *map(str, native._SOURCES), "-o", str(out), "-lm"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lib = ctypes.CDLL(str(out))
     ptr = ctypes.c_void_p

@@ -52,6 +52,11 @@ def _build() -> ctypes.CDLL:
     return configure(ctypes.CDLL(str(native_build.build())))
 
 
+def _switched_on(*names: str) -> bool:
+    """Whether none of these environment switches is "0" (each is on unless set so)."""
+    return all(os.environ.get(name, "1") != "0" for name in names)
+
+
 def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Set the argument and result types of a built library's entry points (and its AMX switch
     from the environment); returns ``lib``.  Public so that a benchmark can load another
@@ -79,14 +84,12 @@ def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(lib, "q8_amx_set"):
         lib.q8_amx_set.restype = i32
         lib.q8_amx_set.argtypes = [i32]
-        lib.q8_amx_set(int(os.environ.get("CODECOMPLETE_AMX", "1") != "0"  # int8 weights' products on AMX tiles
-                           and os.environ.get("CODECOMPLETE_AMX_INT8", "1") != "0"))
+        lib.q8_amx_set(int(_switched_on("CODECOMPLETE_AMX", "CODECOMPLETE_AMX_INT8")))  # int8 products on tiles
     lib.linear_bf16_amx.argtypes = [i32] * 3 + [ptr] * 4
     lib.amx_enable.restype = i32
     lib.attn_amx_set.restype = i32
     lib.attn_amx_set.argtypes = [i32]
-    lib.attn_amx_set(int(os.environ.get("CODECOMPLETE_AMX", "1") != "0"  # attention's products on AMX tiles
-                         and os.environ.get("CODECOMPLETE_AMX_ATTENTION", "1") != "0"))
+    lib.attn_amx_set(int(_switched_on("CODECOMPLETE_AMX", "CODECOMPLETE_AMX_ATTENTION")))  # attention's on tiles
     lib.decode_stack.restype = i32
     lib.decode_stack.argtypes = [i32] * 9 + [ctypes.POINTER(ptr), ctypes.c_float, i32] + [ptr] * 3 + [
         ctypes.POINTER(ptr)] * 2 + [i64p] * 2 + [ctypes.POINTER(ptr), ctypes.c_float, i32, ptr, ptr, i32, i32, ptr,
@@ -367,7 +370,7 @@ def amx() -> bool:
     with ``CODECOMPLETE_AMX=0``."""
     global _amx
     if _amx is None:
-        _amx = os.environ.get("CODECOMPLETE_AMX", "1") != "0" and amx_cpu()
+        _amx = _switched_on("CODECOMPLETE_AMX") and amx_cpu()
     return _amx
 
 

@@ -1164,8 +1164,8 @@ static void q8_run(int mr, int np, int K, const float *x, const int8_t *wp, cons
 /* ---- int8 weights on AMX tiles ----
  *
  * On a CPU with AMX the panel tiles above leave the tile unit idle: measured on this project's AMX
- * Xeon (2 cores), int8 steps were 1.4-1.5x faster than bf16 ones but a pass of 8 rows 0.77x, of 16
- * rows 0.60x and a prefill 0.22x (bench/results/int8_weights_amx.md).  Here each block of 32 columns
+ * Xeon (2 cores), int8 steps were 1.36-1.44x faster than bf16 ones but a pass of 8 rows 0.79x, of 16
+ * rows 0.59x and a prefill 0.24x (bench/results/int8_weights_amx_panels.md).  Here each block of 32 columns
  * of a panel is widened to a bf16 tile in the unit's pair layout (every int8 value is a bf16 number:
  * its fp32 conversion has zero low halves), and TDPBF16PS multiplies it with the input rows as
  * linear_team_amx does: each output row's sums in the tile's order, whatever M is (a pass's rows keep
@@ -1258,8 +1258,8 @@ static inline void q8_widen(const int8_t *w, int kb, uint32_t *t) {
     }
 
 /* q8_team_amx for M <= 16 rows (one chunk: decode steps, verification passes): four panels at a time,
- * so that four chains of sums run at once (one panel's chain, a product after each block, waits on
- * each product's latency: measured, the step's end was that wait), each panel's sums in the order the
+ * four chains of sums at once (a profile of two chains showed the call's end waiting on them; four
+ * measured about the same as two, within this machine's drift), each panel's sums in the order the
  * chunked path adds them (the same bits).  Each block is widened Q8_AHEAD blocks before its products
  * read it (a tile load waits for the stores it reads) into a ring of Q8_RING blocks a panel, in L1. */
 static void q8_small_amx(int M, int N, int K, const uint16_t *x, const int8_t *wp, const uint16_t *bias,
