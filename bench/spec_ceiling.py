@@ -51,6 +51,7 @@ import argparse
 import bisect
 import hashlib
 import json
+import re
 import statistics
 import sys
 from dataclasses import replace
@@ -209,7 +210,9 @@ def run_model(spec_name: str, args, cost: PassCost) -> dict:
                           "budget": args.max_new + (1 if plan.healed else 0)})  # the engine's token budget
     shipped = SpecSettings()
     check = {"outputs_identical": 0, "engine_passes": 0, "tasks": len(tasks)}
-    saved = Path(f"{args.reuse_outputs}.{lm.name.split()[0]}.{args.split}.json") if args.reuse_outputs else None
+    # one file per model: the whole name (the default model's name starts like its base's)
+    label = re.sub(r"[^A-Za-z0-9.+-]+", "_", lm.name).strip("_")
+    saved = Path(f"{args.reuse_outputs}.{label}.{args.split}.json") if args.reuse_outputs else None
     prompts = hashlib.sha1(json.dumps([t["prompt"] for t in tasks]).encode()).hexdigest()  # the same tasks?
     kept = json.loads(saved.read_text()) if saved is not None and saved.exists() else {}
     if kept.get("prompts") == prompts:  # the greedy outputs and the engine check of an earlier run of these tasks
