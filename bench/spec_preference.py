@@ -43,7 +43,7 @@ import spec_ceiling as sc  # noqa: E402
 from common import RESULTS, header, write_results  # noqa: E402
 from speculation import load_repos, task_args  # noqa: E402
 
-from codecomplete.indexer.suffix import MAX_QUERY, Continuation, Match, encode  # noqa: E402
+from codecomplete.indexer.suffix import MAX_DRAFT, MAX_QUERY, Continuation, Match, encode, lookup  # noqa: E402
 from codecomplete.indexer.tokens import TokenizerInfo  # noqa: E402
 from codecomplete.model.api import CompletionRequest, EngineSettings, SpecSettings  # noqa: E402
 from codecomplete.model.engine import _Vocab, generate, plan_prompt  # noqa: E402
@@ -93,36 +93,58 @@ def corrected_retrieve(store, pred: np.ndarray, corrected: bool):
     """``store.retrieve`` with its repository match re-implemented (one base segment, no dead
     documents: bench/speculation.py's datastore), its continuations cut where ``pred`` disagrees."""
     seg = store.repo.segments()[0]
-    tok, sentinel, shipped = seg.tok, seg.sentinel, store.retrieve
+    tok, sentinel = seg.tok, seg.sentinel
 
     def retrieve(context, draft_len=8, top_k=8, min_len=2):
-        out = [m for m in shipped(context, draft_len=draft_len, top_k=top_k, min_len=min_len)
-               if m.source != "repository"]
+        out = []
+        if store.common is not None:  # the common datastore as Datastore.retrieve asks it
+            m = lookup([store.common], context, draft_len=draft_len, top_k=top_k, min_len=min_len)
+            if m:
+                out.append(Match(m.length, m.occurrences, m.continuations, "common"))
         tail = list(context[-MAX_QUERY:])
-        for length in range(len(tail), min_len - 1, -1):
-            lo, hi = seg.find(encode(tail[-length:], seg.width))
+        found, a, b = None, min_len, len(tail)
+        while a <= b:  # the longest matched length: occurrence is monotone in it (suffix.lookup's search)
+            mid = (a + b) // 2
+            lo, hi = seg.find(encode(tail[-mid:], seg.width))
             if hi > lo:
-                break
-        else:
+                found, a = (mid, lo, hi), mid + 1
+            else:
+                b = mid - 1
+        if found is None:
             return out
+        length, lo, hi = found
+        pos = seg.positions(lo, hi, 256)
+        idx = pos[:, None] + length + np.arange(max(1, min(draft_len, MAX_DRAFT)))[None, :]
+        rows, guess = tok[idx].astype(np.int64), pred[idx]
+        ended = np.maximum.accumulate(rows == sentinel, axis=1)
+        if corrected:  # from the first position where the model leaves the text: its token, then nothing
+            left = (guess >= 0) & (guess != rows) & ~ended
+            seen = np.cumsum(left, axis=1)
+            turn = left & (seen == 1)  # the first place the model leaves the text
+            rows = np.where(turn, guess, rows)
+            ended |= (seen >= 1) & ~turn
+        rows[ended] = -1
         counts: Counter = Counter()
-        for p in seg.positions(lo, hi, 256).tolist():
-            q, cont = p + length, []
-            for j in range(draft_len):
-                t = int(tok[q + j])
-                if t == sentinel:
-                    break
-                if corrected and 0 <= pred[q + j] != t:
-                    cont.append(int(pred[q + j]))  # the model's token where it leaves the text
-                    break
-                cont.append(t)
-            if cont:
-                counts[tuple(cont)] += 1
+        for row in map(tuple, rows.tolist()):
+            seq = tuple(t for t in row if t >= 0)
+            if seq:
+                counts[seq] += 1
         if counts:
             out.insert(0, Match(length, hi - lo, [Continuation(s, c) for s, c in counts.most_common(top_k)],
                                 "repository"))
         return out
     return retrieve
+
+
+def corrected_repositories(lm, repos: list[dict], preds: Path) -> None:
+    """Each repository's store (``speculation.load_repos``) drafting corrected continuations
+    (bench/speculation.py's ``--corrected-repository``), the predictions kept in ``preds``."""
+    preds.mkdir(parents=True, exist_ok=True)
+    label = re.sub(r"[^A-Za-z0-9.+-]+", "_", lm.name).strip("_")
+    for r in repos:
+        store = r["store"]
+        pred = segment_predictions(lm.model, store.repo.segments()[0], preds / f"{label}.{r['name']}.npz")
+        store.retrieve = corrected_retrieve(store, pred, True)
 
 
 def run_model(name: str, args) -> dict:

@@ -267,6 +267,9 @@ def main() -> None:
                     "beside retrieval speculation")
     ap.add_argument("--lossy-exit", action="store_true", help="add early exit at the 0.02 bound alone and beside "
                     "retrieval speculation")
+    ap.add_argument("--corrected-repository", default="", metavar="PREDS_DIR",
+                    help="repository drafts cut where the model's own prediction over the repository leaves its text "
+                         "(bench/spec_preference.py; the predictions kept in PREDS_DIR): not the daemon's drafts")
     ap.add_argument("--out", default=str(RESULTS / "speculation"))
     args = ap.parse_args()
     lm = load_model(args.model, dtype=args.dtype, weights=args.weights)
@@ -274,6 +277,10 @@ def main() -> None:
     vocab = _Vocab(lm.tokenizer)
     tok = TokenizerInfo(lm.tokenizer, lm.name)
     repos = load_repos(args, lm, tok)
+    if args.corrected_repository:
+        from spec_preference import corrected_repositories
+
+        corrected_repositories(lm, repos, Path(args.corrected_repository))
     out = Path(args.out)
     if args.tune:
         tune_grid(lm, settings, repos, vocab, args, out)
@@ -420,7 +427,10 @@ def write(out: Path, args, lm, repos, results, per_repo, peers, best: SpecSettin
                  f"{r['name']} ({r['files']} files, {r['tokens']:,} datastore tokens, {len(r['test'])} test functions)"
                  for r in repos) + ".",
              f"Settings (the defaults; tuned on a disjoint split of the default model, "
-             f"speculation_default_tuning.md): {best}.", "",
+             f"speculation_default_tuning.md): {best}.",
+             *(["**Repository drafts corrected by the model's own predictions over the repository** "
+                "(`--corrected-repository`, bench/spec_preference.py): an experiment, not the daemon's drafts."]
+               if args.corrected_repository else []), "",
              "Speedup: against autoregressive runs of the same tasks, each made right before the task's run with "
              "the method (their ms/token in the second column; this machine's speed drifts by 10-20 % within "
              "minutes).", "",
