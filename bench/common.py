@@ -53,6 +53,14 @@ def source_files(root: Path, exts: tuple[str, ...], skip=None):
             yield path, text
 
 
+def file_label(name: str) -> str:
+    """``name`` (a model's, say) as one file-name part: the whole of it, runs of other characters as "_"
+    (the default model's name starts like its base's, so a first word is not enough)."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", name).strip("_")
+
+
 def header(title: str) -> str:
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"# {title}\n\n- command: `{command_line()}`\n- machine: {machine()}\n"

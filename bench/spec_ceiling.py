@@ -51,7 +51,6 @@ import argparse
 import bisect
 import hashlib
 import json
-import re
 import statistics
 import sys
 from dataclasses import replace
@@ -60,7 +59,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import itertools  # noqa: E402
 
-from common import RESULTS, header  # noqa: E402
+from common import RESULTS, file_label, header  # noqa: E402
 from speculation import load_repos, task_args  # noqa: E402
 
 import torch  # noqa: E402
@@ -193,26 +192,31 @@ def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings
             "recycled_passes": recycled, "recycled_acceptance": round(recycled_acc / recycled, 3) if recycled else None}
 
 
+def split_tasks(lm, settings: EngineSettings, vocab, repos: list[dict], split: str, max_new: int) -> list[dict]:
+    """The held-out functions of ``split`` (``speculation.load_repos``' repositories) as requests with the
+    engine's own prompt (healed where it heals) and token budget; no outputs yet."""
+    tasks = []
+    for repo in repos:
+        for f in repo[split]:
+            req = CompletionRequest(f["context"], "", mode="multi", max_tokens=max_new, max_lines=100000,
+                                    time_budget_ms=600000, ignore_eos=True)
+            plan = plan_prompt(lm, req, settings, vocab, None)
+            tasks.append({"repo": repo["name"], "req": req, "prompt": plan.ids,
+                          "budget": max_new + (1 if plan.healed else 0)})
+    return tasks
+
+
 def run_model(spec_name: str, args, cost: PassCost) -> dict:
     lm = load_model(spec_name, dtype=args.dtype)
     settings = EngineSettings(model=spec_name, max_prefix_tokens=2048, token_healing=False)
     vocab = _Vocab(lm.tokenizer)
     tok = TokenizerInfo(lm.tokenizer, lm.name)
-    stores, tasks = {}, []
-    for repo in load_repos(args, lm, tok):
-        name = repo["name"]
-        stores[name] = repo["store"]
-        for f in repo[args.split]:
-            req = CompletionRequest(f["context"], "", mode="multi", max_tokens=args.max_new, max_lines=100000,
-                                    time_budget_ms=600000, ignore_eos=True)
-            plan = plan_prompt(lm, req, settings, vocab, None)  # the engine's own prompt (healed where it heals)
-            tasks.append({"repo": name, "req": req, "prompt": plan.ids,
-                          "budget": args.max_new + (1 if plan.healed else 0)})  # the engine's token budget
+    repos = load_repos(args, lm, tok)
+    stores = {r["name"]: r["store"] for r in repos}
+    tasks = split_tasks(lm, settings, vocab, repos, args.split, args.max_new)
     shipped = SpecSettings()
     check = {"outputs_identical": 0, "engine_passes": 0, "tasks": len(tasks)}
-    # one file per model: the whole name (the default model's name starts like its base's)
-    label = re.sub(r"[^A-Za-z0-9.+-]+", "_", lm.name).strip("_")
-    saved = Path(f"{args.reuse_outputs}.{label}.{args.split}.json") if args.reuse_outputs else None
+    saved = Path(f"{args.reuse_outputs}.{file_label(lm.name)}.{args.split}.json") if args.reuse_outputs else None
     prompts = hashlib.sha1(json.dumps([t["prompt"] for t in tasks]).encode()).hexdigest()  # the same tasks?
     kept = json.loads(saved.read_text()) if saved is not None and saved.exists() else {}
     if kept.get("prompts") == prompts:  # the greedy outputs and the engine check of an earlier run of these tasks

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import re
 import sys
 import time
 from collections import Counter
@@ -40,13 +39,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import spec_ceiling as sc  # noqa: E402
-from common import RESULTS, header, write_results  # noqa: E402
+from common import RESULTS, file_label, header, write_results  # noqa: E402
 from speculation import load_repos, task_args  # noqa: E402
 
 from codecomplete.indexer.suffix import MAX_DRAFT, MAX_QUERY, Continuation, Match, encode, lookup  # noqa: E402
 from codecomplete.indexer.tokens import TokenizerInfo  # noqa: E402
-from codecomplete.model.api import CompletionRequest, EngineSettings, SpecSettings  # noqa: E402
-from codecomplete.model.engine import _Vocab, generate, plan_prompt  # noqa: E402
+from codecomplete.model.api import EngineSettings, SpecSettings  # noqa: E402
+from codecomplete.model.engine import _Vocab, generate  # noqa: E402
 from codecomplete.model.loader import load_model  # noqa: E402
 from codecomplete.model.sampling import greedy_tokens  # noqa: E402
 from codecomplete.model.speculate import datastore_min_match, pass_rows  # noqa: E402
@@ -136,15 +135,21 @@ def corrected_retrieve(store, pred: np.ndarray, corrected: bool):
     return retrieve
 
 
+def repository_predictions(lm, repos: list[dict], preds: Path | None) -> dict[str, np.ndarray]:
+    """Per repository (``speculation.load_repos``), ``segment_predictions`` of its datastore, kept in
+    the folder ``preds`` (None: not kept)."""
+    if preds is not None:
+        preds.mkdir(parents=True, exist_ok=True)
+    return {r["name"]: segment_predictions(
+        lm.model, r["store"].repo.segments()[0],
+        preds / f"{file_label(lm.name)}.{r['name']}.npz" if preds is not None else None) for r in repos}
+
+
 def corrected_repositories(lm, repos: list[dict], preds: Path) -> None:
-    """Each repository's store (``speculation.load_repos``) drafting corrected continuations
-    (bench/speculation.py's ``--corrected-repository``), the predictions kept in ``preds``."""
-    preds.mkdir(parents=True, exist_ok=True)
-    label = re.sub(r"[^A-Za-z0-9.+-]+", "_", lm.name).strip("_")
-    for r in repos:
-        store = r["store"]
-        pred = segment_predictions(lm.model, store.repo.segments()[0], preds / f"{label}.{r['name']}.npz")
-        store.retrieve = corrected_retrieve(store, pred, True)
+    """Each repository's store drafting corrected continuations (bench/speculation.py's
+    ``--corrected-repository``), the predictions kept in ``preds``."""
+    for r, pred in zip(repos, repository_predictions(lm, repos, preds).values()):
+        r["store"].retrieve = corrected_retrieve(r["store"], pred, True)
 
 
 def run_model(name: str, args) -> dict:
@@ -153,31 +158,22 @@ def run_model(name: str, args) -> dict:
     vocab, tok = _Vocab(lm.tokenizer), TokenizerInfo(lm.tokenizer, lm.name)
     repos = load_repos(args, lm, tok)
     stores = {r["name"]: r["store"] for r in repos}
-    label = re.sub(r"[^A-Za-z0-9.+-]+", "_", lm.name).strip("_")
     t0 = time.perf_counter()
-    preds = {}
-    for r in repos:
-        cache = Path(args.preds) / f"{label}.{r['name']}.npz" if args.preds else None
-        preds[r["name"]] = segment_predictions(lm.model, r["store"].repo.segments()[0], cache)
+    preds = repository_predictions(lm, repos, Path(args.preds) if args.preds else None)
     pred_s = time.perf_counter() - t0
     spec = SpecSettings()
     rows, mm = pass_rows(spec, lm.model), datastore_min_match(spec, lm.model)
+    agreement = {}
+    for n, p in preds.items():
+        known = p >= 0  # a document's first position has no prediction
+        agreement[n] = round(float(np.mean(p[known] == stores[n].repo.segments()[0].tok[known].astype(np.int64))), 3)
     out = {"model": lm.name, "prediction_seconds": round(pred_s, 1),
-           "repository_tokens": {n: s.tokens for n, s in stores.items()},
-           "agreement": {n: round(float(np.mean(
-               (p >= 0) & (p == s.repo.segments()[0].tok.astype(np.int64))) / max(1e-9, np.mean(p >= 0))), 3)
-               for n, p, s in ((n, preds[n], stores[n]) for n in stores)}, "splits": {}}
+           "repository_tokens": {n: s.tokens for n, s in stores.items()}, "agreement": agreement, "splits": {}}
     for split in args.splits:
-        tasks = []
-        for r in repos:
-            for f in r[split]:
-                req = CompletionRequest(f["context"], "", mode="multi", max_tokens=args.max_new, max_lines=100000,
-                                        time_budget_ms=600000, ignore_eos=True)
-                plan = plan_prompt(lm, req, settings, vocab, None)
-                with torch.inference_mode():
-                    ids = list(generate(lm, req, settings, vocab, None, None, None).token_ids)
-                tasks.append({"repo": r["name"], "prompt": plan.ids, "out": ids,
-                              "budget": args.max_new + (1 if plan.healed else 0)})
+        tasks = sc.split_tasks(lm, settings, vocab, repos, split, args.max_new)
+        for t in tasks:
+            with torch.inference_mode():
+                t["out"] = list(generate(lm, t["req"], settings, vocab, None, None, None).token_ids)
         res = {"shipped": sc.replay(tasks, stores, vocab.texts, spec, None, rows, mm)}
         shipped = {n: s.retrieve for n, s in stores.items()}
         try:
@@ -185,8 +181,6 @@ def run_model(name: str, args) -> dict:
                 for n, s in stores.items():
                     s.retrieve = corrected_retrieve(s, preds[n], kind == "corrected")
                 res[kind] = sc.replay(tasks, stores, vocab.texts, spec, None, rows, mm)
-                for n, s in stores.items():
-                    s.retrieve = shipped[n]
         finally:
             for n, s in stores.items():
                 s.retrieve = shipped[n]
