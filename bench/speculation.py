@@ -137,6 +137,72 @@ class Datastore:
         return out
 
 
+def _window_hashes(ids, width: int) -> np.ndarray:
+    """A hash of every ``width``-token window of ``ids`` (uint64, polynomial, wrapping)."""
+    a = np.asarray(ids, dtype=np.uint64)
+    if len(a) < width:
+        return np.empty(0, dtype=np.uint64)
+    powers = np.full(width, 1_000_003, dtype=np.uint64) ** np.arange(width, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        return (np.lib.stride_tricks.sliding_window_view(a, width) * powers).sum(axis=1, dtype=np.uint64)
+
+
+def filtered_common(tok: TokenizerInfo, roots: list[Path], repos: list[dict], folder: Path,
+                    held_window: int = 32, repo_window: int = 16, repo_share: float = 0.1):
+    """A common datastore from the .py files under ``roots`` (e.g. a site-packages), without any
+    file that overlaps the benchmark's repositories: one that holds a ``held_window``-token
+    stretch of a held-out function (test or tune), or whose ``repo_window``-token windows are
+    more than ``repo_share`` found in a repository (an installed or vendored copy).  Built into
+    ``folder`` once (its meta says what was dropped) and loaded from there after."""
+    from codecomplete.indexer.files import SourceError, read_source
+    from codecomplete.indexer.suffix import Segment
+
+    if (folder / "meta.json").is_file():
+        return load_common(tok, folder), json.loads((folder / "meta.json").read_text())
+    held, repo = [], []
+    for r in repos:
+        for f in r["test"] + r["tune"]:
+            held.append(_window_hashes(tok.encode_batch([r["texts"][f["path"]][f["start"]:f["end"]]])[0],
+                                       held_window))
+        repo.append(_window_hashes(np.concatenate([np.asarray(i) for i in tok.encode_batch(list(r["texts"].values()))]),
+                                   repo_window))
+    held_set, repo_set = np.unique(np.concatenate(held)), np.unique(np.concatenate(repo))
+    paths = sorted(p for root in roots for p in Path(root).rglob("*.py") if "__pycache__" not in p.parts)
+    texts, names = [], []
+    for p in paths:
+        try:
+            texts.append(read_source(p, 200_000))
+            names.append(str(p))
+        except SourceError:
+            continue
+    def found(w: np.ndarray, table: np.ndarray) -> np.ndarray:  # w's members in the sorted table
+        at = np.minimum(np.searchsorted(table, w), len(table) - 1)
+        return table[at] == w
+
+    kept, dropped = [], {"held_out_stretch": 0, "repository_copy": 0}
+    for i in range(0, len(texts), 256):
+        for name, ids in zip(names[i:i + 256], tok.encode_batch(texts[i:i + 256])):
+            if len(ids) == 0:
+                continue
+            if found(_window_hashes(ids, held_window), held_set).any():
+                dropped["held_out_stretch"] += 1
+                continue
+            w = _window_hashes(ids, repo_window)
+            if len(w) and found(w, repo_set).mean() > repo_share:
+                dropped["repository_copy"] += 1
+                continue
+            kept.append((name, np.asarray(ids)))
+    seg = Segment.build(kept, width_for(tok.vocab_size))
+    meta = {"tokenizer": tok.id, "tokenizer_name": tok.name, "sources": [str(r) for r in roots],
+            "files": len(kept), "tokens": int(seg.tokens), "dropped": dropped,
+            "rule": f"dropped: a file holding a {held_window}-token stretch of a held-out function, or with more "
+                    f"than {repo_share:.0%} of its {repo_window}-token windows in a repository"}
+    tmp = folder.with_name(folder.name + ".tmp")
+    seg.save(tmp, meta)
+    tmp.rename(folder)
+    return load_common(tok, folder), meta
+
+
 def methods(best: SpecSettings) -> dict[str, SpecSettings | None]:
     return {
         "autoregressive": None,
@@ -248,7 +314,7 @@ def load_repos(args, lm, tok: TokenizerInfo) -> list[dict]:
             ctx_ids = lm.tokenizer.encode(files[f["path"]][:f["start"]], add_special_tokens=False)[-2048:]
             f["context"] = lm.tokenizer.decode(ctx_ids)
         repos.append({"name": name, "files": len(files), "tokens": store.tokens, "test": test, "tune": tune,
-                      "store": store})
+                      "store": store, "texts": files})
         print(f"{name}: {len(files)} files, {store.tokens} datastore tokens, {len(test)} test + {len(tune)} tune "
               "functions", file=sys.stderr)
     return repos
@@ -270,6 +336,10 @@ def main() -> None:
     ap.add_argument("--corrected-repository", default="", metavar="PREDS_DIR",
                     help="repository drafts cut where the model's own prediction over the repository leaves its text "
                          "(bench/spec_preference.py; the predictions kept in PREDS_DIR): not the daemon's drafts")
+    ap.add_argument("--common-corpus", default="", metavar="DIR[,DIR]",
+                    help="the common datastore from the .py files under these folders (e.g. a site-packages) instead "
+                         "of the standard library, less any file that overlaps the repositories (filtered_common): "
+                         "not the daemon's datastore")
     ap.add_argument("--out", default=str(RESULTS / "speculation"))
     args = ap.parse_args()
     lm = load_model(args.model, dtype=args.dtype, weights=args.weights)
@@ -281,6 +351,15 @@ def main() -> None:
         from spec_preference import corrected_repositories
 
         corrected_repositories(lm, repos, Path(args.corrected_repository))
+    if args.common_corpus:
+        roots = [Path(d) for d in args.common_corpus.split(",")]
+        key = hashlib.sha1(json.dumps([tok.id, [str(r) for r in roots],
+                                       [[f["key"] for f in r["test"] + r["tune"]] for r in repos]]).encode())
+        common, meta = filtered_common(tok, roots, repos, WORK / f"common-{key.hexdigest()[:12]}")
+        args.common_meta = meta
+        print(f"common corpus: {meta}", file=sys.stderr)
+        for r in repos:
+            r["store"].common = common
     out = Path(args.out)
     if args.tune:
         tune_grid(lm, settings, repos, vocab, args, out)
@@ -430,7 +509,11 @@ def write(out: Path, args, lm, repos, results, per_repo, peers, best: SpecSettin
              f"speculation_default_tuning.md): {best}.",
              *(["**Repository drafts corrected by the model's own predictions over the repository** "
                 "(`--corrected-repository`, bench/spec_preference.py): an experiment, not the daemon's drafts."]
-               if args.corrected_repository else []), "",
+               if args.corrected_repository else []),
+             *([f"**Common datastore from {args.common_corpus}** (`--common-corpus`, an experiment, not the daemon's "
+                f"datastore): {args.common_meta['files']:,} files, {args.common_meta['tokens']:,} tokens; "
+                f"{args.common_meta['rule']} ({args.common_meta['dropped']})."]
+               if args.common_corpus else []), "",
              "Speedup: against autoregressive runs of the same tasks, each made right before the task's run with "
              "the method (their ms/token in the second column; this machine's speed drifts by 10-20 % within "
              "minutes).", "",
