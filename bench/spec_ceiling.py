@@ -123,11 +123,12 @@ class Successors:
 
 
 def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings, cost: PassCost | None,
-           rows: int | None, min_match: int, recycle: int = 0) -> dict:
+           rows: int | None, min_match: int, recycle: int = 0, live_for=None) -> dict:
     """Drafting replayed over the greedy outputs, one drafter per repository (as one engine per run):
     passes of at most ``rows`` rows (the root and the tree; None: any), datastore matches of ``min_match``
     tokens or more (the engine's ``pass_rows`` and ``datastore_min_match``); ``recycle`` > 0: where
-    the drafter has nothing, a chain of up to that many tokens from ``Successors``."""
+    the drafter has nothing, a chain of up to that many tokens from ``Successors``; ``live_for`` (or
+    None): a task's own-token index instead of a new ``LiveIndex``."""
     tokens = passes = spec_steps = accepted = nodes = recycled = recycled_acc = 0
     step_units = oracle_units = 0.0
     all_priced = True
@@ -137,7 +138,7 @@ def replay(tasks: list[dict], stores: dict, texts: list[str], spec: SpecSettings
         succ = Successors()
         for t in (t for t in tasks if t["repo"] == name):
             prompt, out = t["prompt"], t["out"]
-            live = LiveIndex()
+            live = live_for(t) if live_for is not None else LiveIndex()
             i = 1  # the first token comes with the prefill
             while i < len(out):
                 ctx = prompt + out[:i]
