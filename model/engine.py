@@ -99,6 +99,7 @@ class Live:
     # where it is unsure it forks, and each fork takes another token there, then decodes greedily
     branches: int = 0  # forks the head may still make
     forced: int | None = None  # a fork's token at the branch (its next pick)
+    pick: int | None = None  # the greedy token of ``logits`` where a verification pass computed it (spec_step)
     head: "Live | None" = None  # a fork's head
     forks: list["Live"] = field(default_factory=list)  # a head's forks, most likely first
     spawned: list["Live"] = field(default_factory=list)  # forks made by the last pick, not yet decoding
@@ -319,12 +320,13 @@ def warm_ahead(lm: LoadedModel, request: CompletionRequest, settings: EngineSett
 def advance(lm: LoadedModel, live: Live, vocab: "_Vocab | None") -> bool:
     """Pick the next token from ``live.logits``; False when the request is finished."""
     request, rules = live.request, live.rules
+    known, live.pick = live.pick, None  # the pass's own argmax of these logits, if it made one
     if request.cancel.is_set():
         return _finish(live, "", "cancelled")
     if live.forced is not None:
         token, live.forced = live.forced, None
     else:
-        token = pick_token(live.logits, live.pending, vocab)
+        token = known if known is not None and not live.pending else pick_token(live.logits, live.pending, vocab)
         if live.branches:
             alts = branch_tokens(live.logits, token, live.pending, vocab, lm.stop_ids, live.branches)
             live.spawned.extend(fork(live, t) for t in alts)
@@ -495,19 +497,24 @@ def self_spec_step(lm: LoadedModel, lives: list[Live], rt: ExitRuntime, vocab: "
 
 
 def _take(lm: LoadedModel, lv: Live, root: int, acc: list[int], logits: torch.Tensor,
-          vocab: "_Vocab | None") -> bool:
+          vocab: "_Vocab | None", bonus: int | None = None) -> bool:
     """Verified tokens through ``advance`` one by one (stop rules, budget), as if decoded
-    one at a time; False when the request finished."""
+    one at a time; False when the request finished.  ``bonus`` (or None): the pass's greedy
+    token after the last of them.  A retrieval pass (``bonus`` given) already took the argmax of
+    every row: the accepted tokens are those argmaxes, so advance does not take them again
+    (~30 us a row on the caches a pass leaves cold)."""
     lv.passes += 1
     lv.fed.append(root)
     lv.fed.extend(acc)
     for j, tok in enumerate(acc):
         lv.logits = logits[j]
+        lv.pick = tok if bonus is not None else None
         if not advance(lm, lv, vocab):
             return False
         if lv.generated[-1] != tok:  # cannot happen with greedy picks; never emit a wrong token
             raise RuntimeError(f"speculation desynchronised: {lv.generated[-1]} != {tok}")
     lv.logits = logits[len(acc)]
+    lv.pick = bonus
     return True
 
 
@@ -542,15 +549,15 @@ def spec_step(lm: LoadedModel, lives: list[Live], drafter: Drafter, vocab: "_Voc
         return lives
     roots = [lv.generated[-1] for lv in lives]
     going = []
-    for lv, root, tree, (acc, logits) in zip(lives, roots, trees,
-                                              verify(lm.model, roots, trees, [lv.cache for lv in lives],
-                                                     greedy=not any(_full(lv) for lv in lives))):
+    for lv, root, tree, (acc, logits, bonus) in zip(lives, roots, trees,
+                                                     verify(lm.model, roots, trees, [lv.cache for lv in lives],
+                                                            greedy=not any(_full(lv) for lv in lives))):
         context = lv.fed[-4:] + [root]
         lv.layers += lm.model.args.n_layers
         if len(tree):
             lv.spec_steps += 1
             lv.accepted += len(acc)
-        alive = _take(lm, lv, root, acc, logits, vocab)
+        alive = _take(lm, lv, root, acc, logits, vocab, bonus)
         drafter.learn(context, acc)
         if alive:
             going.append(lv)

@@ -466,6 +466,30 @@ def test_every_packed_layout_unpacks_to_the_same_weight(n, k):
 
 
 @needs_kernel
+@pytest.mark.parametrize("n,k", [(40, 64), (37, 70), (49, 576), (5, 32)])
+def test_native_row_lookup_matches_pytorch_indexing(n, k, monkeypatch):
+    """step_ops.c's ``lookup_rows_bf16`` (the embedding's rows from a tied head's packed copy)
+    gives PyTorch's indexing of every bf16 layout, for any ids (int32 too, every row, one), and
+    refuses a row past the packed weight as the indexing does."""
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    layouts = [native.pack_linear(w, path=0), native.pack_linear(w, path=1)]
+    if k % 32 == 0:
+        layouts.append(native.pack_linear(w, amx=True))
+    for packed in layouts:
+        for ids in (torch.randint(0, n, (3, 17)), torch.arange(n, dtype=torch.int32), torch.tensor([n - 1])):
+            fast = native.lookup_rows(packed, ids, k)
+            with monkeypatch.context() as m:
+                m.setattr(native, "available", lambda: False)  # PyTorch's indexing
+                slow = native.lookup_rows(packed, ids, k)
+            assert fast.shape == (*ids.shape, k) and torch.equal(fast, slow) and torch.equal(fast, w[ids.long()])
+        with pytest.raises(IndexError):
+            native.lookup_rows(packed, torch.tensor([0, packed.shape[0] * 64]), k)
+        with pytest.raises(IndexError):
+            native.lookup_rows(packed, torch.tensor([-1]), k)
+
+
+@needs_kernel
 @pytest.mark.parametrize("n,k", [(960, 576), (13, 70), (40, 33), (8, 1)])
 def test_native_linear_rows_have_the_bits_of_rows_alone(n, k):
     """Every row of a many-row product (1-70 rows: every tile shape, and past the AVX2 kernel's

@@ -290,6 +290,28 @@ def test_a_compressed_replay_stops_a_session_at_its_request_quota(tmp_path: Path
     assert play(2) == 2 * ["open", "change", "request", "change", "change", "request"]
 
 
+def test_a_real_time_replay_behind_schedule_sends_each_request_before_the_next_change(tmp_path: Path):
+    """A replay running late (every event already due, so no sleep between them) still sends a
+    request before the typing that follows it, and the request is measured against the version
+    it was made at: the change after it makes it stale only if the daemon answers after it."""
+    import asyncio
+
+    from codecomplete.daemon.replay import drive_user
+
+    uri = "file:///r/late.py"
+    edit = {"range": {"start": {"line": 0, "character": 0}, "end": {"line": 0, "character": 0}}, "text": "x"}
+    events = [{"t": 0, "type": "open", "uri": uri, "text": ""},
+              {"t": 0, "type": "request", "uri": uri, "line": 0, "character": 0, "truth_line": "x"},
+              {"t": 0, "type": "change", "uri": uri, "changes": [edit]},
+              {"t": 0, "type": "request", "uri": uri, "line": 0, "character": 1, "truth_line": "x"},
+              {"t": 0, "type": "change", "uri": uri, "changes": [edit]}]
+    client, results = _Recorder(), []
+    asyncio.run(drive_user(client, 0, [Session(make_header(repo="/r"), events)], tmp_path, 1.0, results, 0,
+                           lambda: None))
+    assert [kind for kind, _ in client.sent] == ["open", "request", "change", "request", "change"]
+    assert [r.status for r in results] == ["empty", "empty"]  # answered (with nothing) before the change
+
+
 def test_a_real_time_replay_ends_a_session_once_its_quota_is_answered(tmp_path: Path):
     """Guards --max-requests in real time: the typing after a session's last counted request is
     sent until that request is answered (it is what makes a request stale), then the session

@@ -99,6 +99,9 @@ def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.head_greedy_amx_set.argtypes = [i32]
     lib.argmax_bf16.restype = None
     lib.argmax_bf16.argtypes = [ctypes.c_int64, ctypes.c_int64, ptr, ptr]
+    if hasattr(lib, "lookup_rows_bf16"):  # a build of an older revision (bench/common.build_revision) may lack it
+        lib.lookup_rows_bf16.restype = None
+        lib.lookup_rows_bf16.argtypes = [ptr, i32, ctypes.c_int64, ptr, ctypes.c_int64, ctypes.c_int64, ptr]
     if hasattr(lib, "exit_check"):  # a build of an older revision (bench/common.build_revision) may lack it
         lib.exit_check.restype = ctypes.c_float
         lib.exit_check.argtypes = [i32] * 2 + [ptr] * 3 + [ctypes.c_float] + [ptr] * 5
@@ -470,6 +473,19 @@ def lookup_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor
     (``Transformer.release_dense``), or all rows (``unpack_linear``).  From ``pack_linear_q8``'s
     layout: each row's int8 values times its scale, rounded to bf16."""
     flat = ids.reshape(-1)
+    if (packed.dtype == torch.bfloat16 and packed.device.type == "cpu" and packed.is_contiguous()
+            and flat.device.type == "cpu" and available() and hasattr(_lib, "lookup_rows_bf16")):
+        # step_ops.c's gather: a few microseconds, where PyTorch's indexing over the layouts
+        # below took 20-50 us for the rows of a pass (~1 % of one on the caches it leaves cold)
+        layout = 2 if amx_layout(packed) else 1 if panel_layout(packed) else 0
+        rows = packed.shape[0] * (4 if layout == 0 else 16)
+        idx = np.ascontiguousarray(flat.numpy(), dtype=np.int64)
+        if len(idx) and (idx.min() < 0 or idx.max() >= rows):
+            raise IndexError(f"row {int(idx.min() if idx.min() < 0 else idx.max())} out of range for {rows} rows")
+        out = torch.empty(len(idx), k, dtype=torch.bfloat16)
+        _lib.lookup_rows_bf16(packed.data_ptr(), layout, packed.shape[1] * (1 if layout == 1 else 32),
+                              idx.ctypes.data, len(idx), k, out.data_ptr())
+        return out.reshape(*ids.shape, k)
     if q8_layout(packed):  # [N/16, K * 16 + 64]: row 16p + j at column j of panel p's [K, 16], its scale after
         kk = (packed.shape[1] - 64) // 16
         q = packed[:, :kk * 16].reshape(-1, kk, 16)[flat // 16, :, flat % 16]

@@ -586,3 +586,29 @@ void fill_kv_folded(int D, int K, int E, int first, int n, const uint16_t *h, fl
         }
     }
 }
+
+/* Rows ids[0, n) of a bf16 weight that pack_linear (native/__init__.py) packed, its padding
+ * dropped: out [n, k] bf16.  layout 0: [N/4, Kp/32, 4, 32]; 1: the AVX2 panels [N/16, K, 8, 2];
+ * 2: the AMX tiles' [N/16, K/32, 16, 16, 2] (k even); kp: the packed K.  The embedding's lookup
+ * from a tied head's copy: PyTorch's advanced indexing over those layouts took 20-40 us for a few
+ * rows and, past ~8 rows, entered a parallel region that cost 0.1-0.8 ms on two busy cores. */
+void lookup_rows_bf16(const uint16_t *w, int layout, int64_t kp, const int64_t *ids, int64_t n, int64_t k,
+                      uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = ids[i];
+        uint16_t *o = out + i * k;
+        if (layout == 2) {
+            const uint32_t *base = (const uint32_t *)w + (r / 16) * (kp / 32) * 256 + r % 16;
+            for (int64_t c = 0; c < k / 2; c++) {
+                const uint32_t pair = base[(c / 16) * 256 + (c % 16) * 16];
+                memcpy(o + 2 * c, &pair, 4);
+            }
+        } else if (layout == 1) {
+            const uint16_t *base = w + (r / 16) * kp * 16 + (r % 8) * 2 + (r % 16) / 8;
+            for (int64_t c = 0; c < k; c++) o[c] = base[c * 16];
+        } else {
+            const uint16_t *base = w + (r / 4) * (kp / 32) * 128 + (r % 4) * 32;
+            for (int64_t c = 0; c < k; c++) o[c] = base[(c / 32) * 128 + c % 32];
+        }
+    }
+}
