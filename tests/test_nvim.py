@@ -124,12 +124,23 @@ def test_accepting_right_after_typing_an_autopaired_bracket(tmp_path, tiny_model
     cursor) and accepting at once inserts from that older item, whose range does not cover the
     ``)``.  The line after the cursor as it was for the item (in its accept command) tells the
     plugin that the ``)`` came since, so the completion replaces it, as the daemon's own
-    typed-through answer does, and the line ends as the completion made it."""
+    typed-through answer does, and the line ends as the completion made it.
+
+    Whether Neovim's client still holds its item when the key arrives is a race in the client
+    (measured: about one run in five here found no item, and the key then inserts nothing): such
+    a run, where accepting left the line as typed and no item was accepted, is made again, up to
+    three times; any other outcome is asserted."""
     want = expected_completions[0]
     assert "(" in want.split("\n")[0], f"the tiny model should open a bracket here: {want!r}"
     typed = want[:want.index("(") + 1]
-    result, log = run_nvim(tmp_path, tiny_model, True, CC_ROW="4", CC_TYPE=".", CC_CYCLE="0", CC_PAIRS=typed,
-                           CC_PAIRS_NOW="1")
+    for attempt in range(3):
+        (tmp_path / f"try{attempt}").mkdir()
+        result, log = run_nvim(tmp_path / f"try{attempt}", tiny_model, True, CC_ROW="4", CC_TYPE=".", CC_CYCLE="0",
+                               CC_PAIRS=typed, CC_PAIRS_NOW="1")
+        missed = ("item_end_col" not in result and result.get("lines", [""] * 4)[3] == result.get("paired_line")
+                  and result["stats"]["counters"]["accepted"] == 0)
+        if not missed:
+            break
     assert result["shown"] and result["builtin_item"], log
     assert result["paired_line"] == "        self." + typed + ")"
     # the accepted item is the one from before the typing (its range ends where the cursor was)
