@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -70,35 +69,14 @@ class CorrectedLive(LiveIndex):
         self.pred = pred.tolist()
         self.keep_text = keep_text  # the text's continuation too, beside the cut one
 
-    def lookup(self, depth: int, top_k: int) -> list[tuple[tuple[int, ...], int]]:
-        seq, n, pred = self.seq, len(self.seq), self.pred
-        if n < self.N + 1:
-            return []
-        scored = []
-        for end in reversed(self.ends.get(tuple(seq[-self.N:]), [])[-self.SCAN - 1:]):
-            if end >= n:
-                continue
-            back = self.N
-            while back < self.BACK and end - back - 1 >= 0 and seq[end - back - 1] == seq[n - back - 1]:
-                back += 1
-            scored.append((back, end))
-        counts: Counter = Counter()
-        best: dict[tuple, tuple] = {}
-        for back, end in sorted(scored, reverse=True):
-            text = cont = seq[end:end + depth]
-            for j, tok in enumerate(cont):
-                p = end + j
-                if p < len(pred) and 0 <= pred[p] != tok:
-                    cont = cont[:j] + [pred[p]]
-                    break
-            for c in ((text, cont) if self.keep_text and cont is not text else (cont,)):
-                c = tuple(c)
-                if c:
-                    counts[c] += 1
-                    best.setdefault(c, (back, end))
-        ranked = sorted(counts, key=lambda c: best[c], reverse=True)[:top_k]
-        self.longest = best[ranked[0]][0] if ranked else 0
-        return [(c, counts[c] * best[c][0]) for c in ranked]
+    def continuations(self, end: int, depth: int) -> list[tuple[int, ...]]:
+        text = cont = self.seq[end:end + depth]
+        for j, tok in enumerate(cont):
+            p = end + j
+            if p < len(self.pred) and 0 <= self.pred[p] != tok:
+                cont = cont[:j] + [self.pred[p]]
+                break
+        return [tuple(text), tuple(cont)] if self.keep_text and cont is not text else [tuple(cont)]
 
 
 def run_model(name: str, args) -> dict:

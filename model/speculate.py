@@ -236,6 +236,11 @@ class LiveIndex:
             if i + 1 >= self.N:
                 self.ends.setdefault(tuple(self.seq[i + 1 - self.N:i + 1]), []).append(i + 1)
 
+    def continuations(self, end: int, depth: int) -> list[tuple[int, ...]]:
+        """What to draft from the earlier occurrence ending at ``end``: the tokens after it
+        (bench/spec_live_corrected.py tries others)."""
+        return [tuple(self.seq[end:end + depth])]
+
     def lookup(self, depth: int, top_k: int) -> list[tuple[tuple[int, ...], int]]:
         seq, n = self.seq, len(self.seq)
         if n < self.N + 1:
@@ -251,10 +256,10 @@ class LiveIndex:
         counts: Counter = Counter()
         best: dict[tuple, tuple] = {}
         for back, end in sorted(scored, reverse=True):
-            cont = tuple(seq[end:end + depth])
-            if cont:
-                counts[cont] += 1
-                best.setdefault(cont, (back, end))
+            for cont in self.continuations(end, depth):
+                if cont:
+                    counts[cont] += 1
+                    best.setdefault(cont, (back, end))
         ranked = sorted(counts, key=lambda c: best[c], reverse=True)[:top_k]
         self.longest = best[ranked[0]][0] if ranked else 0
         return [(c, counts[c] * best[c][0]) for c in ranked]
