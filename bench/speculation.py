@@ -154,6 +154,7 @@ def filtered_common(tok: TokenizerInfo, roots: list[Path], repos: list[dict], fo
     stretch of a held-out function (test or tune), or whose ``repo_window``-token windows are
     more than ``repo_share`` found in a repository (an installed or vendored copy).  Built into
     ``folder`` once (its meta says what was dropped) and loaded from there after."""
+    from codecomplete.indexer.common import MAX_FILE_BYTES, save_common
     from codecomplete.indexer.files import SourceError, read_source
     from codecomplete.indexer.suffix import Segment
 
@@ -171,7 +172,7 @@ def filtered_common(tok: TokenizerInfo, roots: list[Path], repos: list[dict], fo
     texts, names = [], []
     for p in paths:
         try:
-            texts.append(read_source(p, 200_000))
+            texts.append(read_source(p, MAX_FILE_BYTES))
             names.append(str(p))
         except SourceError:
             continue
@@ -197,10 +198,8 @@ def filtered_common(tok: TokenizerInfo, roots: list[Path], repos: list[dict], fo
             "files": len(kept), "tokens": int(seg.tokens), "dropped": dropped,
             "rule": f"dropped: a file holding a {held_window}-token stretch of a held-out function, or with more "
                     f"than {repo_share:.0%} of its {repo_window}-token windows in a repository"}
-    tmp = folder.with_name(folder.name + ".tmp")
-    seg.save(tmp, meta)
-    tmp.rename(folder)
-    return load_common(tok, folder), meta
+    save_common(seg, folder, meta)
+    return load_common(tok, folder), json.loads((folder / "meta.json").read_text())
 
 
 def methods(best: SpecSettings) -> dict[str, SpecSettings | None]:

@@ -71,17 +71,22 @@ def build_common(tokenizer: TokenizerInfo, folder: Path, sources: list[Path] | N
     if pause is not None:
         pause()
     seg = Segment.build(list(zip(names, ids)), width_for(tokenizer.vocab_size))
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    meta = {"tokenizer": tokenizer.id, "tokenizer_name": tokenizer.name, "licence": licence,
-            "built_at": time.time(), "seconds": round(time.perf_counter() - t0, 2),
-            "sources": "python stdlib" if sources is None else "given files"}
-    seg.save(tmp, meta)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    save_common(seg, folder, {"tokenizer": tokenizer.id, "tokenizer_name": tokenizer.name, "licence": licence,
+                              "built_at": time.time(), "seconds": round(time.perf_counter() - t0, 2),
+                              "sources": "python stdlib" if sources is None else "given files"})
     log.info("common datastore: %d files, %d tokens in %.1f s -> %s", len(names), seg.tokens,
              time.perf_counter() - t0, folder)
     return json.loads((folder / "meta.json").read_text())
+
+
+def save_common(seg: Segment, folder: Path, meta: dict) -> None:
+    """``seg`` saved as the datastore in ``folder`` (replacing one there), written beside it first
+    so that a reader never sees half of it; ``meta`` must name its tokenizer (``load_common``)."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    seg.save(tmp, meta)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
 
 
 def load_common(tokenizer: TokenizerInfo, folder: Path | None = None) -> Segment | None:

@@ -362,9 +362,15 @@ class Drafter:
         self.missing.clear()  # new text: suffixes that found nothing may find something
 
 
+def in_place(rows: list[int]) -> bool:
+    """Whether accepted rows (1-based node indices) are the pass's first rows: a path down first
+    children, already where ``compact`` would put it."""
+    return rows == list(range(1, len(rows) + 1))
+
+
 def compact(cache, start: int, rows: list[int]) -> None:
     """Keep the root (at ``start``) and the accepted rows, contiguously after it."""
-    if rows and rows != list(range(1, len(rows) + 1)):  # a path down the first children is in place already
+    if not in_place(rows):
         idx = torch.tensor([start + r for r in rows], device=cache.k.device)
         cache.k[:, :, start + 1:start + 1 + len(rows)] = cache.k[:, :, idx]
         cache.v[:, :, start + 1:start + 1 + len(rows)] = cache.v[:, :, idx]
@@ -404,7 +410,7 @@ def verify(model, roots: list[int], trees: list[Tree], caches: list,
     for b, (tree, cache) in enumerate(zip(trees, caches)):
         rows = accept(tree, greedy_all[b][: len(tree) + 1])
         compact(cache, starts[b], rows)
-        in_place = rows == list(range(1, len(rows) + 1))  # no gather (~0.2 ms for 16 rows of 49k on cold caches)
-        picked = logits[b, :len(rows) + 1] if in_place else logits[b, [0] + rows]
+        # in place: a view, no gather (~0.2 ms for 16 rows of 49k logits on cold caches)
+        picked = logits[b, :len(rows) + 1] if in_place(rows) else logits[b, [0] + rows]
         out.append(([tree.tokens[r - 1] for r in rows], picked, greedy_all[b][rows[-1] if rows else 0]))
     return out

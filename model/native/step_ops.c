@@ -590,8 +590,8 @@ void fill_kv_folded(int D, int K, int E, int first, int n, const uint16_t *h, fl
 /* Rows ids[0, n) of a bf16 weight that pack_linear (native/__init__.py) packed, its padding
  * dropped: out [n, k] bf16.  layout 0: [N/4, Kp/32, 4, 32]; 1: the AVX2 panels [N/16, K, 8, 2];
  * 2: the AMX tiles' [N/16, K/32, 16, 16, 2] (k even); kp: the packed K.  The embedding's lookup
- * from a tied head's copy: PyTorch's advanced indexing over those layouts took 20-40 us for a few
- * rows and, past ~8 rows, entered a parallel region that cost 0.1-0.8 ms on two busy cores. */
+ * from a tied head's copy, every step and pass: PyTorch's advanced indexing over those layouts
+ * took 22-46 us for 1-16 rows on idle cores (docs/decisions.md, 2026-12-02). */
 void lookup_rows_bf16(const uint16_t *w, int layout, int64_t kp, const int64_t *ids, int64_t n, int64_t k,
                       uint16_t *out) {
     for (int64_t i = 0; i < n; i++) {
