@@ -64,7 +64,23 @@ def file_label(name: str) -> str:
 def header(title: str) -> str:
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"# {title}\n\n- command: `{command_line()}`\n- machine: {machine()}\n"
-            f"- commit: {git_commit()}, run {now}\n")
+            f"- commit: {git_commit()}, run {now}\n{kernels()}")
+
+
+def kernels() -> str:
+    """A line naming the bf16 linear kernel the run's native library chose (linear.c's
+    linear_bf16_path; on AVX512-BF16 CPUs a timing at load picks 2 or 3), where the run loaded
+    the library; else nothing."""
+    native = sys.modules.get("codecomplete.model.native")
+    if native is None or not native.available():
+        return ""
+    path = native.linear_bf16_path()
+    name = {0: "portable loop", 1: "panels on AVX2 FMAs", 2: "vdpbf16ps dot products",
+            3: "panels on AVX-512F FMAs"}.get(path, "unknown")
+    probe = native.linear_probe()
+    rates = (f"; probe at load: {probe['dot_per_s'] / 1e9:.2f} G vdpbf16ps/s, "
+             f"{probe['fma_per_s'] / 1e9:.2f} G FMA/s a core" if probe["dot_per_s"] else "")
+    return f"- bf16 linear kernel: path {path} ({name}{', AMX tiles for the layers' if native.amx() else ''}){rates}\n"
 
 
 def native_model(spec: str = "default"):

@@ -505,7 +505,7 @@ def test_native_linear_rows_have_the_bits_of_rows_alone(n, k):
     assert (alone.float() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
     for rows in (2, 3, 4, 5, 6, 8, 9, 13, 16, 61, 70):
         assert torch.equal(native.linear(x[:rows], packed, b, n), alone[:rows]), rows
-    other = native.pack_linear(w, path=0 if native.linear_bf16_path() == 1 else 1)
+    other = native.pack_linear(w, path=0 if native.panel_path() else 1)
     with pytest.raises(ValueError, match="another build"):
         native.linear(x[:1], other, b, n)
 
@@ -952,7 +952,33 @@ def avx2_build(tmp_path_factory):
     return out
 
 
-def swap_in(build: Path, monkeypatch) -> None:
+@pytest.fixture(scope="module")
+def panels_build(tmp_path_factory):
+    """This machine's build loaded a second time with CODECOMPLETE_LINEAR=panels: on an AVX512-BF16
+    CPU whose own choice is the dot products (linear.c's linear_choose), the panels on 512-bit tiles
+    (path 3) are otherwise never run here.  Skips where this build has no such choice or takes it."""
+    import ctypes
+    import os
+    import shutil
+
+    if not native.available() or native.amx():
+        pytest.skip("no native kernels, or AMX tiles take every product")
+    if native.linear_bf16_path() == 3:
+        pytest.skip("this machine's build runs the panels on 512-bit tiles already")
+    if native.linear_bf16_path() != 2:
+        pytest.skip("a build without AVX512-BF16 has no dot products to swap for panels")
+    out = tmp_path_factory.mktemp("panels") / "lib-panels.so"
+    shutil.copy(native._lib._name, out)  # another file: loaded anew, so its constructor reads the switch
+    old = os.environ.get("CODECOMPLETE_LINEAR")
+    os.environ["CODECOMPLETE_LINEAR"] = "panels"
+    try:
+        ctypes.CDLL(str(out))
+    finally:
+        os.environ.pop("CODECOMPLETE_LINEAR") if old is None else os.environ.__setitem__("CODECOMPLETE_LINEAR", old)
+    return out
+
+
+def swap_in(build: Path, monkeypatch, path: int = 1) -> None:
     """Load ``build`` in place of this machine's kernels for the rest of a test (models made after
     it pack their weights for its layout)."""
     import ctypes
@@ -960,16 +986,17 @@ def swap_in(build: Path, monkeypatch) -> None:
     monkeypatch.setattr(native, "_lib", native.configure(ctypes.CDLL(str(build))))
     monkeypatch.setattr(native, "_path", None)
     monkeypatch.setattr(native, "_amx", None)
-    assert native.linear_bf16_path() == 1 and not native.amx() and native.greedy_head_available()
+    assert native.linear_bf16_path() == path and not native.amx() and native.greedy_head_available()
 
 
-@pytest.fixture(params=["default", "vpdpbusd", "tiles", "avx2"])
+@pytest.fixture(params=["default", "vpdpbusd", "tiles", "avx2", "panels"])
 def greedy_bounds(request, monkeypatch):
     """The greedy head's int8 bounds as this machine computes them, each way on its own where
-    both exist (AVX512-VNNI, or AMX's int8 tiles from 4 rows; linear.c), and the AVX2 build's
-    (vpmaddwd) on a CPU whose own build is another."""
-    if request.param == "avx2":
-        swap_in(request.getfixturevalue("avx2_build"), monkeypatch)
+    both exist (AVX512-VNNI, or AMX's int8 tiles from 4 rows; linear.c), the AVX2 build's
+    (vpmaddwd) on a CPU whose own build is another, and on an AVX512-BF16 CPU whose linear
+    kernel is the dot products, the same build on the panels (path 3: its exact rows on them)."""
+    if request.param in ("avx2", "panels"):
+        swap_in(request.getfixturevalue(f"{request.param}_build"), monkeypatch, 1 if request.param == "avx2" else 3)
         yield request.param
         return
     yield from each_way(request, native.amx_greedy_head, "tiles")
@@ -1062,8 +1089,8 @@ def test_greedy_head_is_off_where_it_would_not_help_or_is_not_wanted(build, requ
     assert not finite(1, True)
     most = native.greedy_head_rows(model.native_stack)
     tiles = native.amx() and native.amx_greedy_head()
-    assert most == (native.GREEDY_HEAD_ROWS_AMX if tiles else native.GREEDY_HEAD_ROWS_AVX2
-                    if native.linear_bf16_path() == 1 else native.GREEDY_HEAD_ROWS)
+    assert most == (native.GREEDY_HEAD_ROWS_AMX if tiles else native.GREEDY_HEAD_ROWS
+                    if native._lib.head_greedy_vnni() else native.GREEDY_HEAD_ROWS_AVX2)
     assert not finite(most, True)
     assert finite(most + 1, True) and finite(1, False)
     model.greedy_head = False
@@ -1093,7 +1120,9 @@ def test_the_library_links_and_loads_without_avx512_bf16(tmp_path, march):
     # without AVX512-BF16: the portable loop, or AVX2 + FMA (haswell and skylake-avx512 have both),
     # whose greedy head bounds the logits with vpmaddwd
     simd = march != "x86-64-v2"
-    assert lib.head_greedy_native() == simd and lib.linear_bf16_path() == simd
+    # skylake-avx512: the same panels on 512-bit tiles (path 3)
+    assert lib.head_greedy_native() == simd
+    assert lib.linear_bf16_path() == (3 if march == "skylake-avx512" else int(simd))
     for name in ("decode_stack", "decode_attention", "argmax_bf16", "silu_mul", "head_greedy_team"):
         assert hasattr(lib, name)
     needs = {"x86-64-v2": {"sse4_2"}, "haswell": {"avx2", "fma", "bmi2", "f16c"},
@@ -1120,6 +1149,58 @@ def test_the_library_links_and_loads_without_avx512_bf16(tmp_path, march):
         ref = x.float() @ w.float().T + b.float()
         torch.testing.assert_close(y.float(), ref, atol=0.03 * ref.abs().max().item(), rtol=0.02)
         assert torch.equal(y, torch.cat([run(x[i:i + 1].clone()) for i in range(len(x))])), (march, n, k)
+
+
+@needs_kernel
+def test_wide_panels_have_the_avx2_panels_bits(avx2_build):
+    """The panels on 512-bit tiles (path 3: two panels a vector) give every output the bits the
+    AVX2 build's 256-bit tiles give it (each output one chain of FMAs over k in order), for any
+    number of rows (each tile shape, a pair and an odd last panel, the prefetching runs of 3-4
+    blocks, more than PANEL_XROWS rows), odd K and N, with and without a bias."""
+    import ctypes
+    import os
+
+    from codecomplete.model.loader import cpu_flags
+
+    if not {"avx512f", "avx2", "fma"} <= cpu_flags():
+        pytest.skip("needs AVX-512F")
+    if native.linear_bf16_path() == 3:
+        wide = native._lib
+    elif native.linear_bf16_path() == 2:
+        import shutil
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp()) / "lib-wide.so"
+        shutil.copy(native._lib._name, tmp)
+        old = os.environ.get("CODECOMPLETE_LINEAR")
+        os.environ["CODECOMPLETE_LINEAR"] = "panels"
+        try:
+            wide = ctypes.CDLL(str(tmp))
+        finally:
+            os.environ.pop("CODECOMPLETE_LINEAR") if old is None else os.environ.__setitem__("CODECOMPLETE_LINEAR", old)
+    else:
+        pytest.skip("this build has no 512-bit panels")
+    narrow = ctypes.CDLL(str(avx2_build))
+    for lib in (wide, narrow):
+        lib.linear_bf16.restype = None
+        lib.linear_bf16.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
+    assert wide.linear_bf16_path() == 3 and narrow.linear_bf16_path() == 1
+    torch.manual_seed(3)
+    for n, k in ((37, 64), (64, 576), (13, 70), (8, 31), (96, 1536), (160, 33), (300, 128)):
+        w, b = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+        wp = native.pack_linear(w, path=1)
+        for m in (1, 2, 3, 4, 5, 6, 8, 9, 13, 16, 17, 25, 64, 70):
+            x = torch.randn(m, k).bfloat16()
+            for bias in (b, None):
+                ys = []
+                for lib in (wide, narrow):
+                    y = torch.empty(m, n, dtype=torch.bfloat16)
+                    lib.linear_bf16(m, n, k, x.data_ptr(), wp.data_ptr(), bias.data_ptr() if bias is not None else None,
+                                    y.data_ptr())
+                    ys.append(y)
+                assert torch.equal(ys[0], ys[1]), (n, k, m, bias is None)
+        ref = x.float() @ w.float().T
+        torch.testing.assert_close(ys[0].float(), ref, atol=0.03 * ref.abs().max().item(), rtol=0.02)
 
 
 @needs_kernel

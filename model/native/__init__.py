@@ -77,6 +77,9 @@ def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.linear_bf16.restype = None
     lib.linear_bf16.argtypes = [i32] * 3 + [ptr] * 4
     lib.linear_bf16_path.restype = i32
+    if hasattr(lib, "linear_probe_rate"):  # an older revision's build may lack it
+        lib.linear_probe_rate.restype = ctypes.c_double
+        lib.linear_probe_rate.argtypes = [i32]
     lib.linear_bf16_amx.restype = None
     if hasattr(lib, "linear_q8"):  # a build of an older revision (bench/common.build_revision) may lack it
         lib.linear_q8.restype = None
@@ -351,6 +354,22 @@ def linear_bf16_path() -> int:
 _path: int | None = None
 
 
+def panel_path(path: int | None = None) -> bool:
+    """Whether the linear kernel's ``path`` (by default this build's) takes the panel layout
+    [N/16, K, 8, 2]: the panels on AVX2 + FMA (1) or on AVX-512F (3, the same bits), not the
+    dot products of AVX512-BF16 (2) or the portable loop (0)."""
+    return (linear_bf16_path() if path is None else path) in (1, 3)
+
+
+def linear_probe() -> dict[str, float]:
+    """What the library measured when it loaded, to choose between paths 2 and 3 (linear.c's
+    linear_choose): vdpbf16ps and FMA instructions a second on one core (0.0 where the build has no
+    AVX512-BF16, or without the native kernels)."""
+    if not available() or not hasattr(_lib, "linear_probe_rate"):
+        return {"dot_per_s": 0.0, "fma_per_s": 0.0}
+    return {"dot_per_s": float(_lib.linear_probe_rate(0)), "fma_per_s": float(_lib.linear_probe_rate(1))}
+
+
 def linear_bf16_simd() -> bool:
     """Whether bf16 products run on SIMD here (AVX512-BF16's dot products, or AVX2 + FMA
     splitting each bf16 pair): a bf16 model's decode step then streams half an fp32 model's
@@ -415,7 +434,7 @@ def pack_linear(weight: torch.Tensor, amx: bool = False, path: int | None = None
         if np_ != n:
             w = torch.nn.functional.pad(w, (0, 0, 0, np_ - n))
         return w.reshape(np_ // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-    if (linear_bf16_path() if path is None else path) == 1:
+    if panel_path(path):
         np_ = -(-n // 16) * 16
         if np_ != n:
             w = torch.nn.functional.pad(w, (0, 0, 0, np_ - n))
@@ -536,7 +555,7 @@ class ExitCheck:
         mlp = isinstance(adapter, tuple)
         weights = [*adapter[:2]] if mlp else [adapter]
         for w in (*weights, subset):
-            if w is not None and (amx_layout(w) or panel_layout(w) != (linear_bf16_path() == 1)):
+            if w is not None and (amx_layout(w) or panel_layout(w) != panel_path()):
                 raise ValueError("weight packed for another linear kernel (pack_linear's path, no AMX)")
         hidden = adapter[2] if mlp else 0
         d = self.dim = dim
@@ -580,7 +599,7 @@ class KVFill:
         if not available() or not hasattr(_lib, "fill_kv_folded"):
             raise RuntimeError(f"native KV filling unavailable: {_error or 'an older build'}")
         self.amx = amx_layout(rows)
-        if not self.amx and panel_layout(rows) != (linear_bf16_path() == 1):
+        if not self.amx and panel_layout(rows) != panel_path():
             raise ValueError("weight packed for another build's linear kernel (pack_linear's path)")
         self.first, self.n, self.dim, self.e = first, n, dim, head_dim
         self._keep = (rows, bias)
@@ -623,7 +642,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
         _lib.linear_q8(x.numel() // k, out_features, k, x.data_ptr(), packed.data_ptr(),
                        bias.data_ptr() if bias is not None else None, y.data_ptr())
         return y
-    if not amx_layout(packed) and panel_layout(packed) != (linear_bf16_path() == 1):
+    if not amx_layout(packed) and panel_layout(packed) != panel_path():
         raise ValueError("weight packed for another build's linear kernel (pack_linear's path)")
     fn = _lib.linear_bf16_amx if amx_layout(packed) else _lib.linear_bf16
     fn(x.numel() // k, out_features, k, x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
@@ -682,7 +701,8 @@ def greedy_head_rows(stack: "Stack") -> int:
         return 0
     if stack.amx and amx_greedy_head():
         return GREEDY_HEAD_ROWS_AMX
-    return GREEDY_HEAD_ROWS_AVX2 if linear_bf16_path() == 1 else GREEDY_HEAD_ROWS
+    vnni = _lib.head_greedy_vnni() if hasattr(_lib, "head_greedy_vnni") else linear_bf16_path() != 1
+    return GREEDY_HEAD_ROWS if vnni else GREEDY_HEAD_ROWS_AVX2
 
 
 def greedy_head_like(v: int, k: int) -> list[torch.Tensor]:

@@ -11,7 +11,8 @@
  *   packed [N/4][K/32][4][32]: for each group of four rows, 32 columns of row 0, then of
  *   rows 1, 2, 3, then the next 32 columns.  N is padded to a multiple of 4 and K to a
  *   multiple of 32 with zeros.  (CPUs with AVX2 but not AVX512-BF16 have a layout and kernel
- *   of their own, further down.)
+ *   of their own, further down: the panels, which an AVX512-BF16 build also runs where its
+ *   vdpbf16ps is slow, see linear_choose.)
  *
  * On that layout one thread of this kernel streams ~29 GB/s and two ~57 GB/s (the same
  * kernel on the row-major layout: 11 and 23 GB/s).  A group of four weight rows is
@@ -35,6 +36,8 @@
 #endif
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
+#include <time.h>
 
 /* Room for `need` floats in this thread's scratch (the fp32 copy of a call's input rows in the AVX2
  * kernels; NULL without the memory), kept between calls and freed when the thread exits (a pthread
@@ -255,10 +258,13 @@ static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t 
         m0 += mr;
     }
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
 /* AVX2 + FMA without AVX512-BF16 (most laptops and desktops, Skylake/Cascade Lake servers, AMD
- * before Zen 4): a layout and kernel of their own (pack_linear's `path` 1), in the form of a GEMM
- * micro-kernel rather than dot products:
+ * before Zen 4): a layout and kernel of their own (pack_linear's `path` 1; 3 where the tiles are
+ * AVX-512F's, below: with AVX-512F and no AVX512-BF16, or with AVX512-BF16 whose vdpbf16ps is
+ * slow, linear_choose), in the form of a GEMM micro-kernel rather than dot products:
  *
  *   packed [N/16][K][8][2]: panels of 16 output rows; per column k, the 32-bit lane j holds
  *   W[16p + j][k] (low half) and W[16p + 8 + j][k] (high half).  N is padded to a multiple of
@@ -338,6 +344,87 @@ PANEL_FN(1, 4) PANEL_FN(1, 3) PANEL_FN(1, 2) PANEL_FN(1, 1) PANEL_FN(2, 2) PANEL
 PANEL_FN(4, 1) PANEL_FN(5, 1) PANEL_FN(6, 1)
 #undef PANEL_FN
 
+/* The same tiles on 512-bit vectors (AVX-512F), two panels at a time: a column's 256-bit lines of
+ * panels 2Q and 2Q + 1 side by side in one vector (lanes 0-7 panel 2Q, 8-15 panel 2Q + 1), split by
+ * the same shift and mask, each input row's x[k] broadcast over 16 lanes.  Every output is still
+ * one chain of FMAs over k = 0 .. K-1, each FMA the one the 256-bit tile does (an FMA rounds once
+ * whatever the vector width), so both tiles give the same bits: a panel run by either, a row by
+ * any tile.  Where the dot products of vdpbf16ps are slow (linear_dot_slow: 0.45 a cycle on the
+ * AVX512-BF16 Xeon without AMX of 2026-12-02, the FMAs 1.8), these FMAs run the multi-row products
+ * of a verification pass about twice as fast; one row is bound by the weights' bytes either way. */
+#ifdef __AVX512F__
+#define WIDE_DECL(R) __m512 b##R##0e = zz, b##R##0o = zz, b##R##1e = zz, b##R##1o = zz;
+#define WIDE_FMA(R, Q)                                                                                           \
+    if (MR > R) {                                                                                                \
+        const __m512 b = _mm512_set1_ps(xr[(size_t)R * K + k]);                                                  \
+        b##R##Q##e = _mm512_fmadd_ps(we, b, b##R##Q##e);                                                         \
+        b##R##Q##o = _mm512_fmadd_ps(wo, b, b##R##Q##o);                                                         \
+    }
+#define WIDE_COL(Q)                                                                                              \
+    if (PP > Q) {                                                                                                \
+        const __m512i v = _mm512_inserti64x4(                                                                    \
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wk + (size_t)(2 * Q) * ps))),            \
+            _mm256_loadu_si256((const __m256i *)(wk + (size_t)(2 * Q + 1) * ps)), 1);                            \
+        const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                                        \
+        const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));        \
+        WIDE_FMA(0, Q) WIDE_FMA(1, Q) WIDE_FMA(2, Q) WIDE_FMA(3, Q) WIDE_FMA(4, Q) WIDE_FMA(5, Q)                \
+    }
+static inline __m256 wide_half(__m512 v, int h) {
+    return h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)) : _mm512_castps512_ps256(v);
+}
+#define WIDE_STORE(R, Q)                                                                                         \
+    if (MR > R && PP > Q)                                                                                        \
+        for (int h = 0; h < 2; h++) {                                                                            \
+            const int n = N - n0 - 16 * (2 * Q + h);                                                             \
+            if (n <= 0) break;                                                                                   \
+            uint16_t *yr = y + (size_t)(m0 + R) * N + n0 + 16 * (2 * Q + h);                                     \
+            const uint16_t *bb = bias ? bias + n0 + 16 * (2 * Q + h) : NULL;                                     \
+            store8(wide_half(b##R##Q##e, h), bb, yr, n);                                                         \
+            if (n > 8) store8(wide_half(b##R##Q##o, h), bb ? bb + 8 : NULL, yr + 8, n - 8);                      \
+        }
+#define WIDE_STORES(R) WIDE_STORE(R, 0) WIDE_STORE(R, 1)
+static inline __attribute__((always_inline)) void wide_tile(int MR, int PP, int K, const float *x, const uint16_t *w,
+                                                             size_t ps, const uint16_t *bias, uint16_t *y, int N,
+                                                             int n0, int m0, const char *pf, int every) {
+    const __m512 zz = _mm512_setzero_ps();
+    WIDE_DECL(0) WIDE_DECL(1) WIDE_DECL(2) WIDE_DECL(3) WIDE_DECL(4) WIDE_DECL(5)
+    const float *xr = x + (size_t)m0 * K;
+    int k = 0;
+    for (int c = 0; k + 2 <= K; k += 2) {
+        const uint16_t *wk = w + (size_t)k * 16;
+        if (!pf)
+            for (int q = 0; q < 2 * PP; q++) _mm_prefetch((const char *)(wk + q * ps) + 1024, _MM_HINT_T0);
+        else if (++c == every)
+            c = 0, _mm_prefetch(pf, _MM_HINT_T0), pf += 64;
+        WIDE_COL(0) WIDE_COL(1)
+        wk += 16, k++;
+        WIDE_COL(0) WIDE_COL(1)
+        k--;
+    }
+    if (k < K) {
+        const uint16_t *wk = w + (size_t)k * 16;
+        WIDE_COL(0) WIDE_COL(1)
+    }
+    WIDE_STORES(0) WIDE_STORES(1) WIDE_STORES(2) WIDE_STORES(3) WIDE_STORES(4) WIDE_STORES(5)
+}
+#define WIDE_FN(A, B)                                                                                            \
+    static __attribute__((noinline)) void wide_##A##x##B(int K, const float *x, const uint16_t *w, size_t ps,    \
+                                                          const uint16_t *bias, uint16_t *y, int N, int n0,      \
+                                                          int m0, const char *pf, int every) {                   \
+        wide_tile(A, B, K, x, w, ps, bias, y, N, n0, m0, pf, every);                                             \
+    }
+WIDE_FN(1, 2) WIDE_FN(1, 1) WIDE_FN(2, 2) WIDE_FN(2, 1) WIDE_FN(3, 1) WIDE_FN(4, 1) WIDE_FN(5, 1) WIDE_FN(6, 1)
+#undef WIDE_FN
+#undef WIDE_DECL
+#undef WIDE_FMA
+#undef WIDE_COL
+#undef WIDE_STORE
+#undef WIDE_STORES
+static const int panel_wide = 1; /* the 512-bit tiles (above) where the build has them */
+#else
+static const int panel_wide = 0;
+#endif
+
 /* rows m0 .. m0 + mr against panels p .. p + np (np <= the tile's width for mr); with `pf`, the tile
  * prefetches one line of it every `every` loop turns instead of its own panels ahead */
 static void panel_run(int mr, int np, int K, const float *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
@@ -345,6 +432,14 @@ static void panel_run(int mr, int np, int K, const float *x, const uint16_t *wp,
     const size_t ps = (size_t)K * 16;
     const uint16_t *w = wp + (size_t)p * ps;
     const int n0 = 16 * p;
+#ifdef __AVX512F__
+    if (np >= 2) { /* the pairs of panels on 512-bit tiles, an odd last one on the 256-bit tile */
+#define WIDE_CASE(A, B)                                                                                              if (mr == A && np / 2 == B) {                                                                                        wide_##A##x##B(K, x, w, ps, bias, y, N, n0, m0, pf, every);                                                      if (np % 2) panel_run(mr, 1, K, x, wp, bias, y, N, p + 2 * B, m0, NULL, 1);                                      return;                                                                                                      }
+        WIDE_CASE(1, 2) WIDE_CASE(1, 1) WIDE_CASE(2, 2) WIDE_CASE(2, 1) WIDE_CASE(3, 1) WIDE_CASE(4, 1)
+        WIDE_CASE(5, 1) WIDE_CASE(6, 1)
+#undef WIDE_CASE
+    }
+#endif
 #define PANEL_CASE(A, B)                                                                                         \
     if (mr == A && np == B) {                                                                                    \
         panel_##A##x##B(K, x, w, ps, bias, y, N, n0, m0, pf, every);                                             \
@@ -356,7 +451,7 @@ static void panel_run(int mr, int np, int K, const float *x, const uint16_t *wp,
 }
 
 /* the panels' width a tile of `mr` rows takes */
-static inline int panel_width(int mr) { return mr == 1 ? 4 : mr == 2 ? 2 : 1; }
+static inline int panel_width(int mr) { return panel_wide ? (mr <= 2 ? 4 : 2) : mr == 1 ? 4 : mr == 2 ? 2 : 1; }
 
 /* each thread's fp32 copy of the input rows: at most PANEL_XROWS at a time (thread_floats) */
 enum { PANEL_XROWS = 60 };
@@ -392,13 +487,15 @@ static void panel_team(int M, int N, int K, const uint16_t *x, const uint16_t *w
              * block's own prefetch left the memory idle while the blocks after the first computed
              * from the L2.  More blocks (prefill) are compute-bound, and runs did better there
              * (32 rows 80 against 90 ms, 256 rows 609 against 675). */
-            const int lines = (K * 32 + 63) / 64, share = (lines + blocks - 1) / blocks;
+            const int step = panel_wide ? 2 : 1; /* panels a turn: a pair on the 512-bit tiles */
+            const int lines = (K * 32 * step + 63) / 64, share = (lines + blocks - 1) / blocks;
             const int every = share * 2 < K ? K / (share * 2) : 1; /* turns (2 columns) per line of a share */
-            for (int p = p0; p < p1; p++) {
-                const char *next = p + 1 < p1 ? (const char *)(wp + (size_t)(p + 1) * K * 16) : NULL;
+            for (int p = p0; p < p1; p += step) {
+                const int np_ = p1 - p < step ? p1 - p : step;
+                const char *next = p + np_ < p1 ? (const char *)(wp + (size_t)(p + np_) * K * 16) : NULL;
                 for (int b = 0, m0 = 0; b < blocks; b++) {
                     const int mr = (mc - m0) / (blocks - b) + ((mc - m0) % (blocks - b) ? 1 : 0);
-                    panel_run(mr, 1, K, panel_x, wp, bias, yc, N, p, m0, next ? next + (size_t)b * share * 64 : NULL,
+                    panel_run(mr, np_, K, panel_x, wp, bias, yc, N, p, m0, next ? next + (size_t)b * share * 64 : NULL,
                               every);
                     m0 += mr;
                 }
@@ -416,8 +513,106 @@ static void panel_team(int M, int N, int K, const uint16_t *x, const uint16_t *w
         }
     }
 }
+
+/* The logits of panel g (head rows 16g .. 16g + 16 in the panel layout, no bias) for all M input
+ * rows, the bits panel_team gives them (the greedy heads' exact rows); xf: room for
+ * min(M, PANEL_XROWS) x K floats, or NULL (then one output at a time, the same chains of FMAs). */
+static void panel_exact(int M, int V, int K, const uint16_t *x, const uint16_t *wp, int g, uint16_t *y, float *xf) {
+    if (xf) {
+        for (int r0 = 0; r0 < M; r0 += PANEL_XROWS) { /* the fp32 copy of (at most PANEL_XROWS) input rows */
+            const int mc = M - r0 < PANEL_XROWS ? M - r0 : PANEL_XROWS, blocks = (mc + 5) / 6;
+            for (size_t i = 0; i < (size_t)mc * K; i++) xf[i] = bf16_to_f32(x[(size_t)r0 * K + i]);
+            for (int b = 0, m0 = 0; b < blocks; b++) {
+                const int mr = (mc - m0) / (blocks - b) + ((mc - m0) % (blocks - b) ? 1 : 0);
+                panel_run(mr, 1, K, xf, wp, NULL, y + (size_t)r0 * V, V, g, m0, NULL, 1);
+                m0 += mr;
+            }
+        }
+        return;
+    }
+    for (int m = 0; m < M; m++)
+        for (int n = 16 * g; n < 16 * g + 16 && n < V; n++) {
+            const uint16_t *w = wp + (size_t)g * K * 16 + (n % 8) * 2 + (n % 16) / 8;
+            float s = 0.0f;
+            for (int k = 0; k < K; k++) s = fmaf(bf16_to_f32(w[(size_t)k * 16]), bf16_to_f32(x[(size_t)m * K + k]), s);
+            y[(size_t)m * V + n] = f32_to_bf16(s);
+        }
+}
 #define LINEAR_PANELS 1
+#endif
+
+#ifdef __AVX512BF16__
+/* Whether linear_team runs the panels (path 3) instead of vdpbf16ps's dot products (path 2): chosen
+ * once per process, when the library loads, by timing both instructions on this CPU (about a
+ * millisecond).  A dot-product instruction does 32 multiply-adds where an FMA does 16, and a
+ * panel tile spends about 2.5 vector operations per 32 (two FMAs, its share of the shift, mask
+ * and insert), so the panels win where FMAs issue more than 2.5 times as often as vdpbf16ps:
+ * measured 4.0x on an AVX512-BF16 Xeon without AMX (1.3 G vdpbf16ps/s a core against 5.4 G FMAs),
+ * while on the Zen 4 EPYC the dot kernel reached ~23 multiply-adds a cycle.  CODECOMPLETE_LINEAR=
+ * panels or dot sets it (a comparison's switch: the two give different bits, so a model is packed
+ * and generated with one). */
+static int use_panels;
+
+static double probe_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* instructions a second: n turns of twelve independent vdpbf16ps (dot) or FMAs */
+__attribute__((noinline)) static double probe_rate(int dot, int n) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
+           a9 = a0, a10 = a0, a11 = a0;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512bh h = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+    const double t0 = probe_now();
+#define PROBE(OP)                                                                                                \
+    for (int i = 0; i < n; i++) {                                                                                \
+        a0 = OP(a0), a1 = OP(a1), a2 = OP(a2), a3 = OP(a3), a4 = OP(a4), a5 = OP(a5);                            \
+        a6 = OP(a6), a7 = OP(a7), a8 = OP(a8), a9 = OP(a9), a10 = OP(a10), a11 = OP(a11);                        \
+        __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7),     \
+                         "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));                                              \
+    }
+#define DOT_OP(a) _mm512_dpbf16_ps(a, h, h)
+#define FMA_OP(a) _mm512_fmadd_ps(a, one, one)
+    if (dot) {
+        PROBE(DOT_OP)
+    } else {
+        PROBE(FMA_OP)
+    }
+#undef PROBE
+#undef DOT_OP
+#undef FMA_OP
+    const double dt = probe_now() - t0;
+    volatile float sink = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a11), _mm512_add_ps(a5, a7)));
+    (void)sink, (void)a1, (void)a2, (void)a3, (void)a4, (void)a6, (void)a8, (void)a9, (void)a10;
+    return dt > 0.0 ? 12.0 * n / dt : 0.0;
+}
+
+static double probe_dot_rate, probe_fma_rate;
+
+__attribute__((constructor)) static void linear_choose(void) {
+    for (int i = 0; i < 5; i++) { /* interleaved, the best of each: a busy core slows both alike */
+        const double d = probe_rate(1, 20000), f = probe_rate(0, 20000);
+        probe_dot_rate = d > probe_dot_rate ? d : probe_dot_rate;
+        probe_fma_rate = f > probe_fma_rate ? f : probe_fma_rate;
+    }
+    const char *e = getenv("CODECOMPLETE_LINEAR");
+    if (e && !strcmp(e, "panels")) use_panels = 1;
+    else if (e && !strcmp(e, "dot")) use_panels = 0;
+    else use_panels = probe_fma_rate > 2.5 * probe_dot_rate;
+}
+
+/* what linear_choose measured: vdpbf16ps (0) or FMAs (1) a second on one core */
+double linear_probe_rate(int which) { return which ? probe_fma_rate : probe_dot_rate; }
 #else
+double linear_probe_rate(int which) {
+    (void)which;
+    return 0.0;
+}
+#endif
+
+#if !defined(__AVX512BF16__) && !defined(LINEAR_PANELS)
 static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                  int n0) {
     for (int m = 0; m < M; m++) {
@@ -443,7 +638,13 @@ static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t 
  * share the groups of four weight rows (each a contiguous half of the matrix for two
  * threads) and do not wait for each other at the end: the caller places the barrier. */
 void linear_team(int M, int N, int K, const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y) {
-#ifdef LINEAR_PANELS
+#if defined(__AVX512BF16__)
+    if (use_panels) { /* the panel layout (linear_dot_slow) */
+        panel_team(M, N, K, x, wp, bias, y);
+        return;
+    }
+#endif
+#if defined(LINEAR_PANELS) && !defined(__AVX512BF16__)
     panel_team(M, N, K, x, wp, bias, y); /* the AVX2 layout (above) */
 #else
     const int Kb = (K + 31) / 32, groups = (N + 3) / 4;
@@ -604,10 +805,14 @@ void linear_bf16_amx(int M, int N, int K, const uint16_t *x, const uint16_t *wp,
     linear_team_amx(M, N, K, x, wp, bias, y);
 }
 
-/* which path linear_team takes: 2 AVX512-BF16, 1 AVX2 + FMA, 0 the portable loop */
+/* which path linear_team takes: 2 AVX512-BF16's dot products, 3 the panels on AVX-512F's FMAs
+ * (where the build has AVX-512F but not AVX512-BF16, or has both and linear_dot_slow says so),
+ * 1 the panels on AVX2 + FMA, 0 the portable loop.  1 and 3 share the layout and the bits. */
 int linear_bf16_path(void) {
 #if defined(__AVX512BF16__)
-    return 2;
+    return use_panels ? 3 : 2;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__AVX512F__)
+    return 3;
 #elif defined(__AVX2__) && defined(__FMA__)
     return 1;
 #else
@@ -870,6 +1075,7 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
         for (int m = 0; m < mc; m++) thr[(size_t)tid * M + m0 + m] = _mm512_reduce_max_ps(lomax[m]);
     }
     thresholds(M, nt, thr, qr, T); /* a non-finite row: every logit computed */
+    float *xf = use_panels && !amx ? thread_floats((size_t)(M < PANEL_XROWS ? M : PANEL_XROWS) * K) : NULL;
 #pragma omp for schedule(static)
     for (int g = 0; g < groups; g++) { /* sixteen rows: four groups of the bf16 kernel */
         __mmask16 need = 0;
@@ -882,6 +1088,10 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
         }
         if (amx) { /* the head in the AMX layout: the group's sixteen rows on the tiles, as linear_team_amx */
             amx_group(M, V, K, x, wp + (size_t)g * (K / 32) * 512, g * 16, y);
+            continue;
+        }
+        if (use_panels) { /* the head in the panel layout (linear_team on panels): the panel's sixteen rows */
+            panel_exact(M, V, K, x, wp, g, y, xf);
             continue;
         }
         for (int q4 = 0; q4 < 4; q4++) {
@@ -898,6 +1108,7 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
 }
 
 int head_greedy_native(void) { return 1; }
+int head_greedy_vnni(void) { return 1; } /* the bounds on vpdpbusd: up to GREEDY_HEAD_ROWS rows (__init__.py) */
 #elif defined(LINEAR_PANELS)
 /* The greedy head on AVX2 + FMA (no VNNI): the same int8 copy, bound and exact rows as above, with
  * the products on vpmaddwd.  Each input row is one int16 c = 256 a + b a column (quant_row's wide
@@ -1025,26 +1236,8 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
             if (T[m] == -INFINITY) need = 1;
             for (int j = 0; j < 16 && !need; j++) need = hi[(size_t)m * Vp + g * 16 + j] >= T[m];
         }
-        if (need && xf) {
-            for (int r0 = 0; r0 < M; r0 += PANEL_XROWS) { /* the fp32 copy of (at most PANEL_XROWS) input rows */
-                const int mc = M - r0 < PANEL_XROWS ? M - r0 : PANEL_XROWS, blocks = (mc + 5) / 6;
-                for (size_t i = 0; i < (size_t)mc * K; i++) xf[i] = bf16_to_f32(x[(size_t)r0 * K + i]);
-                for (int b = 0, m0 = 0; b < blocks; b++) {
-                    const int mr = (mc - m0) / (blocks - b) + ((mc - m0) % (blocks - b) ? 1 : 0);
-                    panel_run(mr, 1, K, xf, wp, NULL, y + (size_t)r0 * V, V, g, m0, NULL, 1);
-                    m0 += mr;
-                }
-            }
-            continue;
-        }
-        if (need) { /* no memory for the copy: the same chains of FMAs, one output at a time */
-            for (int m = 0; m < M; m++)
-                for (int n = 16 * g; n < 16 * g + 16 && n < V; n++) {
-                    const uint16_t *w = wp + (size_t)g * K * 16 + (n % 8) * 2 + (n % 16) / 8;
-                    float s = 0.0f;
-                    for (int k = 0; k < K; k++) s = fmaf(bf16_to_f32(w[(size_t)k * 16]), bf16_to_f32(x[(size_t)m * K + k]), s);
-                    y[(size_t)m * V + n] = f32_to_bf16(s);
-                }
+        if (need) {
+            panel_exact(M, V, K, x, wp, g, y, xf);
             continue;
         }
         for (int m = 0; m < M; m++)
@@ -1053,8 +1246,10 @@ void head_greedy_team(int M, int V, int K, const uint16_t *x, const uint16_t *wp
 }
 
 int head_greedy_native(void) { return 1; }
+int head_greedy_vnni(void) { return 0; }
 #else
 int head_greedy_native(void) { return 0; }
+int head_greedy_vnni(void) { return 0; }
 int head_greedy_amx_set(int on) {
     (void)on;
     return 0;
