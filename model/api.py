@@ -111,8 +111,9 @@ class SpecSettings:
     tau: int = 8  # the cache is consulted first once it holds more than tau sequences
     p: float = 1.0  # retrieval probability at a skip token
     min_match: int = 2  # shortest context suffix a datastore match may have
-    # where passes are costly (speculate.costly_passes: bf16 on AVX2 or the portable loop), the
-    # datastores draft only from matches at least this long (0: min_match everywhere)
+    # where short matches cost more than they pay (speculate.costly_short_matches: bf16 on the AVX2
+    # kernel or the portable loop), the datastores draft only from matches at least this long
+    # (0: min_match everywhere)
     costly_min_match: int = 8
     cache_sequences: int = 4096  # the verified cache's size (sequences, LRU)
     use_repository: bool = True

@@ -70,18 +70,35 @@ class Tree:
         return out
 
 
-AVX2_ROWS = 8  # auto max_rows where bf16 products run on AVX2 (bench/results/spec_rows_avx2_tiles6.md)
+# auto max_rows where bf16 products run on the panels (bench/results/: AVX2 spec_rows_avx2_tiles6.md,
+# AVX-512F spec_rows_panels512.md)
+AVX2_ROWS = 8
+
+
+def _cpu_linear_path(model) -> int | None:
+    """The native bf16 linear kernel's path (linear.c's linear_bf16_path) that ``model`` runs on:
+    None for another device or dtype, without the native kernels, or with AMX tiles."""
+    if model.device.type == "cpu" and model.dtype == torch.bfloat16 and model.native_stack is not None:
+        from . import native
+
+        return None if native.amx() else native.linear_bf16_path()
+    return None
 
 
 def costly_passes(model) -> bool:
     """Whether a verification pass of several rows costs several one-row steps for ``model``: a
-    bf16 model on a CPU whose linear kernel is the AVX2 or portable one (a 16-row pass's linear
-    layers ~2.4 steps with the AVX2 kernel, bench/results/linear_avx2.md, against ~1.2 on AMX tiles)."""
-    if model.device.type == "cpu" and model.dtype == torch.bfloat16 and model.native_stack is not None:
-        from . import native
+    bf16 model on a CPU whose linear kernel is the panels (AVX2 or AVX-512F FMAs) or the portable
+    loop (a 16-row pass's linear layers ~2.4 steps with the AVX2 kernel, bench/results/linear_avx2.md,
+    ~2.2 with the AVX-512F panels on an AVX512-BF16 Xeon without AMX, bench/results/pass_cost_panels512.md,
+    against ~1.2 on AMX tiles)."""
+    return _cpu_linear_path(model) in (0, 1, 3)
 
-        return native.linear_bf16_path() in (0, 1) and not native.amx()
-    return False
+
+def costly_short_matches(model) -> bool:
+    """Whether the datastores' short matches draft more than they pay for ``model``: measured so on
+    the AVX2 kernel (bench/results/spec_min_match_avx2.md), not on the AVX-512F panels, where a pass
+    is as costly but matches of 2 tokens won (bench/results/spec_rows_panels512.md)."""
+    return _cpu_linear_path(model) in (0, 1)
 
 
 def pass_rows(settings, model) -> int:
@@ -97,9 +114,9 @@ def pass_rows(settings, model) -> int:
 
 def datastore_min_match(settings, model) -> int:
     """The shortest context match the datastores draft from: ``min_match``, raised to
-    ``costly_min_match`` where passes are costly (measured on the AVX2 CPU: short matches' drafts
-    cost a wider pass and paid less than they cost, bench/results/spec_min_match_avx2.md)."""
-    if settings.costly_min_match and costly_passes(model):
+    ``costly_min_match`` where short matches cost more than they pay (``costly_short_matches``;
+    measured on the AVX2 CPU: their drafts cost a wider pass, bench/results/spec_min_match_avx2.md)."""
+    if settings.costly_min_match and costly_short_matches(model):
         return max(settings.min_match, settings.costly_min_match)
     return settings.min_match
 
