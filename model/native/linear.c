@@ -603,6 +603,9 @@ __attribute__((constructor)) static void linear_choose(void) {
     else use_panels = probe_fma_rate > 2.5 * probe_dot_rate;
 }
 
+/* whether the bf16 products avoid vdpbf16ps here (linear_choose): decode_attention.c's pairs too */
+int bf16_dot_slow(void) { return use_panels; }
+
 /* what linear_choose measured: vdpbf16ps (0) or FMAs (1) a second on one core */
 double linear_probe_rate(int which) { return which ? probe_fma_rate : probe_dot_rate; }
 #else
@@ -610,6 +613,7 @@ double linear_probe_rate(int which) {
     (void)which;
     return 0.0;
 }
+int bf16_dot_slow(void) { return 0; }
 #endif
 
 #if !defined(__AVX512BF16__) && !defined(LINEAR_PANELS)
