@@ -31,11 +31,17 @@ def each_way(request, switch, tiles: str):
     switch(before)
 
 
-@pytest.fixture(params=["default", "amx", "avx512"])
-def attention_kernel(request):
+@pytest.fixture(params=["default", "amx", "avx512", "fma"])
+def attention_kernel(request, monkeypatch):
     """Attention's products as this machine runs them, and each way on its own where both exist
-    (AMX tiles or AVX-512 dot products; decode_attention.c): each must give every row the bits of
-    a one-token step."""
+    (AMX tiles or AVX-512 dot products; decode_attention.c), and on an AVX512-BF16 CPU whose
+    build takes the dot products, its bf16 pairs through FMAs (the build loaded with
+    CODECOMPLETE_LINEAR=panels, as where vdpbf16ps is slow): each must give every row the bits
+    of a one-token step."""
+    if request.param == "fma":
+        swap_in(request.getfixturevalue("panels_build"), monkeypatch, 3)
+        yield request.param
+        return
     yield from each_way(request, native.amx_attention, "amx")
 
 

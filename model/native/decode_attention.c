@@ -452,10 +452,14 @@ static inline void keys_in_pairs(const uint32_t *kb, int E, uint32_t *kt) {
 /* Scores of query rows r0 .. r0 + RB (bf16 pairs qb [R][E/2]) against KB blocks of 16 keys
  * transposed in pairs (kt [KB][E/2][16]: key j's dims 2p, 2p + 1 in lane j of row p): one
  * dpbf16 per pair of dims for 16 keys at once, no reduction; each broadcast query pair serves
- * KB blocks, into scores[r * ns + t ..].  RB and KB are constants at each call site. */
+ * KB blocks, into scores[r * ns + t ..].  RB and KB are constants at each call site.  With FMA
+ * (a constant too; where vdpbf16ps is slow, linear.c's bf16_dot_slow): each pair of key vectors
+ * split into two fp32 vectors by a shift and a mask, as the linear panels split theirs, and two
+ * FMAs with the query's fp32 dims qf [R][E] (bf16 numbers: the pair path's condition), so each
+ * score is one chain of FMAs over the dims in order, whatever the rows. */
 static inline __attribute__((always_inline)) void scores_pairs(int RB, int KB, int E, const uint32_t *qb,
-                                                               const uint32_t *kt, int r0, __m512 sc, float *scores,
-                                                               int64_t ns, int64_t t) {
+                                                               const float *qf, const uint32_t *kt, int r0, __m512 sc,
+                                                               float *scores, int64_t ns, int64_t t, int FMA) {
     __m512 a[2][8];
 #pragma GCC unroll 2
     for (int b = 0; b < 2; b++)
@@ -463,16 +467,31 @@ static inline __attribute__((always_inline)) void scores_pairs(int RB, int KB, i
         for (int j = 0; j < 8; j++) a[b][j] = _mm512_setzero_ps();
     for (int p = 0; p < E / 2; p++) {
         __m512bh kv[2];
+        __m512 ke[2], ko[2];
 #pragma GCC unroll 2
         for (int b = 0; b < 2; b++)
-            if (b < KB) kv[b] = (__m512bh)_mm512_loadu_si512(kt + (size_t)b * 8 * E + 16 * p);
+            if (b < KB) {
+                kv[b] = (__m512bh)_mm512_loadu_si512(kt + (size_t)b * 8 * E + 16 * p);
+                if (FMA) {
+                    ke[b] = _mm512_castsi512_ps(_mm512_slli_epi32((__m512i)kv[b], 16));
+                    ko[b] = _mm512_castsi512_ps(_mm512_and_si512((__m512i)kv[b], _mm512_set1_epi32((int)0xffff0000u)));
+                }
+            }
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++)
             if (j < RB) {
-                const __m512bh qv = (__m512bh)_mm512_set1_epi32((int)qb[(size_t)(r0 + j) * (E / 2) + p]);
+                if (FMA) {
+                    const __m512 qe = _mm512_set1_ps(qf[(size_t)(r0 + j) * E + 2 * p]);
+                    const __m512 qo = _mm512_set1_ps(qf[(size_t)(r0 + j) * E + 2 * p + 1]);
 #pragma GCC unroll 2
-                for (int b = 0; b < 2; b++)
-                    if (b < KB) a[b][j] = _mm512_dpbf16_ps(a[b][j], kv[b], qv);
+                    for (int b = 0; b < 2; b++)
+                        if (b < KB) a[b][j] = _mm512_fmadd_ps(ko[b], qo, _mm512_fmadd_ps(ke[b], qe, a[b][j]));
+                } else {
+                    const __m512bh qv = (__m512bh)_mm512_set1_epi32((int)qb[(size_t)(r0 + j) * (E / 2) + p]);
+#pragma GCC unroll 2
+                    for (int b = 0; b < 2; b++)
+                        if (b < KB) a[b][j] = _mm512_dpbf16_ps(a[b][j], kv[b], qv);
+                }
             }
     }
 #pragma GCC unroll 2
@@ -484,18 +503,18 @@ static inline __attribute__((always_inline)) void scores_pairs(int RB, int KB, i
 
 /* scores_pairs over every query row: blocks of eight, then the rest */
 static inline __attribute__((always_inline)) void scores_rows(int KB, int R, int E, const uint32_t *qb,
-                                                              const uint32_t *kt, __m512 sc, float *scores, int64_t ns,
-                                                              int64_t t) {
+                                                              const float *qf, const uint32_t *kt, __m512 sc,
+                                                              float *scores, int64_t ns, int64_t t, int FMA) {
     int r0 = 0;
-    for (; r0 + 8 <= R; r0 += 8) scores_pairs(8, KB, E, qb, kt, r0, sc, scores, ns, t);
+    for (; r0 + 8 <= R; r0 += 8) scores_pairs(8, KB, E, qb, qf, kt, r0, sc, scores, ns, t, FMA);
     switch (R - r0) {
-    case 7: scores_pairs(7, KB, E, qb, kt, r0, sc, scores, ns, t); break;
-    case 6: scores_pairs(6, KB, E, qb, kt, r0, sc, scores, ns, t); break;
-    case 5: scores_pairs(5, KB, E, qb, kt, r0, sc, scores, ns, t); break;
-    case 4: scores_pairs(4, KB, E, qb, kt, r0, sc, scores, ns, t); break;
-    case 3: scores_pairs(3, KB, E, qb, kt, r0, sc, scores, ns, t); break;
-    case 2: scores_pairs(2, KB, E, qb, kt, r0, sc, scores, ns, t); break;
-    case 1: scores_pairs(1, KB, E, qb, kt, r0, sc, scores, ns, t); break;
+    case 7: scores_pairs(7, KB, E, qb, qf, kt, r0, sc, scores, ns, t, FMA); break;
+    case 6: scores_pairs(6, KB, E, qb, qf, kt, r0, sc, scores, ns, t, FMA); break;
+    case 5: scores_pairs(5, KB, E, qb, qf, kt, r0, sc, scores, ns, t, FMA); break;
+    case 4: scores_pairs(4, KB, E, qb, qf, kt, r0, sc, scores, ns, t, FMA); break;
+    case 3: scores_pairs(3, KB, E, qb, qf, kt, r0, sc, scores, ns, t, FMA); break;
+    case 2: scores_pairs(2, KB, E, qb, qf, kt, r0, sc, scores, ns, t, FMA); break;
+    case 1: scores_pairs(1, KB, E, qb, qf, kt, r0, sc, scores, ns, t, FMA); break;
     default: break;
     }
 }
@@ -567,12 +586,26 @@ static inline void probs_in_pairs(float *s, int64_t n) {
     if (n & 1) d[n] = 0;
 }
 
+/* probs_in_pairs's rounding for the FMA path: a row's n probabilities rounded to bf16 numbers
+ * in place, kept as floats, and a zero after an odd last one (its pair's second value is zero) */
+static inline void probs_rounded(float *s, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + i));
+        _mm512_storeu_ps(s + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+    for (; i < n; i++) s[i] = bf16_to_f32(f32_to_bf16(s[i]));
+    if (n & 1) s[n] = 0.0f;
+}
+
 /* The values' part of a chunk from the pairs above (vp), or made from the values v on the fly
  * (v not NULL: a single block of rows, where building vp would not pay), for query rows r0 ..
- * r0 + RB: one dpbf16 per pair of positions and 16 dims (RB a constant at each call site). */
+ * r0 + RB: one dpbf16 per pair of positions and 16 dims (RB a constant at each call site).  With
+ * FMA (scores_pairs's switch; the probabilities then as probs_rounded leaves them): each pair of
+ * value vectors split by a shift and a mask, two FMAs with the two positions' probabilities. */
 static inline __attribute__((always_inline)) void pv_pairs(int RB, int NE, const uint32_t *vp, const Seg *v,
                                                            const float *scores, int64_t n, int64_t ns, int r0,
-                                                           float *acc) {
+                                                           float *acc, int FMA) {
     const int E = 16 * NE;
     const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -599,6 +632,25 @@ static inline __attribute__((always_inline)) void pv_pairs(int RB, int NE, const
                     vv[c] = (__m512bh)_mm512_loadu_si512(vp + (i * NE + c) * 16);
                 }
             }
+        if (FMA) {
+            __m512 ve[8], vo[8];
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++)
+                if (c < NE) {
+                    ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32((__m512i)vv[c], 16));
+                    vo[c] = _mm512_castsi512_ps(_mm512_and_si512((__m512i)vv[c], _mm512_set1_epi32((int)0xffff0000u)));
+                }
+#pragma GCC unroll 6
+            for (int j = 0; j < 6; j++)
+                if (j < RB) {
+                    const float *sp = scores + (size_t)(r0 + j) * ns + 2 * i;
+                    const __m512 pe = _mm512_set1_ps(sp[0]), po = _mm512_set1_ps(sp[1]);
+#pragma GCC unroll 8
+                    for (int c = 0; c < 8; c++)
+                        if (c < NE) o[j][c] = _mm512_fmadd_ps(vo[c], po, _mm512_fmadd_ps(ve[c], pe, o[j][c]));
+                }
+            continue;
+        }
 #pragma GCC unroll 6
         for (int j = 0; j < 6; j++)
             if (j < RB) {
@@ -873,10 +925,25 @@ static inline void prefetch_kv(const void *keys, const void *vals, int64_t t, in
 }
 
 #ifdef __AVX512BF16__
+int bf16_dot_slow(void); /* linear.c: vdpbf16ps slow on this CPU (linear_choose) */
+/* scores_rows with its FMA switch as a constant at each call site */
+#define SCORES_ROWS(KB)                                                                                  \
+    do {                                                                                                 \
+        if (fma_pairs) scores_rows(KB, R, E, qb, q, kt, sc, scores, ns, t, 1);                           \
+        else scores_rows(KB, R, E, qb, q, kt, sc, scores, ns, t, 0);                                     \
+    } while (0)
+#define PV_PAIRS_ROWS(RB)                                                                                \
+    do {                                                                                                 \
+        if (fma_pairs) pv_pairs(RB, E / 16, vp, direct, scores, n, ns, r0, acc, 1);                      \
+        else pv_pairs(RB, E / 16, vp, direct, scores, n, ns, r0, acc, 0);                                \
+    } while (0)
 /* the bf16-pair score path of ATTEND_CHUNK_AVX512: bf16 keys, every query
- * value a bf16 number (low 16 bits zero) */
+ * value a bf16 number (low 16 bits zero); where vdpbf16ps is slow (fma_pairs), the same pairs
+ * through FMAs (scores_pairs, pv_pairs: measured on an AVX512-BF16 Xeon without AMX, where the
+ * fp32 path below was slower still) */
 #define SCORES_PAIRS                                                                                     \
     int pairs = elsize == 2;             \
+    const int fma_pairs = !amx && bf16_dot_slow();                                                      \
     if (pairs) { /* every query value a bf16 number: the low halves of all R * E floats are zero */      \
         __m512i low = _mm512_setzero_si512();                                                            \
         for (size_t i = 0; i < (size_t)R * E; i += 16)                                                   \
@@ -913,11 +980,11 @@ static inline void prefetch_kv(const void *keys, const void *vals, int64_t t, in
             prefetch_kv(keys, vals, t0 + t, E);                                                      \
             keys_in_pairs((const uint32_t *)seg_row(&ks, t), E, kt);                                 \
             keys_in_pairs((const uint32_t *)seg_row(&ks, t + 16), E, kt + 8 * E);                    \
-            scores_rows(2, R, E, qb, kt, sc, scores, ns, t);                                          \
+            SCORES_ROWS(2);                                          \
         }                                                                                            \
         for (; t + 16 <= n; t += 16) {                                                               \
             keys_in_pairs((const uint32_t *)seg_row(&ks, t), E, kt);                                 \
-            scores_rows(1, R, E, qb, kt, sc, scores, ns, t);                                          \
+            SCORES_ROWS(1);                                          \
         }                                                                                            \
         if (t < n) { /* the last keys padded with zero keys to a block (their scores are dropped) */ \
             uint16_t *pad = (uint16_t *)kblk;                                                        \
@@ -928,7 +995,7 @@ static inline void prefetch_kv(const void *keys, const void *vals, int64_t t, in
                 AMX_SCORES_KQ(R, E, qt, kb1, 1, E * 2, scale, scores, ns, t);                        \
             } else {                                                                                 \
                 keys_in_pairs((const uint32_t *)pad, E, kt);                                         \
-                scores_rows(1, R, E, qb, kt, sc, scores, ns, t);                                      \
+                SCORES_ROWS(1);                                      \
             }                                                                                        \
             t = n;                                                                                   \
         }                                                                                            \
@@ -948,22 +1015,27 @@ static inline void prefetch_kv(const void *keys, const void *vals, int64_t t, in
             ATTN_RELEASE();                                                                              \
             return;                                                                                      \
         }                                                                                                \
-        for (int r = 0; r < R; r++) probs_in_pairs(scores + (size_t)r * ns, n);                           \
-        const int rb = E <= 64 ? 6 : 2; /* rows a block: 6 x 4 or 2 x 8 accumulators */                \
+        for (int r = 0; r < R; r++)                                                                      \
+            if (fma_pairs) probs_rounded(scores + (size_t)r * ns, n);                                    \
+            else probs_in_pairs(scores + (size_t)r * ns, n);                                             \
+        /* rows a block: 6 x 4 or 2 x 8 accumulators; with FMAs 4 x 4 or 1 x 8 (the split values too) */ \
+        const int rb = fma_pairs ? (E <= 64 ? 4 : 1) : E <= 64 ? 6 : 2;                                  \
         uint32_t *vp = (uint32_t *)(qb + 2 * QB_FLOATS(RPAD(R), E));                                     \
         if (R > rb) values_in_pairs(v0, n, E / 16, vp);                                                  \
         const Seg *direct = R > rb ? NULL : v0;                                                          \
         int r0 = 0;                                                                                      \
         for (; r0 + rb <= R; r0 += rb) {                                                                 \
-            if (E <= 64) pv_pairs(6, E / 16, vp, direct, scores, n, ns, r0, acc);                            \
-            else pv_pairs(2, E / 16, vp, direct, scores, n, ns, r0, acc);                                    \
+            if (fma_pairs && E <= 64) PV_PAIRS_ROWS(4);                                                  \
+            else if (fma_pairs) PV_PAIRS_ROWS(1);                                                        \
+            else if (E <= 64) PV_PAIRS_ROWS(6);                                                          \
+            else PV_PAIRS_ROWS(2);                                                                       \
         }                                                                                                \
         switch (R - r0) {                                                                                \
-        case 5: pv_pairs(5, E / 16, vp, direct, scores, n, ns, r0, acc); break;                              \
-        case 4: pv_pairs(4, E / 16, vp, direct, scores, n, ns, r0, acc); break;                              \
-        case 3: pv_pairs(3, E / 16, vp, direct, scores, n, ns, r0, acc); break;                              \
-        case 2: pv_pairs(2, E / 16, vp, direct, scores, n, ns, r0, acc); break;                              \
-        case 1: pv_pairs(1, E / 16, vp, direct, scores, n, ns, r0, acc); break;                              \
+        case 5: PV_PAIRS_ROWS(5); break;                                                            \
+        case 4: PV_PAIRS_ROWS(4); break;                                                            \
+        case 3: PV_PAIRS_ROWS(3); break;                                                            \
+        case 2: PV_PAIRS_ROWS(2); break;                                                            \
+        case 1: PV_PAIRS_ROWS(1); break;                                                            \
         default: break;                                                                                  \
         }                                                                                                \
     } else
