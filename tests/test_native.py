@@ -963,10 +963,6 @@ def panels_build(tmp_path_factory):
     """This machine's build loaded a second time with CODECOMPLETE_LINEAR=panels: on an AVX512-BF16
     CPU whose own choice is the dot products (linear.c's linear_choose), the panels on 512-bit tiles
     (path 3) are otherwise never run here.  Skips where this build has no such choice or takes it."""
-    import ctypes
-    import os
-    import shutil
-
     if not native.available() or native.amx():
         pytest.skip("no native kernels, or AMX tiles take every product")
     if native.linear_bf16_path() == 3:
@@ -974,14 +970,24 @@ def panels_build(tmp_path_factory):
     if native.linear_bf16_path() != 2:
         pytest.skip("a build without AVX512-BF16 has no dot products to swap for panels")
     out = tmp_path_factory.mktemp("panels") / "lib-panels.so"
-    shutil.copy(native._lib._name, out)  # another file: loaded anew, so its constructor reads the switch
+    load_with_panels(out)
+    return out
+
+
+def load_with_panels(out: Path):
+    """This machine's build copied to ``out`` and loaded there with CODECOMPLETE_LINEAR=panels
+    (another file is loaded anew, so its constructor reads the switch); the switch is restored."""
+    import ctypes
+    import os
+    import shutil
+
+    shutil.copy(native._lib._name, out)
     old = os.environ.get("CODECOMPLETE_LINEAR")
     os.environ["CODECOMPLETE_LINEAR"] = "panels"
     try:
-        ctypes.CDLL(str(out))
+        return ctypes.CDLL(str(out))
     finally:
         os.environ.pop("CODECOMPLETE_LINEAR") if old is None else os.environ.__setitem__("CODECOMPLETE_LINEAR", old)
-    return out
 
 
 def swap_in(build: Path, monkeypatch, path: int = 1) -> None:
@@ -1158,13 +1164,12 @@ def test_the_library_links_and_loads_without_avx512_bf16(tmp_path, march):
 
 
 @needs_kernel
-def test_wide_panels_have_the_avx2_panels_bits(avx2_build):
+def test_wide_panels_have_the_avx2_panels_bits(avx2_build, tmp_path):
     """The panels on 512-bit tiles (path 3: two panels a vector) give every output the bits the
     AVX2 build's 256-bit tiles give it (each output one chain of FMAs over k in order), for any
     number of rows (each tile shape, a pair and an odd last panel, the prefetching runs of 3-4
     blocks, more than PANEL_XROWS rows), odd K and N, with and without a bias."""
     import ctypes
-    import os
 
     from codecomplete.model.loader import cpu_flags
 
@@ -1173,17 +1178,7 @@ def test_wide_panels_have_the_avx2_panels_bits(avx2_build):
     if native.linear_bf16_path() == 3:
         wide = native._lib
     elif native.linear_bf16_path() == 2:
-        import shutil
-        import tempfile
-
-        tmp = Path(tempfile.mkdtemp()) / "lib-wide.so"
-        shutil.copy(native._lib._name, tmp)
-        old = os.environ.get("CODECOMPLETE_LINEAR")
-        os.environ["CODECOMPLETE_LINEAR"] = "panels"
-        try:
-            wide = ctypes.CDLL(str(tmp))
-        finally:
-            os.environ.pop("CODECOMPLETE_LINEAR") if old is None else os.environ.__setitem__("CODECOMPLETE_LINEAR", old)
+        wide = load_with_panels(tmp_path / "lib-wide.so")
     else:
         pytest.skip("this build has no 512-bit panels")
     narrow = ctypes.CDLL(str(avx2_build))

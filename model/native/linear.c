@@ -307,28 +307,33 @@ static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t 
         if (n > 8) store8(a##R##Q##o, bb ? bb + 8 : NULL, yr + 8, n - 8);                                        \
     }
 #define PANEL_STORES(R) PANEL_STORE(R, 0) PANEL_STORE(R, 1) PANEL_STORE(R, 2) PANEL_STORE(R, 3)
+/* a tile's walk over the columns k (weights at w, panels `ps` apart, NP of them), COLS the work of
+ * column k (its lines at wk): two columns a loop turn, each panel's line prefetched 1 KB ahead, or
+ * with `pf` this block's share of the next panel, one line every `every` turns; then an odd last column */
+#define PANEL_COLUMNS(COLS, NP)                                                                                  \
+    int k = 0;                                                                                                   \
+    for (int c = 0; k + 2 <= K; k += 2) {                                                                        \
+        const uint16_t *wk = w + (size_t)k * 16;                                                                 \
+        if (!pf)                                                                                                 \
+            for (int q = 0; q < (NP); q++) _mm_prefetch((const char *)(wk + q * ps) + 1024, _MM_HINT_T0);        \
+        else if (++c == every)                                                                                   \
+            c = 0, _mm_prefetch(pf, _MM_HINT_T0), pf += 64;                                                      \
+        COLS                                                                                                     \
+        wk += 16, k++;                                                                                           \
+        COLS                                                                                                     \
+        k--;                                                                                                     \
+    }                                                                                                            \
+    if (k < K) {                                                                                                 \
+        const uint16_t *wk = w + (size_t)k * 16;                                                                 \
+        COLS                                                                                                     \
+    }
 static inline __attribute__((always_inline)) void panel_tile(int MR, int P, int K, const float *x, const uint16_t *w,
                                                               size_t ps, const uint16_t *bias, uint16_t *y, int N,
                                                               int n0, int m0, const char *pf, int every) {
     const __m256 z = _mm256_setzero_ps();
     PANEL_DECL(0) PANEL_DECL(1) PANEL_DECL(2) PANEL_DECL(3) PANEL_DECL(4) PANEL_DECL(5)
     const float *xr = x + (size_t)m0 * K;
-    int k = 0;
-    for (int c = 0; k + 2 <= K; k += 2) {
-        const uint16_t *wk = w + (size_t)k * 16;
-        if (!pf)
-            for (int q = 0; q < P; q++) _mm_prefetch((const char *)(wk + q * ps) + 1024, _MM_HINT_T0);
-        else if (++c == every) /* this block's share of the next panel: one line every `every` turns */
-            c = 0, _mm_prefetch(pf, _MM_HINT_T0), pf += 64;
-        PANEL_COL(0) PANEL_COL(1) PANEL_COL(2) PANEL_COL(3)
-        wk += 16, k++;
-        PANEL_COL(0) PANEL_COL(1) PANEL_COL(2) PANEL_COL(3)
-        k--;
-    }
-    if (k < K) {
-        const uint16_t *wk = w + (size_t)k * 16;
-        PANEL_COL(0) PANEL_COL(1) PANEL_COL(2) PANEL_COL(3)
-    }
+    PANEL_COLUMNS(PANEL_COL(0) PANEL_COL(1) PANEL_COL(2) PANEL_COL(3), P)
     PANEL_STORES(0) PANEL_STORES(1) PANEL_STORES(2) PANEL_STORES(3) PANEL_STORES(4) PANEL_STORES(5)
 }
 
@@ -349,7 +354,7 @@ PANEL_FN(4, 1) PANEL_FN(5, 1) PANEL_FN(6, 1)
  * the same shift and mask, each input row's x[k] broadcast over 16 lanes.  Every output is still
  * one chain of FMAs over k = 0 .. K-1, each FMA the one the 256-bit tile does (an FMA rounds once
  * whatever the vector width), so both tiles give the same bits: a panel run by either, a row by
- * any tile.  Where the dot products of vdpbf16ps are slow (linear_dot_slow: 0.45 a cycle on the
+ * any tile.  Where the dot products of vdpbf16ps are slow (linear_choose: 0.45 a cycle on the
  * AVX512-BF16 Xeon without AMX of 2026-12-02, the FMAs 1.8), these FMAs run the multi-row products
  * of a verification pass about twice as fast; one row is bound by the weights' bytes either way. */
 #ifdef __AVX512F__
@@ -389,22 +394,7 @@ static inline __attribute__((always_inline)) void wide_tile(int MR, int PP, int 
     const __m512 zz = _mm512_setzero_ps();
     WIDE_DECL(0) WIDE_DECL(1) WIDE_DECL(2) WIDE_DECL(3) WIDE_DECL(4) WIDE_DECL(5)
     const float *xr = x + (size_t)m0 * K;
-    int k = 0;
-    for (int c = 0; k + 2 <= K; k += 2) {
-        const uint16_t *wk = w + (size_t)k * 16;
-        if (!pf)
-            for (int q = 0; q < 2 * PP; q++) _mm_prefetch((const char *)(wk + q * ps) + 1024, _MM_HINT_T0);
-        else if (++c == every)
-            c = 0, _mm_prefetch(pf, _MM_HINT_T0), pf += 64;
-        WIDE_COL(0) WIDE_COL(1)
-        wk += 16, k++;
-        WIDE_COL(0) WIDE_COL(1)
-        k--;
-    }
-    if (k < K) {
-        const uint16_t *wk = w + (size_t)k * 16;
-        WIDE_COL(0) WIDE_COL(1)
-    }
+    PANEL_COLUMNS(WIDE_COL(0) WIDE_COL(1), 2 * PP)
     WIDE_STORES(0) WIDE_STORES(1) WIDE_STORES(2) WIDE_STORES(3) WIDE_STORES(4) WIDE_STORES(5)
 }
 #define WIDE_FN(A, B)                                                                                            \
@@ -453,6 +443,19 @@ static void panel_run(int mr, int np, int K, const float *x, const uint16_t *wp,
 /* the panels' width a tile of `mr` rows takes */
 static inline int panel_width(int mr) { return panel_wide ? (mr <= 2 ? 4 : 2) : mr == 1 ? 4 : mr == 2 ? 2 : 1; }
 
+/* outputs n0 .. n1 (those below N) of all M rows, one at a time, the same chains of FMAs as the
+ * tiles (where there is no memory for the fp32 copy of the input rows) */
+static void panel_scalar(int M, int N, int K, const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
+                         int n0, int n1) {
+    for (int m = 0; m < M; m++)
+        for (int n = n0; n < n1 && n < N; n++) {
+            const uint16_t *w = wp + (size_t)(n / 16) * K * 16 + (n % 8) * 2 + (n % 16) / 8;
+            float s = 0.0f;
+            for (int k = 0; k < K; k++) s = fmaf(bf16_to_f32(w[(size_t)k * 16]), bf16_to_f32(x[(size_t)m * K + k]), s);
+            y[(size_t)m * N + n] = f32_to_bf16(bias ? s + bf16_to_f32(bias[n]) : s);
+        }
+}
+
 /* each thread's fp32 copy of the input rows: at most PANEL_XROWS at a time (thread_floats) */
 enum { PANEL_XROWS = 60 };
 
@@ -464,14 +467,8 @@ static void panel_team(int M, int N, int K, const uint16_t *x, const uint16_t *w
     const int p0 = (int)((long)np * t / T), p1 = (int)((long)np * (t + 1) / T);
     if (p0 >= p1 || M <= 0) return;
     float *const panel_x = thread_floats((size_t)(M < PANEL_XROWS ? M : PANEL_XROWS) * K);
-    if (!panel_x) { /* no memory for the copy: the same chains of FMAs, one output at a time */
-        for (int m = 0; m < M; m++)
-            for (int n = 16 * p0; n < 16 * p1 && n < N; n++) {
-                const uint16_t *w = wp + (size_t)(n / 16) * K * 16 + (n % 8) * 2 + (n % 16) / 8;
-                float s = 0.0f;
-                for (int k = 0; k < K; k++) s = fmaf(bf16_to_f32(w[(size_t)k * 16]), bf16_to_f32(x[(size_t)m * K + k]), s);
-                y[(size_t)m * N + n] = f32_to_bf16(s + (bias ? bf16_to_f32(bias[n]) : 0.0f));
-            }
+    if (!panel_x) { /* no memory for the copy */
+        panel_scalar(M, N, K, x, wp, bias, y, 16 * p0, 16 * p1);
         return;
     }
     const int run = (int)(262144 / ((size_t)K * 32)) > 1 ? (int)(262144 / ((size_t)K * 32)) : 1; /* panels per 256 KB */
@@ -530,13 +527,7 @@ static void panel_exact(int M, int V, int K, const uint16_t *x, const uint16_t *
         }
         return;
     }
-    for (int m = 0; m < M; m++)
-        for (int n = 16 * g; n < 16 * g + 16 && n < V; n++) {
-            const uint16_t *w = wp + (size_t)g * K * 16 + (n % 8) * 2 + (n % 16) / 8;
-            float s = 0.0f;
-            for (int k = 0; k < K; k++) s = fmaf(bf16_to_f32(w[(size_t)k * 16]), bf16_to_f32(x[(size_t)m * K + k]), s);
-            y[(size_t)m * V + n] = f32_to_bf16(s);
-        }
+    panel_scalar(M, V, K, x, wp, NULL, y, 16 * g, 16 * g + 16);
 }
 #define LINEAR_PANELS 1
 #endif
@@ -643,7 +634,7 @@ static void rows(int M, int N, int K, int Kb, const uint16_t *x, const uint16_t 
  * threads) and do not wait for each other at the end: the caller places the barrier. */
 void linear_team(int M, int N, int K, const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y) {
 #if defined(__AVX512BF16__)
-    if (use_panels) { /* the panel layout (linear_dot_slow) */
+    if (use_panels) { /* the panel layout (linear_choose) */
         panel_team(M, N, K, x, wp, bias, y);
         return;
     }
@@ -810,7 +801,7 @@ void linear_bf16_amx(int M, int N, int K, const uint16_t *x, const uint16_t *wp,
 }
 
 /* which path linear_team takes: 2 AVX512-BF16's dot products, 3 the panels on AVX-512F's FMAs
- * (where the build has AVX-512F but not AVX512-BF16, or has both and linear_dot_slow says so),
+ * (where the build has AVX-512F but not AVX512-BF16, or has both and linear_choose says so),
  * 1 the panels on AVX2 + FMA, 0 the portable loop.  1 and 3 share the layout and the bits. */
 int linear_bf16_path(void) {
 #if defined(__AVX512BF16__)
